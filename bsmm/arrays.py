@@ -1,0 +1,138 @@
+"""Which library an array comes from, and moving foreign arrays in and out without copies.
+
+NumPy arrays run on the CPU backend and CuPy arrays on the GPU backend. Any
+other array that speaks DLPack (PyTorch, JAX, TensorFlow, ...) is wrapped
+without a copy as a NumPy array (CPU memory) or a CuPy array (GPU memory), and
+the result is handed back through the caller's own library's ``from_dlpack``.
+No framework is imported here unless the caller already passed one of its
+arrays, which means it is imported already.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import sys
+from typing import Any, Callable
+
+import numpy as np
+
+__all__ = ["Operand", "as_operand", "check_same_place"]
+
+# DLPack device types (dlpack.h): where the memory lives.
+_DLPACK_CPU, _DLPACK_CUDA, _DLPACK_CUDA_HOST, _DLPACK_CUDA_MANAGED = 1, 2, 3, 13
+
+
+@dataclasses.dataclass(frozen=True)
+class Operand:
+    """An input array as the backends see it.
+
+    Attributes
+    ----------
+    array : numpy.ndarray or cupy.ndarray
+        The data, never copied from what the caller passed.
+    backend : str
+        ``"cpu"`` or ``"cuda"``.
+    library : str
+        Top-level module of the caller's array type (``"numpy"``, ``"torch"``, ...).
+    device : int or None
+        CUDA device ordinal, None on the CPU.
+    """
+
+    array: Any
+    backend: str
+    library: str
+    device: int | None
+
+    def wrap(self, result):
+        """Return ``result`` (NumPy/CuPy) as an array of the caller's library, without a copy."""
+        return _REWRAP.get(self.library, _generic_rewrap(self.library))(result)
+
+
+def _top_module(obj) -> str:
+    return type(obj).__module__.split(".", 1)[0]
+
+
+def _torch_from(result):
+    return sys.modules["torch"].from_dlpack(result)
+
+
+def _jax_from(result):
+    return importlib.import_module("jax.numpy").from_dlpack(result)
+
+
+def _tf_from(result):
+    return sys.modules["tensorflow"].experimental.dlpack.from_dlpack(result.__dlpack__())
+
+
+def _generic_rewrap(library: str) -> Callable:
+    def rewrap(result):
+        module = sys.modules.get(library)
+        from_dlpack = getattr(module, "from_dlpack", None)
+        if from_dlpack is None:
+            return result  # the library gave us DLPack but takes none back: hand over NumPy/CuPy
+        return from_dlpack(result)
+
+    return rewrap
+
+
+_REWRAP: dict[str, Callable] = {
+    "numpy": lambda result: result,
+    "cupy": lambda result: result,
+    "torch": _torch_from,
+    "jax": _jax_from,
+    "jaxlib": _jax_from,
+    "tensorflow": _tf_from,
+}
+
+
+def as_operand(array, argument: str) -> Operand:
+    """Classify ``array`` and expose its memory as NumPy or CuPy, without copying.
+
+    Raises
+    ------
+    TypeError
+        If ``array`` is not an array (NumPy, CuPy, or a DLPack producer), or
+        DLPack cannot express its dtype for NumPy/CuPy.
+    """
+    library = _top_module(array)
+    if isinstance(array, np.ndarray):
+        return Operand(array, "cpu", "numpy", None)
+    if library == "cupy" and hasattr(array, "__cuda_array_interface__"):
+        return Operand(array, "cuda", "cupy", array.device.id)
+    if not (hasattr(array, "__dlpack__") and hasattr(array, "__dlpack_device__")):
+        raise TypeError(
+            f"{argument} must be an array (NumPy, CuPy, or any DLPack producer such as a "
+            f"PyTorch, JAX or TensorFlow tensor); got {type(array).__name__}"
+        )
+    device_type, device_id = (int(v) for v in array.__dlpack_device__())
+    try:
+        if device_type in (_DLPACK_CPU, _DLPACK_CUDA_HOST):
+            return Operand(np.from_dlpack(array), "cpu", library, None)
+        if device_type in (_DLPACK_CUDA, _DLPACK_CUDA_MANAGED):
+            import cupy
+
+            return Operand(cupy.from_dlpack(array), "cuda", library, device_id)
+    except (BufferError, TypeError, ValueError) as error:
+        raise TypeError(f"{argument} ({library} array) cannot be shared through DLPack: {error}") from error
+    raise TypeError(f"{argument} lives on DLPack device type {device_type}; bsmm runs on the CPU and on CUDA GPUs")
+
+
+def check_same_place(operands: dict[str, Operand]) -> None:
+    """Raise ValueError unless all operands share one library, backend and device."""
+    (first_name, first), *rest = operands.items()
+    for name, operand in rest:
+        if operand.library != first.library:
+            raise ValueError(
+                f"{name} is a {operand.library} array but {first_name} is a {first.library} array; "
+                f"pass arrays of one library"
+            )
+        if (operand.backend, operand.device) != (first.backend, first.device):
+            raise ValueError(
+                f"{name} is on {_place(operand)} but {first_name} is on {_place(first)}; "
+                f"move them to one device"
+            )
+
+
+def _place(operand: Operand) -> str:
+    return "the CPU" if operand.backend == "cpu" else f"CUDA device {operand.device}"

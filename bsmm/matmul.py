@@ -1,0 +1,292 @@
+"""``BlocksparseMatMul``: the seed's operator object and its three passes.
+
+Array-in, same-kind-out: NumPy arrays run on the CPU backend, CuPy arrays on the
+GPU backend, other DLPack producers (PyTorch, JAX, TensorFlow tensors) are
+shared without a copy and the result comes back as the caller's type.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from . import cpu_backend
+from .arrays import Operand, as_operand, check_same_place
+from .block_index import BlockIndex, block_index
+from .config import settings
+from .dtypes import canonical_dtype
+
+__all__ = ["BlocksparseMatMul", "blocks_to_dense", "dense_to_blocks"]
+
+
+def _array_module(array):
+    if type(array).__module__.split(".", 1)[0] == "cupy":
+        import cupy
+
+        return cupy
+    return np
+
+
+def blocks_to_dense(index: BlockIndex, data):
+    """Dense ``W`` (C, K) from block data (nnzb, bs, bs) in storage order; absent blocks are 0.
+
+    Works on NumPy and CuPy arrays; the result is of the same library and dtype.
+    """
+    xp = _array_module(data)
+    bs = index.block_size
+    dense = xp.zeros((index.n_block_rows, bs, index.n_block_cols, bs), dtype=data.dtype)
+    dense[xp.asarray(index.rows), :, xp.asarray(index.indices), :] = data
+    return dense.reshape(index.C, index.K)
+
+
+def dense_to_blocks(index: BlockIndex, dense):
+    """Block data (nnzb, bs, bs) in storage order, cut out of a dense ``W`` (C, K)."""
+    xp = _array_module(dense)
+    bs = index.block_size
+    blocked = dense.reshape(index.n_block_rows, bs, index.n_block_cols, bs)
+    return xp.ascontiguousarray(blocked[xp.asarray(index.rows), :, xp.asarray(index.indices), :])
+
+
+def _check_feature_axis(feature_axis) -> int:
+    if feature_axis not in (0, 1) or isinstance(feature_axis, bool):
+        raise ValueError(f"feature_axis must be 0 or 1; got {feature_axis!r}")
+    return int(feature_axis)
+
+
+class BlocksparseMatMul:
+    """y = x·W where ``W`` (C, K) is block-sparse with the given layout.
+
+    Parameters
+    ----------
+    layout : (C // block_size, K // block_size) array of 0/1
+        ``layout[c, k] != 0`` means block ``(c, k)`` of ``W`` is present.
+    block_size : int, default from ``bsmm.toml`` (32)
+        Edge of the square blocks: 8, 16, 32, 64 or 128.
+    feature_axis : {1, 0}, default 1
+        1: activations are (N, C) and (N, K); 0: (C, N) and (K, N).
+
+    Block data ``w`` has shape :attr:`w_shape` = (nnzb, bs, bs), blocks in
+    row-major order over the layout (see :mod:`bsmm.block_index`).
+
+    Examples
+    --------
+    >>> import numpy as np, bsmm
+    >>> layout = np.array([[1, 0], [1, 1]])
+    >>> op = bsmm.BlocksparseMatMul(layout, block_size=8)
+    >>> w = np.random.default_rng(0).standard_normal(op.w_shape).astype(np.float32)
+    >>> x = np.ones((4, op.C), dtype=np.float32)
+    >>> y = op(x, w)
+    >>> y.shape, bool(np.allclose(y, x @ op.to_dense(w), atol=1e-5))
+    ((4, 16), True)
+    """
+
+    def __init__(self, layout, block_size: int | None = None, feature_axis: int | None = None):
+        defaults = settings()["defaults"]
+        self.index: BlockIndex = block_index(
+            layout, defaults["block_size"] if block_size is None else block_size
+        )
+        self.feature_axis = _check_feature_axis(defaults["feature_axis"] if feature_axis is None else feature_axis)
+
+    # -- the layout -----------------------------------------------------------------
+    @property
+    def layout(self) -> np.ndarray:
+        """(CB, KB) uint8, read-only."""
+        return self.index.layout
+
+    @property
+    def block_size(self) -> int:
+        return self.index.block_size
+
+    @property
+    def C(self) -> int:
+        """Input features (rows of ``W``)."""
+        return self.index.C
+
+    @property
+    def K(self) -> int:
+        """Output features (columns of ``W``)."""
+        return self.index.K
+
+    @property
+    def blocks(self) -> int:
+        """Number of present blocks, ``nnzb``."""
+        return self.index.nnzb
+
+    @property
+    def density(self) -> float:
+        return self.index.density
+
+    @property
+    def w_shape(self) -> tuple[int, int, int]:
+        return self.index.w_shape
+
+    @property
+    def indptr(self) -> np.ndarray:
+        """(CB + 1,) row pointers of the BSR index (scipy.sparse conventions)."""
+        return self.index.indptr
+
+    @property
+    def indices(self) -> np.ndarray:
+        """(nnzb,) block column of each block."""
+        return self.index.indices
+
+    def flops(self, N: int) -> int:
+        """Floating-point operations of one pass on ``N`` rows: 2·N·nnzb·bs²."""
+        return 2 * int(N) * self.blocks * self.block_size**2
+
+    # -- block data <-> dense -----------------------------------------------------------
+    def to_dense(self, w):
+        """Dense W (C, K) from block data ``w`` (NumPy or CuPy); absent blocks are 0."""
+        self._check_weights(as_operand(w, "w"), "w", None)
+        return blocks_to_dense(self.index, w)
+
+    def from_dense(self, dense):
+        """Block data (nnzb, bs, bs) of the present blocks of a dense ``W`` (C, K)."""
+        if tuple(getattr(dense, "shape", ())) != (self.C, self.K):
+            raise ValueError(f"dense must have shape ({self.C}, {self.K}); got {getattr(dense, 'shape', None)}")
+        return dense_to_blocks(self.index, dense)
+
+    # -- the three passes ---------------------------------------------------------------
+    def __call__(self, x, w, out=None):
+        """Same as :meth:`fprop`."""
+        return self.fprop(x, w, out=out)
+
+    def fprop(self, x, w, out=None):
+        """y = x·W.
+
+        Parameters
+        ----------
+        x : (N, C) array, or (C, N) with ``feature_axis=0``
+        w : (nnzb, bs, bs) array of x's dtype
+        out : (N, K) (or (K, N)) array, optional; written in place and returned
+
+        Returns
+        -------
+        y : (N, K) or (K, N), x's dtype and library
+        """
+        x_op, w_op = as_operand(x, "x"), as_operand(w, "w")
+        n = self._check_activation(x_op, "x", self.C)
+        dtype = canonical_dtype(x_op.array.dtype, "x")
+        self._check_weights(w_op, "w", dtype)
+        check_same_place({"x": x_op, "w": w_op})
+        result, out_op = self._output(out, x_op, self._activation_shape(n, self.K), dtype)
+        self._backend(x_op).fprop(self.index, x_op.array, w_op.array, result, self.feature_axis)
+        return out if out is not None else x_op.wrap(result)
+
+    def bprop(self, dy, w, out=None):
+        """dx = dy·Wᵀ.
+
+        Parameters
+        ----------
+        dy : (N, K) array, or (K, N) with ``feature_axis=0``
+        w : (nnzb, bs, bs) array of dy's dtype
+        out : (N, C) (or (C, N)) array, optional
+
+        Returns
+        -------
+        dx : (N, C) or (C, N), dy's dtype and library
+        """
+        dy_op, w_op = as_operand(dy, "dy"), as_operand(w, "w")
+        n = self._check_activation(dy_op, "dy", self.K)
+        dtype = canonical_dtype(dy_op.array.dtype, "dy")
+        self._check_weights(w_op, "w", dtype)
+        check_same_place({"dy": dy_op, "w": w_op})
+        result, _ = self._output(out, dy_op, self._activation_shape(n, self.C), dtype)
+        self._backend(dy_op).bprop(self.index, dy_op.array, w_op.array, result, self.feature_axis)
+        return out if out is not None else dy_op.wrap(result)
+
+    def updat(self, x, dy, out=None, accumulate: bool = False):
+        """dW = xᵀ·dy on the present blocks only.
+
+        Parameters
+        ----------
+        x : (N, C) array, or (C, N) with ``feature_axis=0``
+        dy : (N, K) array, or (K, N), same dtype and N as ``x``
+        out : (nnzb, bs, bs) array, optional
+            Written in place and returned.
+        accumulate : bool
+            Add to ``out`` instead of overwriting it (needs ``out``), e.g. to
+            sum the gradients of many time steps into one buffer.
+
+        Returns
+        -------
+        dw : (nnzb, bs, bs), x's dtype and library
+        """
+        x_op, dy_op = as_operand(x, "x"), as_operand(dy, "dy")
+        n = self._check_activation(x_op, "x", self.C)
+        n_dy = self._check_activation(dy_op, "dy", self.K)
+        dtype = canonical_dtype(x_op.array.dtype, "x")
+        if dy_op.array.dtype != dtype:
+            raise TypeError(f"dy has dtype {dy_op.array.dtype} but x has {dtype}; pass one dtype")
+        if n_dy != n:
+            raise ValueError(f"dy has {n_dy} rows (N) but x has {n}; they must match")
+        check_same_place({"x": x_op, "dy": dy_op})
+        if accumulate and out is None:
+            raise ValueError("accumulate=True needs out=, the buffer to add the gradient to")
+        result, _ = self._output(out, x_op, self.w_shape, dtype)
+        self._backend(x_op).updat(self.index, x_op.array, dy_op.array, result, self.feature_axis, bool(accumulate))
+        return out if out is not None else x_op.wrap(result)
+
+    # -- checks shared by the passes ----------------------------------------------------
+    def _activation_shape(self, n: int, features: int) -> tuple[int, int]:
+        return (n, features) if self.feature_axis == 1 else (features, n)
+
+    def _check_activation(self, operand: Operand, argument: str, features: int) -> int:
+        """Return N, or raise naming ``argument``."""
+        array = operand.array
+        expected = "(N, {0})" if self.feature_axis == 1 else "({0}, N)"
+        if array.ndim != 2 or array.shape[self.feature_axis] != features:
+            raise ValueError(
+                f"{argument} must have shape {expected.format(features)} with feature_axis={self.feature_axis}; "
+                f"got {tuple(array.shape)}"
+            )
+        if not array.flags.c_contiguous:
+            raise ValueError(f"{argument} must be C-contiguous; got strides {array.strides}")
+        return array.shape[1 - self.feature_axis]
+
+    def _check_weights(self, operand: Operand, argument: str, dtype) -> None:
+        array = operand.array
+        if tuple(array.shape) != self.w_shape:
+            raise ValueError(f"{argument} must have shape w_shape {self.w_shape}; got {tuple(array.shape)}")
+        if dtype is None:
+            canonical_dtype(array.dtype, argument)
+        elif array.dtype != dtype:
+            raise TypeError(f"{argument} has dtype {array.dtype} but the activations have {dtype}; pass one dtype")
+        if not array.flags.c_contiguous:
+            raise ValueError(f"{argument} must be C-contiguous; got strides {array.strides}")
+
+    def _output(self, out, like: Operand, shape: tuple, dtype) -> tuple:
+        """The array a pass writes: a new one, or the checked ``out``."""
+        if out is None:
+            xp = np if like.backend == "cpu" else _array_module(like.array)
+            return xp.empty(shape, dtype=dtype), None
+        out_op = as_operand(out, "out")
+        check_same_place({"inputs": like, "out": out_op})
+        array = out_op.array
+        if tuple(array.shape) != shape:
+            raise ValueError(f"out must have shape {shape}; got {tuple(array.shape)}")
+        if array.dtype != dtype:
+            raise TypeError(f"out has dtype {array.dtype} but the inputs have {dtype}")
+        if not array.flags.c_contiguous:
+            raise ValueError(f"out must be C-contiguous; got strides {array.strides}")
+        if like.backend == "cpu" and not array.flags.writeable:
+            raise ValueError("out is read-only")
+        return array, out_op
+
+    @staticmethod
+    def _backend(operand: Operand):
+        if operand.backend == "cpu":
+            return cpu_backend
+        from . import cuda_backend
+
+        return cuda_backend
+
+    # -- identity, pickling -----------------------------------------------------------
+    def __reduce__(self):
+        # Only the layout travels; the index is rebuilt (and cached) on load.
+        return (type(self), (np.array(self.layout), self.block_size, self.feature_axis))
+
+    def __repr__(self) -> str:
+        return (
+            f"BlocksparseMatMul(C={self.C}, K={self.K}, block_size={self.block_size}, "
+            f"blocks={self.blocks}, density={self.density:.3g}, feature_axis={self.feature_axis})"
+        )
