@@ -6,16 +6,21 @@
 (4, 8, 8)
 """
 
+from . import initializers, layouts
 from .block_index import BlockIndex, block_index
 from .dtypes import SUPPORTED_DTYPES
 from .matmul import BlocksparseMatMul, blocks_to_dense, dense_to_blocks
+from .matrix import BlockSparseMatrix
 
 __all__ = [
     "BlockIndex",
+    "BlockSparseMatrix",
     "BlocksparseMatMul",
     "SUPPORTED_DTYPES",
     "block_index",
     "blocks_to_dense",
     "dense_to_blocks",
+    "initializers",
+    "layouts",
 ]
 __version__ = "0.1.0"

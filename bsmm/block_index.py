@@ -54,7 +54,7 @@ def check_layout(layout) -> np.ndarray:
     if array.dtype.kind not in "biuf":
         raise ValueError(f"layout must hold 0/1 numbers; got dtype {array.dtype}")
     if not np.isin(array, (0, 1)).all():
-        bad = array[~np.isin(array, (0, 1))].flat[0]
+        bad = array[~np.isin(array, (0, 1))].flat[0].item()
         raise ValueError(f"layout must hold only 0 and 1; found {bad!r}")
     checked = np.ascontiguousarray(array, dtype=np.uint8)
     if checked is array:

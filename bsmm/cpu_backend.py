@@ -118,18 +118,24 @@ def _segmented_pass(
     return out
 
 
-def fprop(index: BlockIndex, x: np.ndarray, w: np.ndarray, out: np.ndarray, feature_axis: int) -> np.ndarray:
-    """y = x·W into ``out``: (N, K) for ``feature_axis=1`` ((K, N) for 0). Inputs are validated by the caller."""
+def fprop(index: BlockIndex, x: np.ndarray, w: np.ndarray, out: np.ndarray, feature_axis: int,
+          tf32: bool = False) -> np.ndarray:
+    """y = x·W into ``out``: (N, K) for ``feature_axis=1`` ((K, N) for 0). Inputs are validated by the caller.
+
+    ``tf32`` is accepted for a uniform backend interface; the CPU always computes exact float32.
+    """
     return _segmented_pass(index, x, w, out, feature_axis, by_column=True)
 
 
-def bprop(index: BlockIndex, dy: np.ndarray, w: np.ndarray, out: np.ndarray, feature_axis: int) -> np.ndarray:
+def bprop(index: BlockIndex, dy: np.ndarray, w: np.ndarray, out: np.ndarray, feature_axis: int,
+          tf32: bool = False) -> np.ndarray:
     """dx = dy·Wᵀ into ``out``: (N, C) for ``feature_axis=1`` ((C, N) for 0)."""
     return _segmented_pass(index, dy, w, out, feature_axis, by_column=False)
 
 
 def updat(
-    index: BlockIndex, x: np.ndarray, dy: np.ndarray, out: np.ndarray, feature_axis: int, accumulate: bool
+    index: BlockIndex, x: np.ndarray, dy: np.ndarray, out: np.ndarray, feature_axis: int, accumulate: bool,
+    tf32: bool = False,
 ) -> np.ndarray:
     """dW = xᵀ·dy on the present blocks into ``out`` (nnzb, bs, bs), added to it if ``accumulate``."""
     bs = index.block_size

@@ -1,22 +1,237 @@
-"""The three passes on CUDA GPUs (CuPy arrays). The kernels are the next issue's work."""
+"""The three passes on CUDA GPUs: launch plans over the kernels of ``cuda/bsmm_matmul.cu``.
+
+A *plan* fixes everything about a pass that does not change from call to call
+for one (layout, pass, N, dtype, feature axis, math mode, alignment, device):
+the kernel variant, the grid, and the device-side tables (segments, units,
+step table), uploaded once. A pass then costs one kernel launch on CuPy's
+current stream, no host synchronisation and no allocation besides the output
+and, for layouts whose long block columns are cut into parts, a workspace and
+counters kept per (plan, stream) and reused.
+"""
 
 from __future__ import annotations
 
-__all__ = ["fprop", "bprop", "updat"]
+import dataclasses
+import math
+import threading
+import weakref
 
-_MESSAGE = (
-    "bsmm's GPU kernels are not built yet: pass NumPy arrays (CPU backend) "
-    "or move CuPy arrays to the host with .get()"
-)
+import numpy as np
+
+from .block_index import BlockIndex
+from .config import settings
+from .kernels import Variant, load_kernel
+
+__all__ = ["fprop", "bprop", "updat", "plan_for", "tile_for"]
+
+_VEC_BYTES = 16
 
 
-def fprop(index, x, w, out, feature_axis):
-    raise NotImplementedError(_MESSAGE)
+def _batch_class(n: int) -> str:
+    for limit in (16, 32, 64):
+        if n <= limit:
+            return f"n{limit}"
+    return "large"
 
 
-def bprop(index, dy, w, out, feature_axis):
-    raise NotImplementedError(_MESSAGE)
+def tile_for(math_mode: str, pass_name: str, block_size: int, n: int, arch_key: str = "sm90") -> tuple:
+    """[BM, BN, BK, WARPS_M, WARPS_N, STAGES] from the launch table in ``bsmm.toml``."""
+    group = "updat" if pass_name == "updat" else "sparse"
+    batch = "any" if group == "updat" else _batch_class(n)
+    tables = settings()["kernels"]
+    for section in (tables.get(arch_key, {}), tables["default"]):
+        entry = section.get(math_mode, {}).get(group, {}).get(str(block_size), {}).get(batch)
+        if entry is not None:
+            return tuple(int(v) for v in entry)
+    raise NotImplementedError(f"no {math_mode} kernel tile for {pass_name} at block size {block_size}")
 
 
-def updat(index, x, dy, out, feature_axis, accumulate):
-    raise NotImplementedError(_MESSAGE)
+def math_mode(dtype: str, pass_name: str, block_size: int, tf32: bool) -> str:
+    """simt, tf32 or tensor16: how a pass multiplies for this dtype and block size."""
+    if pass_name == "updat" and block_size < 16:
+        return "simt"  # an 8x8 weight block is smaller than one 16-row tensor-core tile
+    if dtype == "float32":
+        return "tf32" if tf32 else "simt"
+    return "tensor16"
+
+
+@dataclasses.dataclass
+class Plan:
+    """Everything one pass launch needs, built once; see the module docstring."""
+
+    kernel: object
+    variant: Variant
+    grid: tuple[int, int, int]
+    segments: object  # cupy int32 (n_segments, 4)
+    units: object  # cupy int32 (n_units, 2)
+    table: object  # cupy int32 (entries, 2)
+    workspace_floats: int
+    counter_count: int
+    scratch: dict = dataclasses.field(default_factory=dict)  # stream -> (workspace, counters)
+
+    def scratch_for(self, stream_ptr: int):
+        import cupy
+
+        pair = self.scratch.get(stream_ptr)
+        if pair is None:
+            # Counters start at zero and each launch's last part resets the ones it used.
+            pair = (cupy.empty(max(1, self.workspace_floats), dtype=np.float32),
+                    cupy.zeros(max(1, self.counter_count), dtype=np.int32))
+            self.scratch[stream_ptr] = pair
+        return pair
+
+
+def _parts(counts: np.ndarray, part_length: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Cut each unit's run of length counts[u] into parts of at most part_length (at least one part)."""
+    parts = np.maximum(1, -(-counts // part_length))
+    unit_of = np.repeat(np.arange(len(counts)), parts)
+    first_part = np.cumsum(parts) - parts
+    part_index = np.arange(parts.sum()) - np.repeat(first_part, parts)
+    return parts, unit_of, part_index
+
+
+def _unit_table(parts: np.ndarray) -> np.ndarray:
+    """(first workspace slot, parts) per unit; only units cut into several parts use slots."""
+    split = np.where(parts > 1, parts, 0)
+    first_slot = np.cumsum(split) - split
+    return np.stack([first_slot, parts], axis=1).astype(np.int32)
+
+
+def _build_plan(index: BlockIndex, pass_name: str, n: int, dtype: str, feature_axis: int, tf32: bool,
+                aligned: bool, device) -> Plan:
+    import cupy
+
+    bs = index.block_size
+    mode = math_mode(dtype, pass_name, bs, tf32)
+    tile = tile_for(mode, pass_name, bs, n)
+    bm, bn, bk = tile[:3]
+    variant = Variant(dtype, bs, tile, mode, pass_name, feature_axis, aligned)
+    kernel = load_kernel(variant, device.id)
+    cfg = settings()["kernels"]
+    target_ctas = cfg["waves"] * device.attributes["MultiProcessorCount"]
+
+    if pass_name == "updat":
+        tiles_per_unit = (bs // bm) * (bs // bn)
+        ctas_unsplit = max(1, index.nnzb * tiles_per_unit)
+        # Few blocks and a long batch: cut the batch so every SM has work.
+        want_parts = max(1, min(math.ceil(target_ctas / ctas_unsplit), math.ceil(n / (4 * bk))))
+        rows_per_part = bk * math.ceil(math.ceil(n / want_parts) / bk) if n else bk
+        counts = np.full(index.nnzb, n, dtype=np.int64)
+        parts, unit_of, part_index = _parts(counts, rows_per_part)
+        begin = part_index * rows_per_part
+        end = np.minimum(begin + rows_per_part, n)
+        table = np.stack([index.rows, index.indices], axis=1)
+        grid_yz = (bs // bm, bs // bn)
+    else:
+        by_column = pass_name == "fprop"
+        ptr = index.colptr if by_column else index.indptr
+        entries = index.col_order if by_column else np.arange(index.nnzb)
+        operand_blocks = index.rows[entries] if by_column else index.indices
+        table = np.stack([entries, operand_blocks], axis=1)
+        counts = np.diff(ptr).astype(np.int64)
+        n_units = len(counts)
+        tiles_per_unit = math.ceil(max(n, 1) / bm) * (bs // bn)
+        total = max(1, index.nnzb)
+        # Balance: no part much longer than twice the average unit, and enough parts to fill the GPU.
+        fill = math.ceil(total * tiles_per_unit / target_ctas)
+        part_length = max(cfg["min_part_blocks"], min(math.ceil(2 * total / n_units), fill))
+        parts, unit_of, part_index = _parts(counts, part_length)
+        begin = ptr[unit_of] + part_index * part_length
+        end = np.minimum(begin + part_length, ptr[unit_of + 1])
+        grid_yz = (math.ceil(max(n, 1) / bm), bs // bn)
+
+    segments = np.stack([unit_of, begin, end, part_index], axis=1).astype(np.int32)
+    # Longest parts first: the hardware hands out thread blocks roughly in order.
+    segments = segments[np.argsort(-(segments[:, 2] - segments[:, 1]), kind="stable")]
+    units = _unit_table(parts)
+    split_parts = int(np.where(parts > 1, parts, 0).sum())
+    with device:
+        return Plan(
+            kernel=kernel,
+            variant=variant,
+            grid=(len(segments), *grid_yz),
+            segments=cupy.asarray(segments),
+            units=cupy.asarray(units),
+            table=cupy.asarray(np.ascontiguousarray(table, dtype=np.int32)),
+            workspace_floats=split_parts * tiles_per_unit * bm * bn,
+            counter_count=len(parts) * tiles_per_unit,
+        )
+
+
+_PLANS: "weakref.WeakKeyDictionary[BlockIndex, dict]" = weakref.WeakKeyDictionary()
+_PLAN_LOCK = threading.Lock()
+
+
+def plan_for(index: BlockIndex, pass_name: str, n: int, dtype: str, feature_axis: int, tf32: bool,
+             aligned: bool) -> Plan:
+    """The cached plan for this pass on the current device, built on first use."""
+    import cupy
+
+    device = cupy.cuda.Device()
+    key = (pass_name, n, dtype, feature_axis, tf32, aligned, device.id)
+    plans = _PLANS.get(index)
+    plan = plans.get(key) if plans is not None else None
+    if plan is None:
+        with _PLAN_LOCK:
+            plans = _PLANS.setdefault(index, {})
+            plan = plans.get(key)
+            if plan is None:
+                plan = plans[key] = _build_plan(index, pass_name, n, dtype, feature_axis, tf32, aligned, device)
+    return plan
+
+
+def _aligned(feature_axis: int, n: int, *arrays) -> bool:
+    item = arrays[0].dtype.itemsize
+    if feature_axis == 0 and (n * item) % _VEC_BYTES:
+        return False  # rows of length N are not whole 16-byte chunks
+    return all(a.data.ptr % _VEC_BYTES == 0 for a in arrays)
+
+
+def _launch(plan: Plan, act, other, out, n: int, ld_act: int, ld_other: int, ld_out: int, accumulate: bool) -> None:
+    import cupy
+
+    stream = cupy.cuda.get_current_stream()
+    workspace, counters = plan.scratch_for(stream.ptr)
+    plan.kernel(
+        plan.grid,
+        (plan.variant.threads, 1, 1),
+        (act, other, out, plan.segments, plan.units, plan.table, workspace, counters,
+         np.int32(n), np.int32(ld_act), np.int32(ld_other), np.int32(ld_out), np.int32(accumulate)),
+        shared_mem=plan.variant.shared_bytes,
+        stream=stream,
+    )
+
+
+def _sparse_pass(pass_name: str, index: BlockIndex, act, w, out, feature_axis: int, tf32: bool,
+                 features_in: int, features_out: int) -> None:
+    n = act.shape[1 - feature_axis]
+    if n == 0 or out.size == 0:
+        return
+    dtype = str(act.dtype)
+    plan = plan_for(index, pass_name, n, dtype, feature_axis, tf32, _aligned(feature_axis, n, act, w, out))
+    ld_act, ld_out = (features_in, features_out) if feature_axis == 1 else (n, n)
+    _launch(plan, act, w, out, n, ld_act, 0, ld_out, False)
+
+
+def fprop(index: BlockIndex, x, w, out, feature_axis: int, tf32: bool = False):
+    """y = x·W into ``out`` (CuPy arrays, validated by the caller)."""
+    _sparse_pass("fprop", index, x, w, out, feature_axis, tf32, index.C, index.K)
+    return out
+
+
+def bprop(index: BlockIndex, dy, w, out, feature_axis: int, tf32: bool = False):
+    """dx = dy·Wᵀ into ``out``."""
+    _sparse_pass("bprop", index, dy, w, out, feature_axis, tf32, index.K, index.C)
+    return out
+
+
+def updat(index: BlockIndex, x, dy, out, feature_axis: int, accumulate: bool, tf32: bool = False):
+    """dW = xᵀ·dy on the present blocks into ``out``, added to it if ``accumulate``."""
+    if out.size == 0:
+        return out
+    n = x.shape[1 - feature_axis]
+    dtype = str(x.dtype)
+    plan = plan_for(index, "updat", n, dtype, feature_axis, tf32, _aligned(feature_axis, n, x, dy, out))
+    ld_x, ld_dy = (index.C, index.K) if feature_axis == 1 else (n, n)
+    _launch(plan, x, dy, out, n, ld_x, ld_dy, 0, accumulate)
+    return out

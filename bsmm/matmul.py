@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import cpu_backend
+from . import cpu_backend, initializers
 from .arrays import Operand, as_operand, check_same_place
 from .block_index import BlockIndex, block_index
 from .config import settings
@@ -63,6 +63,9 @@ class BlocksparseMatMul:
         Edge of the square blocks: 8, 16, 32, 64 or 128.
     feature_axis : {1, 0}, default 1
         1: activations are (N, C) and (N, K); 0: (C, N) and (K, N).
+    tf32 : bool, default from ``bsmm.toml`` (False)
+        On the GPU, run float32 inputs on TF32 tensor cores (~1e-3 relative
+        error) instead of exact float32. The CPU backend is always exact.
 
     Block data ``w`` has shape :attr:`w_shape` = (nnzb, bs, bs), blocks in
     row-major order over the layout (see :mod:`bsmm.block_index`).
@@ -79,8 +82,10 @@ class BlocksparseMatMul:
     ((4, 16), True)
     """
 
-    def __init__(self, layout, block_size: int | None = None, feature_axis: int | None = None):
+    def __init__(self, layout, block_size: int | None = None, feature_axis: int | None = None,
+                 tf32: bool | None = None):
         defaults = settings()["defaults"]
+        self.tf32 = bool(defaults["tf32"] if tf32 is None else tf32)
         self.index: BlockIndex = block_index(
             layout, defaults["block_size"] if block_size is None else block_size
         )
@@ -145,6 +150,19 @@ class BlocksparseMatMul:
             raise ValueError(f"dense must have shape ({self.C}, {self.K}); got {getattr(dense, 'shape', None)}")
         return dense_to_blocks(self.index, dense)
 
+    # -- initial weights, as the seed's operator offered them ---------------------------------
+    def normal_init(self, scale: float = 1.0, dtype=np.float32, seed=None) -> np.ndarray:
+        """Block data from :func:`bsmm.initializers.normal` (std = scale / sqrt(fan-in))."""
+        return initializers.normal(self.layout, self.block_size, scale=scale, dtype=dtype, seed=seed)
+
+    def identity_init(self, dtype=np.float32) -> np.ndarray:
+        """Block data from :func:`bsmm.initializers.identity` (square layouts)."""
+        return initializers.identity(self.layout, self.block_size, dtype=dtype)
+
+    def ortho_init(self, gain: float = 1.0, dtype=np.float32, seed=None) -> np.ndarray:
+        """Block data from :func:`bsmm.initializers.orthogonal` (orthonormal per block column)."""
+        return initializers.orthogonal(self.layout, self.block_size, gain=gain, dtype=dtype, seed=seed)
+
     # -- the three passes ---------------------------------------------------------------
     def __call__(self, x, w, out=None):
         """Same as :meth:`fprop`."""
@@ -169,7 +187,7 @@ class BlocksparseMatMul:
         self._check_weights(w_op, "w", dtype)
         check_same_place({"x": x_op, "w": w_op})
         result, out_op = self._output(out, x_op, self._activation_shape(n, self.K), dtype)
-        self._backend(x_op).fprop(self.index, x_op.array, w_op.array, result, self.feature_axis)
+        self._backend(x_op).fprop(self.index, x_op.array, w_op.array, result, self.feature_axis, self.tf32)
         return out if out is not None else x_op.wrap(result)
 
     def bprop(self, dy, w, out=None):
@@ -191,7 +209,7 @@ class BlocksparseMatMul:
         self._check_weights(w_op, "w", dtype)
         check_same_place({"dy": dy_op, "w": w_op})
         result, _ = self._output(out, dy_op, self._activation_shape(n, self.C), dtype)
-        self._backend(dy_op).bprop(self.index, dy_op.array, w_op.array, result, self.feature_axis)
+        self._backend(dy_op).bprop(self.index, dy_op.array, w_op.array, result, self.feature_axis, self.tf32)
         return out if out is not None else dy_op.wrap(result)
 
     def updat(self, x, dy, out=None, accumulate: bool = False):
@@ -223,7 +241,9 @@ class BlocksparseMatMul:
         if accumulate and out is None:
             raise ValueError("accumulate=True needs out=, the buffer to add the gradient to")
         result, _ = self._output(out, x_op, self.w_shape, dtype)
-        self._backend(x_op).updat(self.index, x_op.array, dy_op.array, result, self.feature_axis, bool(accumulate))
+        self._backend(x_op).updat(
+            self.index, x_op.array, dy_op.array, result, self.feature_axis, bool(accumulate), self.tf32
+        )
         return out if out is not None else x_op.wrap(result)
 
     # -- checks shared by the passes ----------------------------------------------------
@@ -283,7 +303,7 @@ class BlocksparseMatMul:
     # -- identity, pickling -----------------------------------------------------------
     def __reduce__(self):
         # Only the layout travels; the index is rebuilt (and cached) on load.
-        return (type(self), (np.array(self.layout), self.block_size, self.feature_axis))
+        return (type(self), (np.array(self.layout), self.block_size, self.feature_axis, self.tf32))
 
     def __repr__(self) -> str:
         return (

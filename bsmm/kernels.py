@@ -1,0 +1,188 @@
+"""Compiling and loading bsmm's CUDA kernels at run time.
+
+Kernel source lives in ``cuda/``. A *variant* (element type, block size, tile
+shape, math mode, pass, feature axis, alignment) is one template instance of
+``bsmm::bsmm_matmul``. It is compiled with NVRTC (through CuPy's binding) for
+the exact architecture of the device (``sm_80`` ... ``sm_90a``), the cubin is
+kept in a disk cache keyed by source, options and NVRTC version, and loaded
+with ``cupy.RawModule``; loaded kernels are memoized per (device, variant).
+The same :func:`compile_variant` runs in CI, where there is no GPU, so CI
+compiles exactly what the library runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import json
+import os
+import sys
+import threading
+from pathlib import Path
+
+from .config import CUDA_DIR
+
+__all__ = ["Variant", "compile_variant", "load_kernel", "arch_for", "cuda_include_dirs", "compile_options"]
+
+SOURCE_FILE = "bsmm_matmul.cu"
+MATH_MODES = {"simt": 0, "tensor16": 1, "tf32": 2}
+PASS_IDS = {"fprop": 0, "bprop": 1, "updat": 2}
+C_TYPES = {"float32": "float", "float16": "__half", "bfloat16": "__nv_bfloat16"}
+ELEMENT_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """One compiled instance of the kernel template: everything fixed at compile time."""
+
+    dtype: str  # "float32", "float16", "bfloat16"
+    block_size: int
+    tile: tuple[int, int, int, int, int, int]  # BM, BN, BK, WARPS_M, WARPS_N, STAGES
+    math: str  # "simt", "tensor16", "tf32"
+    pass_name: str  # "fprop", "bprop", "updat"
+    feature_axis: int
+    aligned: bool  # 16-byte vector copies are legal for every operand
+
+    @property
+    def threads(self) -> int:
+        return self.tile[3] * self.tile[4] * 32
+
+    @property
+    def shared_bytes(self) -> int:
+        """Dynamic shared memory: the cp.async pipeline's stages (mirrors Kernel::SMEM_BYTES)."""
+        bm, bn, bk, _, _, stages = self.tile
+        item = ELEMENT_BYTES[self.dtype]
+        vec = 16 // item
+        a_kmajor = (self.feature_axis == 0) if self.pass_name == "updat" else (self.feature_axis == 1)
+        b_kmajor = (self.feature_axis == 0) if self.pass_name == "updat" else (self.pass_name == "bprop")
+        a = (bm * (bk + vec)) if a_kmajor else (bk * (bm + vec))
+        b = (bn * (bk + vec)) if b_kmajor else (bk * (bn + vec))
+        return stages * (a + b) * item
+
+    @property
+    def name_expression(self) -> str:
+        bm, bn, bk, wm, wn, stages = self.tile
+        return (
+            f"bsmm::bsmm_matmul<{C_TYPES[self.dtype]}, {self.block_size}, {bm}, {bn}, {bk}, {wm}, {wn}, {stages}, "
+            f"{MATH_MODES[self.math]}, {PASS_IDS[self.pass_name]}, {int(self.feature_axis == 1)}, {int(self.aligned)}>"
+        )
+
+
+def arch_for(compute_capability: str | int) -> str:
+    """NVRTC's -arch for a device: sm_90a on Hopper (wgmma, setmaxnreg), sm_XY elsewhere."""
+    cc = int(compute_capability)
+    if cc < 80:
+        raise RuntimeError(
+            f"bsmm's kernels need compute capability 8.0 or newer (A100, L4/RTX 40xx, H100); "
+            f"this GPU is {cc // 10}.{cc % 10}"
+        )
+    return "sm_90a" if cc == 90 else f"sm_{cc}"
+
+
+@functools.cache
+def cuda_include_dirs() -> tuple[str, ...]:
+    """Directories holding cuda_fp16.h and friends: the NVIDIA wheels, else the toolkit."""
+    found = []
+    for entry in sys.path:
+        for sub in ("nvidia/cu13/include", "nvidia/cuda_runtime/include", "nvidia/cu12/include"):
+            candidate = Path(entry) / sub
+            if (candidate / "cuda_fp16.h").is_file():
+                found.append(str(candidate))
+    for root in (os.environ.get("CUDA_PATH"), os.environ.get("CUDA_HOME"), "/usr/local/cuda"):
+        if root and (Path(root) / "include" / "cuda_fp16.h").is_file():
+            found.append(str(Path(root) / "include"))
+    if not found:
+        raise RuntimeError(
+            "CUDA headers (cuda_fp16.h) not found: install the nvidia-cuda-runtime wheel "
+            "(pip install 'bsmm[cuda]') or set CUDA_PATH"
+        )
+    return tuple(dict.fromkeys(found))[:1]
+
+
+def compile_options(arch: str) -> tuple[str, ...]:
+    """NVRTC options, identical at run time and in CI's compile check."""
+    includes = tuple(f"-I{d}" for d in (str(CUDA_DIR), *cuda_include_dirs()))
+    return ("-std=c++17", f"-arch={arch}", "-DNDEBUG", "-Xptxas=-v", *includes)
+
+
+def _source() -> str:
+    return (CUDA_DIR / SOURCE_FILE).read_text()
+
+
+def _source_digest() -> str:
+    digest = hashlib.sha256()
+    for path in sorted(CUDA_DIR.glob("*.cu*")):
+        digest.update(path.name.encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+def compile_variant(variant: Variant, arch: str) -> tuple[bytes, str, str]:
+    """Compile one variant with NVRTC: (cubin, lowered kernel name, compiler log). Needs no GPU."""
+    from cupy_backends.cuda.libs import nvrtc
+
+    program = nvrtc.createProgram(_source(), SOURCE_FILE, [], [])
+    try:
+        nvrtc.addNameExpression(program, variant.name_expression)
+        try:
+            nvrtc.compileProgram(program, list(compile_options(arch)))
+        except nvrtc.NVRTCError as error:
+            raise RuntimeError(
+                f"NVRTC failed on {variant} for {arch}:\n{nvrtc.getProgramLog(program)}"
+            ) from error
+        return nvrtc.getCUBIN(program), nvrtc.getLoweredName(program, variant.name_expression), nvrtc.getProgramLog(program)
+    finally:
+        nvrtc.destroyProgram(program)
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("BSMM_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "bsmm"
+    )
+    path = Path(root) / "kernels"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _cached_cubin(variant: Variant, arch: str) -> tuple[Path, str]:
+    """The variant's cubin file in the disk cache, compiling it on a miss."""
+    from cupy_backends.cuda.libs import nvrtc
+
+    key = hashlib.sha256(
+        json.dumps([_source_digest(), variant.name_expression, compile_options(arch), nvrtc.getVersion()]).encode()
+    ).hexdigest()[:32]
+    cubin_path, meta_path = _cache_dir() / f"{key}.cubin", _cache_dir() / f"{key}.json"
+    if cubin_path.is_file() and meta_path.is_file():
+        return cubin_path, json.loads(meta_path.read_text())["lowered_name"]
+    cubin, lowered, log = compile_variant(variant, arch)
+    tmp = cubin_path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_bytes(cubin)
+    os.replace(tmp, cubin_path)  # atomic: concurrent processes never see half a file
+    meta_path.write_text(json.dumps({"lowered_name": lowered, "variant": repr(variant), "arch": arch, "log": log}))
+    return cubin_path, lowered
+
+
+_LOADED: dict = {}
+_LOAD_LOCK = threading.Lock()
+
+
+def load_kernel(variant: Variant, device_id: int):
+    """The loaded kernel for ``variant`` on ``device_id``, compiled or read from cache once."""
+    key = (device_id, variant)
+    kernel = _LOADED.get(key)
+    if kernel is not None:
+        return kernel
+    import cupy
+
+    with _LOAD_LOCK:
+        kernel = _LOADED.get(key)
+        if kernel is None:
+            with cupy.cuda.Device(device_id) as device:
+                arch = arch_for(device.compute_capability)
+                cubin_path, lowered = _cached_cubin(variant, arch)
+                kernel = cupy.RawModule(path=str(cubin_path)).get_function(lowered)
+                if variant.shared_bytes > 48 * 1024:
+                    kernel.max_dynamic_shared_size_bytes = variant.shared_bytes
+            _LOADED[key] = kernel
+    return kernel

@@ -1,0 +1,242 @@
+"""``BlockSparseMatrix``: a block index plus block data, usable with ``@``."""
+
+from __future__ import annotations
+
+import numpy as np
+import scipy.sparse
+
+from .arrays import as_operand
+from .block_index import BlockIndex, block_index, check_block_size
+from .dtypes import canonical_dtype
+from .matmul import BlocksparseMatMul, _array_module, blocks_to_dense
+
+__all__ = ["BlockSparseMatrix"]
+
+
+class BlockSparseMatrix:
+    """A block-sparse matrix ``W`` (C, K): its layout and its present blocks.
+
+    Parameters
+    ----------
+    layout : (C // block_size, K // block_size) array of 0/1
+    data : (nnzb, bs, bs) NumPy or CuPy array
+        The present blocks in row-major order over the layout; ``block_size`` is
+        ``data.shape[1]``. Held, not copied.
+
+    ``W @ X``, ``X @ W``, ``W.T @ X`` and ``X @ W.T`` run the block-sparse
+    passes; ``X`` may be 1-D or 2-D (a leading stack of rows on the left, too).
+    ``.T`` is a view: it shares ``data`` and flips how the passes read it.
+
+    Examples
+    --------
+    >>> import numpy as np, bsmm
+    >>> rng = np.random.default_rng(0)
+    >>> dense = rng.standard_normal((32, 48)).astype(np.float32)
+    >>> dense[:16, 16:] = 0
+    >>> W = bsmm.BlockSparseMatrix.from_dense(dense, block_size=16)
+    >>> W.nnzb, W.shape
+    (4, (32, 48))
+    >>> x = rng.standard_normal((5, 32)).astype(np.float32)
+    >>> bool(np.allclose(x @ W, x @ dense, atol=1e-4)), bool(np.allclose(W.T @ x.T, dense.T @ x.T, atol=1e-4))
+    (True, True)
+    """
+
+    __array_priority__ = 20  # ndarray @ BlockSparseMatrix defers to __rmatmul__
+
+    def __init__(self, layout, data, *, _index: BlockIndex | None = None, _transposed: bool = False):
+        if _index is None:
+            shape = getattr(data, "shape", None)
+            if shape is None or len(shape) != 3 or shape[1] != shape[2]:
+                raise ValueError(f"data must have shape (nnzb, bs, bs); got {shape}")
+            _index = block_index(layout, shape[1])
+            if tuple(shape) != _index.w_shape:
+                raise ValueError(f"data must have shape {_index.w_shape} for this layout; got {tuple(shape)}")
+            canonical_dtype(data.dtype, "data")
+        self.index = _index
+        self.data = data
+        self.transposed = _transposed
+
+    # -- description -----------------------------------------------------------------------
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.index.K, self.index.C) if self.transposed else (self.index.C, self.index.K)
+
+    @property
+    def dtype(self):
+        return self.data.dtype
+
+    @property
+    def block_size(self) -> int:
+        return self.index.block_size
+
+    @property
+    def layout(self) -> np.ndarray:
+        """The layout of this matrix (the transpose of the stored one for a ``.T`` view)."""
+        return self.index.layout.T if self.transposed else self.index.layout
+
+    @property
+    def nnzb(self) -> int:
+        return self.index.nnzb
+
+    @property
+    def density(self) -> float:
+        return self.index.density
+
+    @property
+    def T(self) -> "BlockSparseMatrix":
+        """The transpose, sharing ``data`` (no copy)."""
+        return BlockSparseMatrix(None, self.data, _index=self.index, _transposed=not self.transposed)
+
+    def __repr__(self) -> str:
+        return (
+            f"BlockSparseMatrix(shape={self.shape}, block_size={self.block_size}, nnzb={self.nnzb}, "
+            f"density={self.density:.3g}, dtype={self.dtype}{', transposed view' if self.transposed else ''})"
+        )
+
+    # -- conversions -----------------------------------------------------------------------
+    def to_dense(self):
+        """The dense matrix, of ``data``'s library and dtype; absent blocks are zero."""
+        dense = blocks_to_dense(self.index, self.data)
+        return dense.T if self.transposed else dense
+
+    def astype(self, dtype) -> "BlockSparseMatrix":
+        """A copy with block data cast to ``dtype`` (float32, float16 or bfloat16)."""
+        data = self.data.astype(canonical_dtype(dtype, "dtype"))
+        return BlockSparseMatrix(None, data, _index=self.index, _transposed=self.transposed)
+
+    @classmethod
+    def from_dense(cls, dense, block_size: int = 32, *, threshold: float | None = None,
+                   top_k: int | None = None, density: float | None = None) -> "BlockSparseMatrix":
+        """Keep the blocks of ``dense`` (C, K) that matter, dropping the rest.
+
+        With no selector, every block holding a non-zero is kept. ``threshold``
+        keeps blocks whose Frobenius norm exceeds it; ``top_k`` keeps the k
+        blocks of largest norm; ``density`` is ``top_k`` given as a fraction of
+        all blocks (magnitude pruning). Ties keep the earlier block in row-major order.
+
+        Raises
+        ------
+        ValueError
+            If ``dense`` is not 2-D with both sides multiples of ``block_size``,
+            or more than one selector is given, or a selector is out of range.
+        """
+        block_size = check_block_size(block_size)
+        shape = tuple(getattr(dense, "shape", ()))
+        if len(shape) != 2 or shape[0] % block_size or shape[1] % block_size:
+            raise ValueError(f"dense must be 2-D with both sides multiples of block_size {block_size}; got shape {shape}")
+        canonical_dtype(dense.dtype, "dense")
+        xp = _array_module(dense)
+        blocked = dense.reshape(shape[0] // block_size, block_size, shape[1] // block_size, block_size)
+        norms = xp.sqrt((blocked.astype(np.float32) ** 2).sum(axis=(1, 3)))
+        norms = norms.get() if xp is not np else norms
+        selectors = {"threshold": threshold, "top_k": top_k, "density": density}
+        chosen = [name for name, value in selectors.items() if value is not None]
+        if len(chosen) > 1:
+            raise ValueError(f"give at most one of threshold, top_k, density; got {', '.join(chosen)}")
+        if density is not None:
+            if not 0 <= density <= 1:
+                raise ValueError(f"density must be in [0, 1]; got {density}")
+            top_k = int(round(density * norms.size))
+        if threshold is not None:
+            layout = norms > threshold
+        elif top_k is not None:
+            if not 0 <= top_k <= norms.size:
+                raise ValueError(f"top_k must be in [0, {norms.size}]; got {top_k}")
+            keep = np.argsort(-norms, axis=None, kind="stable")[:top_k]
+            layout = np.zeros(norms.size, dtype=np.uint8)
+            layout[keep] = 1
+            layout = layout.reshape(norms.shape)
+        else:
+            layout = np.asarray(norms != 0) | np.asarray(xp.isnan(blocked).any(axis=(1, 3)).get()
+                                                          if xp is not np else np.isnan(blocked).any(axis=(1, 3)))
+        index = block_index(layout.astype(np.uint8), block_size)
+        data = xp.ascontiguousarray(blocked[xp.asarray(index.rows), :, xp.asarray(index.indices), :])
+        return cls(None, data, _index=index)
+
+    def to_scipy(self) -> scipy.sparse.bsr_array:
+        """This matrix as ``scipy.sparse.bsr_array`` (float32 for float16/bfloat16, which SciPy lacks).
+
+        The float32 block data of an untransposed matrix is shared, not copied.
+        """
+        data = self.data.get() if _array_module(self.data) is not np else self.data
+        if data.dtype != np.float32:
+            data = data.astype(np.float32)
+        index = self.index
+        if not self.transposed:
+            return scipy.sparse.bsr_array((data, index.indices, index.indptr), shape=self.shape)
+        order = index.col_order
+        return scipy.sparse.bsr_array(
+            (data[order].transpose(0, 2, 1), index.rows[order], index.colptr), shape=self.shape
+        )
+
+    @classmethod
+    def from_scipy(cls, matrix, block_size: int | None = None, dtype=None) -> "BlockSparseMatrix":
+        """From any ``scipy.sparse`` matrix or array; blocks come from its BSR form.
+
+        ``block_size`` defaults to the matrix's own for a square-blocked BSR
+        input. Explicitly stored zero blocks stay present. ``dtype`` defaults to
+        the matrix's if supported, else float32.
+        """
+        if not scipy.sparse.issparse(matrix):
+            raise TypeError(f"matrix must be a scipy.sparse matrix or array; got {type(matrix).__name__}")
+        if block_size is None:
+            blocksize = getattr(matrix, "blocksize", None)
+            if blocksize is None or blocksize[0] != blocksize[1]:
+                raise ValueError(f"block_size is needed for a {matrix.format} matrix without square blocks")
+            block_size = blocksize[0]
+        block_size = check_block_size(block_size)
+        rows, cols = matrix.shape
+        if rows % block_size or cols % block_size:
+            raise ValueError(f"matrix shape {matrix.shape} is not a multiple of block_size {block_size}")
+        bsr = scipy.sparse.bsr_array(matrix, blocksize=(block_size, block_size), copy=True)
+        bsr.sum_duplicates()
+        bsr.sort_indices()
+        layout = np.zeros((rows // block_size, cols // block_size), dtype=np.uint8)
+        layout[np.repeat(np.arange(layout.shape[0]), np.diff(bsr.indptr)), bsr.indices] = 1
+        if dtype is None:
+            dtype = bsr.dtype if bsr.dtype in (np.float32, np.float16) else np.float32
+        data = np.ascontiguousarray(bsr.data, dtype=canonical_dtype(dtype, "dtype"))
+        return cls(layout, data)
+
+    # -- products ----------------------------------------------------------------------------
+    def _op(self, feature_axis: int) -> BlocksparseMatMul:
+        op = BlocksparseMatMul.__new__(BlocksparseMatMul)
+        op.index, op.feature_axis = self.index, feature_axis
+        return op
+
+    def __matmul__(self, other):
+        return self._product(other, matrix_on_left=True)
+
+    def __rmatmul__(self, other):
+        return self._product(other, matrix_on_left=False)
+
+    def _product(self, other, matrix_on_left: bool):
+        operand = as_operand(other, "other")
+        array = operand.array
+        if array.ndim == 1:
+            column = other.reshape(-1, 1) if matrix_on_left else other.reshape(1, -1)
+            result = self._product(column, matrix_on_left)
+            return result.reshape(-1)
+        if array.ndim > 2:
+            if matrix_on_left:
+                raise ValueError(f"W @ other needs other 1-D or 2-D; got {array.ndim}-D")
+            flat = self._product(other.reshape(-1, array.shape[-1]), matrix_on_left)
+            return flat.reshape(tuple(array.shape[:-1]) + (self.shape[1],))
+        # W @ X is bprop with X's rows as W's columns; X @ W is fprop. A transposed view swaps the two.
+        use_fprop = matrix_on_left == self.transposed
+        inner = self.shape[1] if matrix_on_left else self.shape[0]
+        if array.shape[0 if matrix_on_left else 1] != inner:
+            raise ValueError(
+                f"shapes {self.shape if matrix_on_left else tuple(array.shape)} and "
+                f"{tuple(array.shape) if matrix_on_left else self.shape} do not align for @ (inner {inner})"
+            )
+        # Features run along axis 0 of X when W is on the left. An F-ordered X is used
+        # through its C-ordered transpose with the other feature axis, so nothing is copied.
+        feature_axis = 0 if matrix_on_left else 1
+        if not array.flags.c_contiguous and array.flags.f_contiguous:
+            run = self._op(1 - feature_axis).fprop if use_fprop else self._op(1 - feature_axis).bprop
+            return run(other.T, self.data).T
+        if not array.flags.c_contiguous:
+            other = _array_module(array).ascontiguousarray(array)  # strided views: one copy
+        run = self._op(feature_axis).fprop if use_fprop else self._op(feature_axis).bprop
+        return run(other, self.data)

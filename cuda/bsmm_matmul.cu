@@ -1,0 +1,377 @@
+// The three block-sparse matmul passes as one family of gather-GEMM kernels.
+//
+// Every pass computes output tiles Out[BM x BN] = sum over steps of A[BM x BK] · B[BK x BN]:
+//   fprop  y  = x·W      A = x rows,   B = W blocks of one block column   (sparse K)
+//   bprop  dx = dy·Wᵀ    A = dy rows,  B = W blocks of one block row, transposed
+//   updat  dW = xᵀ·dy    A = x columns, B = dy columns, K runs over the batch (dense K)
+// For fprop/bprop the K dimension is the concatenation of the blocks listed in a
+// segment of the step table, so absent blocks are never touched. A long block
+// column (or row) is cut into several segments; each writes a float32 partial to
+// a workspace and the last segment to finish sums the partials in segment order,
+// so results do not depend on timing (no float atomics on results).
+//
+// feature_axis=1 stores activations (N, features) row-major, feature_axis=0 stores
+// them (features, N); the loaders and the epilogue read either through address
+// functions, so the same main loop serves both.
+#include "bsmm_common.cuh"
+
+namespace bsmm {
+
+enum Pass { FPROP = 0, BPROP = 1, UPDAT = 2 };
+enum Math { SIMT = 0, TENSOR16 = 1, TF32 = 2 };
+
+template <typename T, int BS, int BM_, int BN_, int BK_, int WARPS_M_, int WARPS_N_, int STAGES_, int MATH_, int PASS_,
+          int AXIS1_, int ALIGNED_>
+struct Kernel {
+    static constexpr int BM = BM_, BN = BN_, BK = BK_, WARPS_M = WARPS_M_, WARPS_N = WARPS_N_, STAGES = STAGES_;
+    static constexpr int MATH = MATH_, PASS = PASS_;
+    static constexpr bool AXIS1 = AXIS1_ != 0, ALIGNED = ALIGNED_ != 0;
+    static constexpr int NT = WARPS_M * WARPS_N * 32;
+    static constexpr int VEC = 16 / sizeof(T);  // elements per 16-byte copy
+    // Which operand dimension is contiguous in shared memory (as it is in global memory).
+    static constexpr bool A_KMAJOR = PASS == UPDAT ? !AXIS1 : AXIS1;
+    static constexpr bool B_KMAJOR = PASS == UPDAT ? !AXIS1 : PASS == BPROP;
+    static constexpr int A_ROWS = A_KMAJOR ? BM : BK, A_COLS = A_KMAJOR ? BK : BM;
+    static constexpr int B_ROWS = B_KMAJOR ? BN : BK, B_COLS = B_KMAJOR ? BK : BN;
+    static constexpr int A_PITCH = A_COLS + VEC, B_PITCH = B_COLS + VEC;  // one 16-byte pad: no bank conflicts
+    static constexpr int A_STAGE = A_ROWS * A_PITCH, B_STAGE = B_ROWS * B_PITCH;
+    static constexpr int SMEM_BYTES = STAGES * (A_STAGE + B_STAGE) * sizeof(T);
+
+    // Tensor-core warp tiling.
+    static constexpr int WTM = BM / WARPS_M, WTN = BN / WARPS_N;
+    static constexpr int MI = WTM / 16, NJ = WTN / 8;
+    // SIMT thread tiling: TX threads along N, TY along M; thread (ty, tx) owns rows ty + i·TY, cols tx + j·TX.
+    static constexpr int TX = BN < 16 ? BN : 16, TY = NT / TX, TM = BM / TY, TN = BN / TX;
+    static constexpr int ACC = MATH == SIMT ? TM * TN : MI * NJ * 4;
+
+    static_assert(BK % VEC == 0 && BM % VEC == 0 && BN % VEC == 0, "tiles must be whole 16-byte chunks");
+    static_assert(BN <= BS && BS % BN == 0, "an output tile stays inside one block column");
+    static_assert(MATH != TENSOR16 || (BK % 16 == 0 && WTM % 16 == 0 && WTN % 8 == 0), "m16n8k16 tiling");
+    static_assert(MATH != TF32 || (BK % 8 == 0 && WTM % 16 == 0 && WTN % 8 == 0), "m16n8k8 tiling");
+    static_assert(MATH != SIMT || (TY * TX == NT && TM * TY == BM && TN * TX == BN), "SIMT tiling");
+
+    __device__ __forceinline__ static T* a_at(T* s, int m, int k) { return A_KMAJOR ? s + m * A_PITCH + k : s + k * A_PITCH + m; }
+    __device__ __forceinline__ static T* b_at(T* s, int k, int n) { return B_KMAJOR ? s + n * B_PITCH + k : s + k * B_PITCH + n; }
+};
+
+// Copies a ROWS x COLS tile (COLS contiguous) into shared memory. src(row, col, valid)
+// returns the global address of element (row, col) and sets how many of the VEC
+// elements from there exist (0 to VEC); missing ones become zeros.
+template <class K, int ROWS, int COLS, int PITCH, typename T, typename Src>
+__device__ __forceinline__ void load_tile(T* dst, Src src, int tid) {
+    constexpr int CHUNKS = ROWS * COLS / K::VEC;
+#pragma unroll
+    for (int c = tid; c < CHUNKS; c += K::NT) {
+        const int row = c / (COLS / K::VEC), col = (c % (COLS / K::VEC)) * K::VEC;
+        int valid;
+        const T* p = src(row, col, valid);
+        T* d = dst + row * PITCH + col;
+        if (K::ALIGNED && valid == K::VEC) {
+            cp_async16(d, p, 16);
+        } else if (K::ALIGNED && valid == 0) {
+            cp_async16(d, d, 0);  // zero-fill; the source is not read
+        } else {
+#pragma unroll
+            for (int e = 0; e < K::VEC; ++e) d[e] = e < valid ? p[e] : Elem<T>::from_float(0.f);
+        }
+    }
+}
+
+// Where one output tile's inputs and outputs live, for each pass.
+template <class K, typename T, int BS>
+struct Operands {
+    const T* __restrict__ act;    // fprop: x, bprop: dy, updat: x
+    const T* __restrict__ other;  // fprop/bprop: w, updat: dy
+    const int2* __restrict__ table;
+    int n_rows, ld_act, ld_other;
+    int seg_begin, seg_end;  // sparse K: entries of table; dense K: batch rows [seg_begin, seg_end)
+    int m0, n0;              // tile origin: rows of N (sparse K) or of the block (updat), columns of the block
+    int2 block;              // updat: (block row c, block column k)
+
+    // Sparse K: step s covers K positions [s*BK, s*BK + BK) of the concatenated blocks.
+    __device__ __forceinline__ bool locate(int kg, int2& entry, int& kin) const {
+        const int j = seg_begin + kg / BS;
+        kin = kg % BS;
+        if (j >= seg_end) return false;
+        entry = table[j];  // (weight block, activation feature block)
+        return true;
+    }
+
+    __device__ __forceinline__ const T* a_src(int step, int row, int col, int& valid) const {
+        const int m = K::A_KMAJOR ? row : col, k = K::A_KMAJOR ? col : row;
+        const int kg = step * K::BK + k;
+        if (K::PASS == UPDAT) {  // A(m, k) = x[n = kg, feature c·BS + m0 + m]
+            const int n = seg_begin + kg;
+            const long long feature = (long long)block.x * BS + m0 + m;
+            if (K::A_KMAJOR) {  // axis 0: x is (C, N); contiguous along n
+                valid = max(0, min(K::VEC, seg_end - n));
+                return act + feature * ld_act + n;
+            }
+            valid = n < seg_end ? K::VEC : 0;  // axis 1: x is (N, C); contiguous along features
+            return act + (long long)n * ld_act + feature;
+        }
+        int2 entry;
+        int kin;
+        if (!locate(kg - (K::A_KMAJOR ? 0 : 0), entry, kin)) { valid = 0; return act; }
+        const int row_n = m0 + m;  // activation row (batch index)
+        if (K::A_KMAJOR) {  // axis 1: (N, F); contiguous along features
+            valid = row_n < n_rows ? K::VEC : 0;
+            return act + (long long)row_n * ld_act + (long long)entry.y * BS + kin;
+        }
+        valid = max(0, min(K::VEC, n_rows - row_n));  // axis 0: (F, N); contiguous along the batch
+        return act + ((long long)entry.y * BS + kin) * ld_act + row_n;
+    }
+
+    __device__ __forceinline__ const T* b_src(int step, int row, int col, int& valid) const {
+        const int n = K::B_KMAJOR ? row : col, k = K::B_KMAJOR ? col : row;
+        const int kg = step * K::BK + k;
+        if (K::PASS == UPDAT) {  // B(k, n) = dy[batch kg, feature kb·BS + n0 + n]
+            const int nb = seg_begin + kg;
+            const long long feature = (long long)block.y * BS + n0 + n;
+            if (K::B_KMAJOR) {
+                valid = max(0, min(K::VEC, seg_end - nb));
+                return other + feature * ld_other + nb;
+            }
+            valid = nb < seg_end ? K::VEC : 0;
+            return other + (long long)nb * ld_other + feature;
+        }
+        int2 entry;
+        int kin;
+        if (!locate(kg, entry, kin)) { valid = 0; return other; }
+        valid = K::VEC;
+        const T* w = other + (long long)entry.x * BS * BS;
+        // fprop: B(k, n) = W_b[kin][n0 + n]; bprop: B(k, n) = W_b[n0 + n][kin]
+        return K::B_KMAJOR ? w + (long long)(n0 + n) * BS + kin : w + (long long)kin * BS + n0 + n;
+    }
+};
+
+template <class K, typename T>
+struct Accumulators {
+    float v[K::ACC];
+};
+
+// The main loop: a STAGES-deep cp.async pipeline feeding tensor-core or SIMT math.
+template <class K, typename T, class Ops>
+__device__ __forceinline__ void main_loop(const Ops& ops, int n_steps, T* smem, float (&acc)[K::ACC]) {
+    const int tid = threadIdx.x;
+    T* sA = smem;
+    T* sB = smem + K::STAGES * K::A_STAGE;
+#pragma unroll
+    for (int i = 0; i < K::ACC; ++i) acc[i] = 0.f;
+
+    auto load_stage = [&](int step) {
+        const int stage = step % K::STAGES;
+        load_tile<K, K::A_ROWS, K::A_COLS, K::A_PITCH>(
+            sA + stage * K::A_STAGE, [&](int r, int c, int& valid) { return ops.a_src(step, r, c, valid); }, tid);
+        load_tile<K, K::B_ROWS, K::B_COLS, K::B_PITCH>(
+            sB + stage * K::B_STAGE, [&](int r, int c, int& valid) { return ops.b_src(step, r, c, valid); }, tid);
+    };
+
+#pragma unroll
+    for (int s = 0; s < K::STAGES - 1; ++s) {
+        if (s < n_steps) load_stage(s);
+        cp_async_commit();
+    }
+    const int warp = tid / 32, lane = tid % 32;
+    const int wm0 = (warp % K::WARPS_M) * K::WTM, wn0 = (warp / K::WARPS_M) * K::WTN;
+    for (int step = 0; step < n_steps; ++step) {
+        cp_async_wait<K::STAGES - 2>();
+        __syncthreads();
+        // The stage refilled here was read in the previous iteration, which every thread has finished.
+        if (step + K::STAGES - 1 < n_steps) load_stage(step + K::STAGES - 1);
+        cp_async_commit();
+        T* a = sA + (step % K::STAGES) * K::A_STAGE;
+        T* b = sB + (step % K::STAGES) * K::B_STAGE;
+        if constexpr (K::MATH == TENSOR16) {
+#pragma unroll
+            for (int kk = 0; kk < K::BK; kk += 16) {
+                unsigned af[K::MI][4], bf[K::NJ][2];
+#pragma unroll
+                for (int i = 0; i < K::MI; ++i) {
+                    const int mb = wm0 + i * 16;
+                    if (K::A_KMAJOR)
+                        ldmatrix_x4<false>(af[i], K::a_at(a, mb + lane % 16, kk + (lane / 16) * 8));
+                    else
+                        ldmatrix_x4<true>(af[i], K::a_at(a, mb + ((lane / 8) % 2) * 8, kk + lane % 8 + (lane / 16) * 8));
+                }
+#pragma unroll
+                for (int j = 0; j + 1 < K::NJ; j += 2) {
+                    const int nb = wn0 + j * 8, mat = lane / 8;
+                    unsigned r[4];
+                    if (K::B_KMAJOR)
+                        ldmatrix_x4<false>(r, K::b_at(b, kk + (mat % 2) * 8, nb + lane % 8 + (mat / 2) * 8));
+                    else
+                        ldmatrix_x4<true>(r, K::b_at(b, kk + lane % 8 + (mat % 2) * 8, nb + (mat / 2) * 8));
+                    bf[j][0] = r[0]; bf[j][1] = r[1]; bf[j + 1][0] = r[2]; bf[j + 1][1] = r[3];
+                }
+                if constexpr (K::NJ % 2 == 1) {
+                    const int nb = wn0 + (K::NJ - 1) * 8, mat = (lane / 8) % 2;
+                    if (K::B_KMAJOR)
+                        ldmatrix_x2<false>(bf[K::NJ - 1], K::b_at(b, kk + mat * 8, nb + lane % 8));
+                    else
+                        ldmatrix_x2<true>(bf[K::NJ - 1], K::b_at(b, kk + lane % 8 + mat * 8, nb));
+                }
+#pragma unroll
+                for (int i = 0; i < K::MI; ++i)
+#pragma unroll
+                    for (int j = 0; j < K::NJ; ++j) {
+                        float(&d)[4] = *reinterpret_cast<float(*)[4]>(&acc[(i * K::NJ + j) * 4]);
+                        Mma<T>::run(d, af[i], bf[j]);
+                    }
+            }
+        } else if constexpr (K::MATH == TF32) {
+#pragma unroll
+            for (int kk = 0; kk < K::BK; kk += 8) {
+                unsigned af[K::MI][4], bf[K::NJ][2];
+                const int r = lane / 4, c = lane % 4;
+#pragma unroll
+                for (int i = 0; i < K::MI; ++i) {
+                    const int mb = wm0 + i * 16;
+                    af[i][0] = to_tf32(*K::a_at(a, mb + r, kk + c));
+                    af[i][1] = to_tf32(*K::a_at(a, mb + r + 8, kk + c));
+                    af[i][2] = to_tf32(*K::a_at(a, mb + r, kk + c + 4));
+                    af[i][3] = to_tf32(*K::a_at(a, mb + r + 8, kk + c + 4));
+                }
+#pragma unroll
+                for (int j = 0; j < K::NJ; ++j) {
+                    bf[j][0] = to_tf32(*K::b_at(b, kk + c, wn0 + j * 8 + r));
+                    bf[j][1] = to_tf32(*K::b_at(b, kk + c + 4, wn0 + j * 8 + r));
+                }
+#pragma unroll
+                for (int i = 0; i < K::MI; ++i)
+#pragma unroll
+                    for (int j = 0; j < K::NJ; ++j) {
+                        float(&d)[4] = *reinterpret_cast<float(*)[4]>(&acc[(i * K::NJ + j) * 4]);
+                        mma_tf32(d, af[i], bf[j]);
+                    }
+            }
+        } else {
+            const int tx = tid % K::TX, ty = tid / K::TX;
+#pragma unroll 4
+            for (int k = 0; k < K::BK; ++k) {
+                float av[K::TM], bv[K::TN];
+#pragma unroll
+                for (int i = 0; i < K::TM; ++i) av[i] = Elem<T>::to_float(*K::a_at(a, ty + i * K::TY, k));
+#pragma unroll
+                for (int j = 0; j < K::TN; ++j) bv[j] = Elem<T>::to_float(*K::b_at(b, k, tx + j * K::TX));
+#pragma unroll
+                for (int i = 0; i < K::TM; ++i)
+#pragma unroll
+                    for (int j = 0; j < K::TN; ++j) acc[i * K::TN + j] = fmaf(av[i], bv[j], acc[i * K::TN + j]);
+            }
+        }
+    }
+    cp_async_wait<0>();
+}
+
+// Calls f(index into acc, tile row, tile column) for every accumulator this thread holds.
+template <class K, typename F>
+__device__ __forceinline__ void for_each_acc(F f) {
+    const int tid = threadIdx.x;
+    if constexpr (K::MATH == SIMT) {
+        const int tx = tid % K::TX, ty = tid / K::TX;
+#pragma unroll
+        for (int i = 0; i < K::TM; ++i)
+#pragma unroll
+            for (int j = 0; j < K::TN; ++j) f(i * K::TN + j, ty + i * K::TY, tx + j * K::TX);
+    } else {
+        const int warp = tid / 32, lane = tid % 32;
+        const int wm0 = (warp % K::WARPS_M) * K::WTM, wn0 = (warp / K::WARPS_M) * K::WTN;
+#pragma unroll
+        for (int i = 0; i < K::MI; ++i)
+#pragma unroll
+            for (int j = 0; j < K::NJ; ++j)
+#pragma unroll
+                for (int r = 0; r < 4; ++r)
+                    f((i * K::NJ + j) * 4 + r, wm0 + i * 16 + lane / 4 + (r / 2) * 8, wn0 + j * 8 + (lane % 4) * 2 + r % 2);
+    }
+}
+
+// Segment table entry: (output unit, begin, end, part). For fprop/bprop a unit is an
+// output block column/row and [begin, end) indexes the step table; for updat a unit
+// is a weight block and [begin, end) are batch rows. units[u] = (first workspace slot, parts).
+template <typename T, int BS, int BM, int BN, int BK, int WARPS_M, int WARPS_N, int STAGES, int MATH, int PASS, int AXIS1,
+          int ALIGNED>
+__global__ void __launch_bounds__(WARPS_M* WARPS_N * 32)
+    bsmm_matmul(const T* __restrict__ act, const T* __restrict__ other, T* __restrict__ out,
+                const int4* __restrict__ segments, const int2* __restrict__ units, const int2* __restrict__ table,
+                float* __restrict__ workspace, int* __restrict__ counters, int n_rows, int ld_act, int ld_other,
+                int ld_out, int accumulate) {
+    using K = Kernel<T, BS, BM, BN, BK, WARPS_M, WARPS_N, STAGES, MATH, PASS, AXIS1, ALIGNED>;
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    T* smem = reinterpret_cast<T*>(smem_raw);
+    __shared__ int last_part;
+
+    const int4 seg = segments[blockIdx.x];
+    const int unit = seg.x, part = seg.w;
+    const int2 unit_info = units[unit];
+    const int tiles_per_unit = gridDim.y * gridDim.z;
+    const int tile_in_unit = blockIdx.z * gridDim.y + blockIdx.y;
+
+    Operands<K, T, BS> ops;
+    ops.act = act;
+    ops.other = other;
+    ops.table = table;
+    ops.n_rows = n_rows;
+    ops.ld_act = ld_act;
+    ops.ld_other = ld_other;
+    ops.seg_begin = seg.y;
+    ops.seg_end = seg.z;
+    ops.m0 = blockIdx.y * BM;
+    ops.n0 = blockIdx.z * BN;
+    int n_steps;
+    if (PASS == UPDAT) {
+        ops.block = table[unit];
+        n_steps = (seg.z - seg.y + BK - 1) / BK;
+    } else {
+        ops.block = make_int2(0, 0);
+        n_steps = ((seg.z - seg.y) * BS + BK - 1) / BK;
+    }
+
+    float acc[K::ACC];
+    main_loop<K, T>(ops, n_steps, smem, acc);
+
+    // A unit cut into parts: park this part's sums, and let the last part to arrive add
+    // all parts in part order.
+    if (unit_info.y > 1) {
+        const long long slot_stride = (long long)K::ACC * K::NT;
+        float* mine = workspace + ((long long)(unit_info.x + part) * tiles_per_unit + tile_in_unit) * slot_stride;
+#pragma unroll
+        for (int i = 0; i < K::ACC; ++i) mine[i * K::NT + threadIdx.x] = acc[i];
+        __threadfence();
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            int* counter = counters + (long long)unit * tiles_per_unit + tile_in_unit;
+            const int arrived = atomicAdd(counter, 1);
+            last_part = arrived == unit_info.y - 1;
+            if (last_part) *counter = 0;  // ready for the next launch
+        }
+        __syncthreads();
+        if (!last_part) return;
+        __threadfence();
+#pragma unroll
+        for (int i = 0; i < K::ACC; ++i) acc[i] = 0.f;
+        for (int p = 0; p < unit_info.y; ++p) {
+            const float* theirs = workspace + ((long long)(unit_info.x + p) * tiles_per_unit + tile_in_unit) * slot_stride;
+#pragma unroll
+            for (int i = 0; i < K::ACC; ++i) acc[i] += __ldcg(theirs + i * K::NT + threadIdx.x);
+        }
+    }
+
+    for_each_acc<K>([&](int i, int m, int n) {
+        if (PASS == UPDAT) {
+            T* dst = out + (long long)unit * BS * BS + (long long)(ops.m0 + m) * BS + ops.n0 + n;
+            float v = acc[i];
+            if (accumulate) v += Elem<T>::to_float(*dst);
+            *dst = Elem<T>::from_float(v);
+        } else {
+            const int row = ops.m0 + m;
+            if (row >= n_rows) return;
+            const long long feature = (long long)unit * BS + ops.n0 + n;
+            T* dst = AXIS1 ? out + (long long)row * ld_out + feature : out + feature * ld_out + row;
+            *dst = Elem<T>::from_float(acc[i]);
+        }
+    });
+}
+
+}  // namespace bsmm

@@ -1,0 +1,90 @@
+"""Compile every kernel variant of the launch table for sm_80 and sm_90a, as the library does
+at run time (same NVRTC options), and print the register/spill report. Needs no GPU.
+
+    python tools/compile_kernels.py [--arch sm_80 --arch sm_90a] [--jobs 2] [--out report.txt]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import concurrent.futures
+import re
+import sys
+import time
+
+from bsmm.config import settings
+from bsmm.kernels import Variant, _cached_cubin, compile_variant
+from bsmm.cuda_backend import math_mode, tile_for
+
+
+def all_variants() -> list[Variant]:
+    variants = set()
+    block_sizes = settings()["limits"]["block_sizes"]
+    for dtype, tf32_modes in (("float32", (False, True)), ("float16", (False,)), ("bfloat16", (False,))):
+        for tf32 in tf32_modes:
+            for pass_name in ("fprop", "bprop", "updat"):
+                for bs in block_sizes:
+                    mode = math_mode(dtype, pass_name, bs, tf32)
+                    for n in ((1,) if pass_name == "updat" else (16, 32, 64, 4096)):
+                        tile = tile_for(mode, pass_name, bs, n)
+                        for axis in (0, 1):
+                            for aligned in (True, False):
+                                variants.add(Variant(dtype, bs, tile, mode, pass_name, axis, aligned))
+    return sorted(variants, key=repr)
+
+
+def _compile(args):
+    variant, arch, populate_cache = args
+    start = time.perf_counter()
+    try:
+        if populate_cache:  # the run-time path: compile into bsmm's disk cache
+            path, _ = _cached_cubin(variant, arch)
+            log = json.loads(path.with_suffix(".json").read_text())["log"]
+        else:
+            _, _, log = compile_variant(variant, arch)
+    except RuntimeError as error:
+        return variant, arch, None, str(error), time.perf_counter() - start
+    return variant, arch, log, None, time.perf_counter() - start
+
+
+def _summary(log: str) -> str:
+    regs = re.search(r"Used (\d+) registers", log)
+    stack = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    return (f"regs {regs.group(1) if regs else '?'}, stack {stack.group(1)} B, spills {stack.group(2)}/{stack.group(3)} B"
+            if stack else "no ptxas report")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--arch", action="append", default=None)
+    parser.add_argument("--jobs", type=int, default=2)
+    parser.add_argument("--limit", type=int, default=0, help="compile only the first N variants (smoke)")
+    parser.add_argument("--populate-cache", action="store_true", help="write the cubins to bsmm's kernel cache")
+    parser.add_argument("--quiet", action="store_true", help="print failures and the summary only")
+    args = parser.parse_args()
+    archs = args.arch or ["sm_80", "sm_90a"]
+    variants = all_variants()
+    if args.limit:
+        variants = variants[: args.limit]
+    jobs = [(v, a, args.populate_cache) for v in variants for a in archs]
+    failures, spills = 0, 0
+    start = time.perf_counter()
+    with concurrent.futures.ProcessPoolExecutor(args.jobs) as pool:
+        for variant, arch, log, error, seconds in pool.map(_compile, jobs, chunksize=4):
+            if error:
+                failures += 1
+                print(f"FAIL {arch} {variant.name_expression}\n{error}", flush=True)
+                continue
+            line = _summary(log)
+            if "spill stores" in log and not re.search(r"0 bytes spill stores", log):
+                spills += 1
+            if not args.quiet:
+                print(f"{arch:7s} {variant.name_expression:110s} {line} ({seconds:.1f}s)", flush=True)
+    print(f"compiled {len(jobs) - failures}/{len(jobs)} variant x arch in {time.perf_counter() - start:.0f}s; "
+          f"{failures} failed; {spills} with spills")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# One call on the lent GPU: compile every kernel variant into the cache, a fast correctness
+# sweep, the GPU test suite, and the benchmark. Full logs go to $OUT; a short table is printed last.
+#   tools/gpu_check.sh [smoke|tests|bench|all] [bench args...]
+set -uo pipefail
+OUT=${OUT:-/tmp/bsmm-out}
+mkdir -p "$OUT"
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 BSMM_CACHE_DIR=${BSMM_CACHE_DIR:-/tmp/bsmm-cache}
+stage=${1:-all}; shift || true
+status=0
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv >"$OUT/gpu.txt" 2>&1
+python3 -c "import cupy, numpy, sys; print('python', sys.version.split()[0], 'cupy', cupy.__version__, 'numpy', numpy.__version__, 'nvrtc', cupy.cuda.nvrtc.getVersion())" | tee -a "$OUT/gpu.txt"
+
+t0=$(date +%s)
+python3 tools/compile_kernels.py --arch sm_90a --jobs 16 --populate-cache --quiet >"$OUT/compile.log" 2>&1 || status=1
+echo "compile: $(tail -1 "$OUT/compile.log") [$(( $(date +%s) - t0 ))s]"
+
+if [[ $stage == smoke || $stage == all ]]; then
+  t0=$(date +%s)
+  python3 tools/gpu_smoke.py ${SMOKE_ARGS:-} >"$OUT/smoke.log" 2>&1 || status=1
+  grep -m 20 FAIL "$OUT/smoke.log"
+  echo "smoke: $(grep checked "$OUT/smoke.log") [$(( $(date +%s) - t0 ))s]"
+  grep worst "$OUT/smoke.log"
+fi
+if [[ $stage == tests || $stage == all ]]; then
+  t0=$(date +%s)
+  python3 -m pytest -q -m gpu tests -x -p no:cacheprovider >"$OUT/pytest_gpu.log" 2>&1 || status=1
+  echo "gpu tests: $(tail -1 "$OUT/pytest_gpu.log") [$(( $(date +%s) - t0 ))s]"
+fi
+if [[ $stage == bench || $stage == all ]]; then
+  t0=$(date +%s)
+  python3 -m bsmm bench --backend gpu --json "$OUT/bench.json" -v "$@" >"$OUT/bench.md" 2>"$OUT/bench.log" || status=1
+  echo "bench [$(( $(date +%s) - t0 ))s]:"
+  cat "$OUT/bench.md"
+  tail -3 "$OUT/bench.log"
+fi
+exit $status
