@@ -77,9 +77,9 @@ def main() -> int:
                 print(f"FAIL {arch} {variant.name_expression}\n{error}", flush=True)
                 continue
             line = _summary(log)
-            if "spill stores" in log and not re.search(r"0 bytes spill stores", log):
-                spills += 1
-            if not args.quiet:
+            spilled = "spill stores" in log and not re.search(r" 0 bytes spill stores", log)
+            spills += spilled
+            if not args.quiet or spilled:
                 print(f"{arch:7s} {variant.name_expression:110s} {line} ({seconds:.1f}s)", flush=True)
     print(f"compiled {len(jobs) - failures}/{len(jobs)} variant x arch in {time.perf_counter() - start:.0f}s; "
           f"{failures} failed; {spills} with spills")
