@@ -69,7 +69,7 @@ __device__ __forceinline__ void load_tile(T* dst, Src src, int tid) {
         if (K::ALIGNED && valid == K::VEC) {
             cp_async16(d, p, 16);
         } else if (K::ALIGNED && valid == 0) {
-            cp_async16(d, d, 0);  // zero-fill; the source is not read
+            *reinterpret_cast<uint4*>(d) = make_uint4(0, 0, 0, 0);
         } else {
 #pragma unroll
             for (int e = 0; e < K::VEC; ++e) d[e] = e < valid ? p[e] : Elem<T>::from_float(0.f);
@@ -112,7 +112,7 @@ struct Operands {
         }
         int2 entry;
         int kin;
-        if (!locate(kg - (K::A_KMAJOR ? 0 : 0), entry, kin)) { valid = 0; return act; }
+        if (!locate(kg, entry, kin)) { valid = 0; return act; }
         const int row_n = m0 + m;  // activation row (batch index)
         if (K::A_KMAJOR) {  // axis 1: (N, F); contiguous along features
             valid = row_n < n_rows ? K::VEC : 0;
