@@ -91,6 +91,16 @@ class BlocksparseMatMul:
         )
         self.feature_axis = _check_feature_axis(defaults["feature_axis"] if feature_axis is None else feature_axis)
 
+    @classmethod
+    def from_index(cls, index: BlockIndex, feature_axis: int | None = None, tf32: bool | None = None):
+        """An operator over an already-validated :class:`BlockIndex` (no re-validation of the layout)."""
+        op = cls.__new__(cls)
+        defaults = settings()["defaults"]
+        op.index = index
+        op.feature_axis = _check_feature_axis(defaults["feature_axis"] if feature_axis is None else feature_axis)
+        op.tf32 = bool(defaults["tf32"] if tf32 is None else tf32)
+        return op
+
     # -- the layout -----------------------------------------------------------------
     @property
     def layout(self) -> np.ndarray:
@@ -186,7 +196,7 @@ class BlocksparseMatMul:
         dtype = canonical_dtype(x_op.array.dtype, "x")
         self._check_weights(w_op, "w", dtype)
         check_same_place({"x": x_op, "w": w_op})
-        result, out_op = self._output(out, x_op, self._activation_shape(n, self.K), dtype)
+        result = self._output(out, x_op, self._activation_shape(n, self.K), dtype, (x_op, w_op))
         self._backend(x_op).fprop(self.index, x_op.array, w_op.array, result, self.feature_axis, self.tf32)
         return out if out is not None else x_op.wrap(result)
 
@@ -208,7 +218,7 @@ class BlocksparseMatMul:
         dtype = canonical_dtype(dy_op.array.dtype, "dy")
         self._check_weights(w_op, "w", dtype)
         check_same_place({"dy": dy_op, "w": w_op})
-        result, _ = self._output(out, dy_op, self._activation_shape(n, self.C), dtype)
+        result = self._output(out, dy_op, self._activation_shape(n, self.C), dtype, (dy_op, w_op))
         self._backend(dy_op).bprop(self.index, dy_op.array, w_op.array, result, self.feature_axis, self.tf32)
         return out if out is not None else dy_op.wrap(result)
 
@@ -240,7 +250,7 @@ class BlocksparseMatMul:
         check_same_place({"x": x_op, "dy": dy_op})
         if accumulate and out is None:
             raise ValueError("accumulate=True needs out=, the buffer to add the gradient to")
-        result, _ = self._output(out, x_op, self.w_shape, dtype)
+        result = self._output(out, x_op, self.w_shape, dtype, (x_op, dy_op))
         self._backend(x_op).updat(
             self.index, x_op.array, dy_op.array, result, self.feature_axis, bool(accumulate), self.tf32
         )
@@ -274,11 +284,11 @@ class BlocksparseMatMul:
         if not array.flags.c_contiguous:
             raise ValueError(f"{argument} must be C-contiguous; got strides {array.strides}")
 
-    def _output(self, out, like: Operand, shape: tuple, dtype) -> tuple:
-        """The array a pass writes: a new one, or the checked ``out``."""
+    def _output(self, out, like: Operand, shape: tuple, dtype, inputs: tuple = ()):
+        """The array a pass writes: a new one, or the checked ``out`` (which may not overlap ``inputs``)."""
         if out is None:
             xp = np if like.backend == "cpu" else _array_module(like.array)
-            return xp.empty(shape, dtype=dtype), None
+            return xp.empty(shape, dtype=dtype)
         out_op = as_operand(out, "out")
         check_same_place({"inputs": like, "out": out_op})
         array = out_op.array
@@ -290,7 +300,11 @@ class BlocksparseMatMul:
             raise ValueError(f"out must be C-contiguous; got strides {array.strides}")
         if like.backend == "cpu" and not array.flags.writeable:
             raise ValueError("out is read-only")
-        return array, out_op
+        xp = _array_module(array)
+        for operand in inputs:
+            if xp.may_share_memory(array, operand.array):
+                raise ValueError("out overlaps an input; pass a separate output buffer")
+        return array
 
     @staticmethod
     def _backend(operand: Operand):

@@ -127,7 +127,8 @@ class BlockSparseMatrix:
         canonical_dtype(dense.dtype, "dense")
         xp = _array_module(dense)
         blocked = dense.reshape(shape[0] // block_size, block_size, shape[1] // block_size, block_size)
-        norms = xp.sqrt((blocked.astype(np.float32) ** 2).sum(axis=(1, 3)))
+        # float64 norms: float32 squares of tiny or huge entries underflow or overflow.
+        norms = xp.sqrt((blocked.astype(np.float64) ** 2).sum(axis=(1, 3)))
         norms = norms.get() if xp is not np else norms
         selectors = {"threshold": threshold, "top_k": top_k, "density": density}
         chosen = [name for name, value in selectors.items() if value is not None]
@@ -147,8 +148,8 @@ class BlockSparseMatrix:
             layout[keep] = 1
             layout = layout.reshape(norms.shape)
         else:
-            layout = np.asarray(norms != 0) | np.asarray(xp.isnan(blocked).any(axis=(1, 3)).get()
-                                                          if xp is not np else np.isnan(blocked).any(axis=(1, 3)))
+            nonzero = (blocked != 0).any(axis=(1, 3))  # NaN != 0, so NaN blocks stay too
+            layout = nonzero.get() if xp is not np else nonzero
         index = block_index(layout.astype(np.uint8), block_size)
         data = xp.ascontiguousarray(blocked[xp.asarray(index.rows), :, xp.asarray(index.indices), :])
         return cls(None, data, _index=index)
@@ -188,7 +189,10 @@ class BlockSparseMatrix:
         rows, cols = matrix.shape
         if rows % block_size or cols % block_size:
             raise ValueError(f"matrix shape {matrix.shape} is not a multiple of block_size {block_size}")
-        bsr = scipy.sparse.bsr_array(matrix, blocksize=(block_size, block_size), copy=True)
+        if matrix.format == "bsr" and tuple(matrix.blocksize) == (block_size, block_size):
+            bsr = scipy.sparse.bsr_array(matrix, copy=True)
+        else:  # re-block through CSR; BSR of another block size does not re-block directly
+            bsr = scipy.sparse.bsr_array(matrix.tocsr(), blocksize=(block_size, block_size))
         bsr.sum_duplicates()
         bsr.sort_indices()
         layout = np.zeros((rows // block_size, cols // block_size), dtype=np.uint8)
@@ -200,9 +204,7 @@ class BlockSparseMatrix:
 
     # -- products ----------------------------------------------------------------------------
     def _op(self, feature_axis: int) -> BlocksparseMatMul:
-        op = BlocksparseMatMul.__new__(BlocksparseMatMul)
-        op.index, op.feature_axis = self.index, feature_axis
-        return op
+        return BlocksparseMatMul.from_index(self.index, feature_axis)
 
     def __matmul__(self, other):
         return self._product(other, matrix_on_left=True)

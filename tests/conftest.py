@@ -1,0 +1,71 @@
+"""Shared fixtures: the array library under test (``xp``) and moving data to and from it.
+
+Tests build inputs on the host with NumPy, move them with :func:`to_xp`, and
+bring results back with :func:`to_numpy` before comparing against the float64
+references in ``reference.py``. The same test bodies then cover the CPU backend
+(NumPy) and the GPU backend (CuPy); GPU cases carry the ``gpu`` marker.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs CuPy and a CUDA device (select with -m gpu, drop with -m 'not gpu')")
+
+
+def _cupy_or_skip():
+    cupy = pytest.importorskip("cupy", reason="CuPy is not installed: GPU backend tests skipped")
+    try:
+        available = bool(cupy.cuda.is_available())
+    except Exception as error:  # a broken driver/runtime counts as "no GPU"
+        pytest.skip(f"CuPy cannot query CUDA ({type(error).__name__}: {error}): GPU backend tests skipped")
+    if not available:
+        pytest.skip("CuPy is installed but no CUDA device is available: GPU backend tests skipped")
+    return cupy
+
+
+@pytest.fixture(scope="session", params=["numpy", pytest.param("cupy", marks=pytest.mark.gpu)])
+def xp(request):
+    """The array module whose arrays are passed to bsmm: numpy (CPU backend) or cupy (GPU)."""
+    if request.param == "numpy":
+        return np
+    return _cupy_or_skip()
+
+
+def require_dtype(xp, dtype) -> None:
+    """Skip unless ``xp`` can hold ``dtype`` (CuPy may lack ml_dtypes' bfloat16)."""
+    if xp is np:
+        return
+    try:
+        xp.zeros(1, dtype=dtype)
+    except Exception as error:
+        pytest.skip(f"{xp.__name__} cannot create {np.dtype(dtype).name} arrays: {error}")
+
+
+def to_xp(xp, array):
+    """A copy of host ``array`` as an ``xp`` array (keeps C/F order and dtype)."""
+    require_dtype(xp, np.asarray(array).dtype)
+    return xp.array(array)
+
+
+def to_numpy(array) -> np.ndarray:
+    """``array`` (NumPy or CuPy) as a NumPy array on the host."""
+    if isinstance(array, np.ndarray):
+        return array
+    if hasattr(array, "get"):
+        return array.get()
+    return np.asarray(array)
+
+
+def poisoned(xp, shape, dtype):
+    """An ``out=`` buffer full of NaN, so any element a pass forgets to write shows up."""
+    require_dtype(xp, dtype)
+    return xp.full(shape, np.nan, dtype=dtype)
+
+
+def snapshot(*arrays) -> list[bytes]:
+    """Bitwise copies of arrays (host or device), to check later that nothing changed."""
+    return [np.ascontiguousarray(to_numpy(a)).tobytes() for a in arrays]

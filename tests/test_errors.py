@@ -1,0 +1,490 @@
+"""Every validation branch raises the documented error type with a useful message,
+and a refused call leaves its inputs and ``out`` untouched.
+"""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+import scipy.sparse
+
+import bsmm
+from conftest import poisoned, snapshot, to_numpy, to_xp
+from reference import random_data
+
+BS = 8
+LAYOUT = np.array([[1, 0, 1], [0, 1, 1]], dtype=np.uint8)  # C = 16, K = 24, 4 blocks
+N = 5
+
+
+class Producer:
+    """A minimal foreign DLPack producer on the CPU: wraps a NumPy array, forwards DLPack.
+
+    Its type's top-level module is this test module, so bsmm sees a library other than NumPy.
+    """
+
+    def __init__(self, array):
+        self.array = array
+
+    def __dlpack__(self, **kwargs):
+        return self.array.__dlpack__(**kwargs)
+
+    def __dlpack_device__(self):
+        return self.array.__dlpack_device__()
+
+
+class ElsewhereProducer(Producer):
+    """Claims its memory is on a DLPack device bsmm does not run on (4 = OpenCL)."""
+
+    def __dlpack_device__(self):
+        return (4, 0)
+
+
+def activation(features, axis, n=N):
+    return (n, features) if axis == 1 else (features, n)
+
+
+@pytest.fixture(params=[1, 0], ids=["axis1", "axis0"])
+def case(request, xp):
+    """An operator plus valid xp inputs for every pass, and a NaN-filled out for each."""
+    axis = request.param
+    rng = np.random.default_rng(axis)
+    op = bsmm.BlocksparseMatMul(LAYOUT, block_size=BS, feature_axis=axis)
+    data = {
+        "x": random_data(rng, activation(op.C, axis), "float32"),
+        "dy": random_data(rng, activation(op.K, axis), "float32"),
+        "w": random_data(rng, op.w_shape, "float32"),
+    }
+    arrays = {name: to_xp(xp, value) for name, value in data.items()}
+    outs = {
+        "fprop": poisoned(xp, activation(op.K, axis), np.float32),
+        "bprop": poisoned(xp, activation(op.C, axis), np.float32),
+        "updat": poisoned(xp, op.w_shape, np.float32),
+    }
+    return op, axis, arrays, outs
+
+
+def run(op, pass_name, arrays, **kwargs):
+    if pass_name == "fprop":
+        return op(arrays["x"], arrays["w"], **kwargs)
+    if pass_name == "bprop":
+        return op.bprop(arrays["dy"], arrays["w"], **kwargs)
+    return op.updat(arrays["x"], arrays["dy"], **kwargs)
+
+
+def assert_refused(call, error, match, *arrays):
+    """``call()`` raises ``error`` matching ``match`` and changes none of ``arrays``."""
+    before = snapshot(*arrays)
+    with pytest.raises(error, match=match):
+        call()
+    assert snapshot(*arrays) == before, "a refused call modified its arguments"
+
+
+def strided(xp, shape, dtype=np.float32):
+    """A non-contiguous view of the given shape (every other element of the last axis)."""
+    wide = xp.ones(tuple(shape[:-1]) + (2 * shape[-1],), dtype=dtype)
+    view = wide[..., ::2]
+    assert not view.flags.c_contiguous
+    return view
+
+
+# -- layouts, block sizes, feature axes ------------------------------------------------------------
+@pytest.mark.parametrize("layout", [np.ones(4), np.ones((2, 2, 2)), np.array(1)], ids=["1d", "3d", "0d"])
+def test_layout_must_be_2d(layout):
+    assert_refused(lambda: bsmm.BlocksparseMatMul(layout, block_size=BS), ValueError, "layout must be 2-D", layout)
+
+
+@pytest.mark.parametrize("shape", [(0, 3), (3, 0), (0, 0)])
+def test_layout_must_not_be_empty(shape):
+    layout = np.ones(shape)
+    assert_refused(lambda: bsmm.BlocksparseMatMul(layout, block_size=BS), ValueError, "at least one block row", layout)
+
+
+@pytest.mark.parametrize("bad", [2, -1, 0.5, np.nan])
+def test_layout_must_hold_only_0_and_1(bad):
+    layout = np.array([[1.0, 0.0], [0.0, bad]])
+    assert_refused(lambda: bsmm.BlocksparseMatMul(layout, block_size=BS), ValueError, "only 0 and 1", layout)
+
+
+@pytest.mark.parametrize("layout", [np.array([["1", "0"]]), np.array([[1, 0]], dtype=object),
+                                    np.array([[1 + 0j, 0j]])], ids=["str", "object", "complex"])
+def test_layout_must_be_numeric(layout):
+    assert_refused(lambda: bsmm.BlocksparseMatMul(layout, block_size=BS), ValueError, "0/1 numbers", layout)
+
+
+@pytest.mark.parametrize("block_size", [12, 4, 256, 0, -32])
+def test_unsupported_block_size(block_size):
+    layout = LAYOUT.copy()
+    assert_refused(lambda: bsmm.BlocksparseMatMul(layout, block_size=block_size), ValueError,
+                   r"block_size must be one of \(8, 16, 32, 64, 128\)", layout)
+
+
+@pytest.mark.parametrize("block_size", [32.0, "32", True, [32]])
+def test_block_size_must_be_an_int(block_size):
+    layout = LAYOUT.copy()
+    assert_refused(lambda: bsmm.BlocksparseMatMul(layout, block_size=block_size), TypeError,
+                   "block_size must be an int", layout)
+
+
+def test_numpy_integer_block_size_is_accepted():
+    """np.int64 counts as an int (the error path must not catch it)."""
+    assert bsmm.BlocksparseMatMul(LAYOUT, block_size=np.int64(16)).block_size == 16
+
+
+@pytest.mark.parametrize("feature_axis", [2, -1, "1", True, 0.5])
+def test_feature_axis_must_be_0_or_1(feature_axis):
+    layout = LAYOUT.copy()
+    assert_refused(lambda: bsmm.BlocksparseMatMul(layout, block_size=BS, feature_axis=feature_axis), ValueError,
+                   "feature_axis must be 0 or 1", layout)
+
+
+# -- activations --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("pass_name", ["fprop", "updat"])
+def test_x_with_wrong_feature_size(case, xp, pass_name):
+    op, axis, arrays, outs = case
+    arrays["x"] = to_xp(xp, np.ones(activation(op.C + BS, axis), np.float32))
+    expected = r"x must have shape \(N, 16\)" if axis == 1 else r"x must have shape \(16, N\)"
+    assert_refused(lambda: run(op, pass_name, arrays, out=outs[pass_name]), ValueError, expected,
+                   *arrays.values(), outs[pass_name])
+
+
+@pytest.mark.parametrize("pass_name", ["bprop", "updat"])
+def test_dy_with_wrong_feature_size(case, xp, pass_name):
+    op, axis, arrays, outs = case
+    arrays["dy"] = to_xp(xp, np.ones(activation(op.C, axis), np.float32))  # C = 16 instead of K = 24
+    assert_refused(lambda: run(op, pass_name, arrays, out=outs[pass_name]), ValueError, "dy must have shape",
+                   *arrays.values(), outs[pass_name])
+
+
+@pytest.mark.parametrize("shape", [(16,), (1, 5, 16), ()], ids=["1d", "3d", "0d"])
+def test_x_with_wrong_ndim(case, xp, shape):
+    op, axis, arrays, outs = case
+    arrays["x"] = to_xp(xp, np.ones(shape, np.float32))
+    assert_refused(lambda: op(arrays["x"], arrays["w"], out=outs["fprop"]), ValueError, "x must have shape",
+                   *arrays.values(), outs["fprop"])
+
+
+def test_w_not_of_w_shape(case, xp):
+    op, axis, arrays, outs = case
+    for shape in [(3, BS, BS), (4, BS, 2 * BS), (4, BS * BS), (4 * BS, BS)]:
+        arrays["w"] = to_xp(xp, np.ones(shape, np.float32))
+        for pass_name in ("fprop", "bprop"):
+            assert_refused(lambda: run(op, pass_name, arrays, out=outs[pass_name]), ValueError,
+                           r"w must have shape w_shape \(4, 8, 8\)", *arrays.values(), outs[pass_name])
+
+
+def test_to_dense_checks_w(case, xp):
+    op, axis, arrays, outs = case
+    assert_refused(lambda: op.to_dense(to_xp(xp, np.ones((3, BS, BS), np.float32))), ValueError, "w_shape")
+    assert_refused(lambda: op.to_dense(to_xp(xp, np.ones(op.w_shape, np.float64))), TypeError, "w has dtype float64")
+
+
+def test_op_from_dense_checks_shape(case, xp):
+    op, axis, arrays, outs = case
+    dense = to_xp(xp, np.ones((op.K, op.C), np.float32))
+    assert_refused(lambda: op.from_dense(dense), ValueError, r"dense must have shape \(16, 24\)", dense)
+
+
+# -- dtypes ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("pass_name", ["fprop", "bprop"])
+def test_w_dtype_must_match_activations(case, xp, pass_name):
+    op, axis, arrays, outs = case
+    arrays["w"] = to_xp(xp, np.ones(op.w_shape, np.float16))
+    assert_refused(lambda: run(op, pass_name, arrays, out=outs[pass_name]), TypeError,
+                   "w has dtype float16 but the activations have float32", *arrays.values(), outs[pass_name])
+
+
+def test_dy_dtype_must_match_x_in_updat(case, xp):
+    op, axis, arrays, outs = case
+    arrays["dy"] = to_xp(xp, np.ones(activation(op.K, axis), np.float16))
+    assert_refused(lambda: op.updat(arrays["x"], arrays["dy"], out=outs["updat"]), TypeError,
+                   "dy has dtype float16 but x has float32", *arrays.values(), outs["updat"])
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.int32, np.complex64, np.bool_])
+@pytest.mark.parametrize("pass_name", ["fprop", "bprop", "updat"])
+def test_unsupported_dtype(case, xp, pass_name, dtype):
+    """Activations and weights alike: only float32, float16 and bfloat16."""
+    op, axis, arrays, outs = case
+    converted = {name: to_xp(xp, to_numpy(value).astype(dtype)) for name, value in arrays.items()}
+    argument = "dy" if pass_name == "bprop" else "x"
+    assert_refused(lambda: run(op, pass_name, converted), TypeError,
+                   f"{argument} has dtype {np.dtype(dtype).name}; supported dtypes are float32, float16, bfloat16",
+                   *converted.values())
+
+
+# -- memory layout -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("pass_name", ["fprop", "bprop", "updat"])
+def test_non_contiguous_activation(case, xp, pass_name):
+    op, axis, arrays, outs = case
+    name = "dy" if pass_name == "bprop" else "x"
+    arrays[name] = strided(xp, arrays[name].shape)
+    assert_refused(lambda: run(op, pass_name, arrays, out=outs[pass_name]), ValueError,
+                   f"{name} must be C-contiguous", *arrays.values(), outs[pass_name])
+
+
+def test_fortran_ordered_activation(case, xp):
+    """An F-ordered x is refused too (BlockSparseMatrix handles F order; the op does not)."""
+    op, axis, arrays, outs = case
+    arrays["x"] = xp.asfortranarray(arrays["x"])
+    if arrays["x"].flags.c_contiguous:
+        pytest.skip("this shape is both C- and F-contiguous")
+    assert_refused(lambda: op(arrays["x"], arrays["w"]), ValueError, "x must be C-contiguous", *arrays.values())
+
+
+@pytest.mark.parametrize("pass_name", ["fprop", "bprop"])
+def test_non_contiguous_w(case, xp, pass_name):
+    op, axis, arrays, outs = case
+    arrays["w"] = strided(xp, op.w_shape)
+    assert_refused(lambda: run(op, pass_name, arrays, out=outs[pass_name]), ValueError, "w must be C-contiguous",
+                   *arrays.values(), outs[pass_name])
+
+
+@pytest.mark.parametrize("pass_name", ["fprop", "bprop", "updat"])
+def test_non_contiguous_out(case, xp, pass_name):
+    op, axis, arrays, outs = case
+    out = strided(xp, outs[pass_name].shape)
+    assert_refused(lambda: run(op, pass_name, arrays, out=out), ValueError, "out must be C-contiguous",
+                   *arrays.values(), out)
+
+
+# -- out ---------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("pass_name", ["fprop", "bprop", "updat"])
+def test_out_of_wrong_shape(case, xp, pass_name):
+    op, axis, arrays, outs = case
+    shape = outs[pass_name].shape
+    out = poisoned(xp, (shape[0] + 1,) + tuple(shape[1:]), np.float32)
+    assert_refused(lambda: run(op, pass_name, arrays, out=out), ValueError,
+                   rf"out must have shape \({', '.join(map(str, shape))}\)", *arrays.values(), out)
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float64, ml_dtypes.bfloat16])
+@pytest.mark.parametrize("pass_name", ["fprop", "bprop", "updat"])
+def test_out_of_wrong_dtype(case, xp, pass_name, dtype):
+    op, axis, arrays, outs = case
+    out = poisoned(xp, outs[pass_name].shape, dtype)
+    assert_refused(lambda: run(op, pass_name, arrays, out=out), TypeError,
+                   f"out has dtype {np.dtype(dtype).name} but the inputs have float32", *arrays.values(), out)
+
+
+@pytest.mark.parametrize("pass_name", ["fprop", "bprop", "updat"])
+def test_read_only_out(case, xp, pass_name):
+    op, axis, arrays, outs = case
+    if xp is not np:
+        pytest.skip("only NumPy arrays can be read-only")
+    out = outs[pass_name]
+    out.flags.writeable = False
+    assert_refused(lambda: run(op, pass_name, arrays, out=out), ValueError, "out is read-only", *arrays.values(), out)
+
+
+def test_accumulate_needs_out(case):
+    op, axis, arrays, outs = case
+    assert_refused(lambda: op.updat(arrays["x"], arrays["dy"], accumulate=True), ValueError,
+                   "accumulate=True needs out=", *arrays.values())
+
+
+def test_updat_dy_rows_must_match_x(case, xp):
+    op, axis, arrays, outs = case
+    arrays["dy"] = to_xp(xp, np.ones(activation(op.K, axis, n=N + 2), np.float32))
+    assert_refused(lambda: op.updat(arrays["x"], arrays["dy"], out=outs["updat"], accumulate=True), ValueError,
+                   rf"dy has {N + 2} rows \(N\) but x has {N}", *arrays.values(), outs["updat"])
+
+
+# -- what counts as an array ----------------------------------------------------------------------
+@pytest.mark.parametrize("argument", ["x", "w"])
+def test_lists_are_not_arrays(case, argument):
+    op, axis, arrays, outs = case
+    converted = dict(arrays)
+    converted[argument] = to_numpy(arrays[argument]).tolist()
+    assert_refused(lambda: op(converted["x"], converted["w"], out=outs["fprop"]), TypeError,
+                   f"{argument} must be an array", outs["fprop"])
+
+
+def test_list_out_is_not_an_array(case):
+    op, axis, arrays, outs = case
+    out = to_numpy(outs["fprop"]).tolist()
+    assert_refused(lambda: op(arrays["x"], arrays["w"], out=out), TypeError, "out must be an array", *arrays.values())
+
+
+def test_scalars_are_not_arrays():
+    op = bsmm.BlocksparseMatMul(LAYOUT, block_size=BS)
+    w = np.ones(op.w_shape, np.float32)
+    assert_refused(lambda: op(np.float32(1), w), TypeError, "x must be an array", w)
+
+
+def test_inputs_of_different_libraries():
+    """A foreign DLPack producer next to a NumPy array: refused, naming both libraries."""
+    rng = np.random.default_rng(0)
+    op = bsmm.BlocksparseMatMul(LAYOUT, block_size=BS)
+    x = random_data(rng, (N, op.C), "float32")
+    w = random_data(rng, op.w_shape, "float32")
+    library = __name__.split(".", 1)[0]
+    assert_refused(lambda: op(Producer(x), w), ValueError,
+                   f"w is a numpy array but x is a {library} array; pass arrays of one library", x, w)
+    assert_refused(lambda: op.updat(x, Producer(np.ones((N, op.K), np.float32))), ValueError,
+                   "pass arrays of one library", x)
+
+
+def test_out_of_a_different_library():
+    rng = np.random.default_rng(1)
+    op = bsmm.BlocksparseMatMul(LAYOUT, block_size=BS)
+    x, w = random_data(rng, (N, op.C), "float32"), random_data(rng, op.w_shape, "float32")
+    buffer = np.full((N, op.K), np.nan, np.float32)
+    assert_refused(lambda: op(x, w, out=Producer(buffer)), ValueError, "out is a .* array but inputs is a numpy",
+                   x, w, buffer)
+
+
+def test_read_only_out_through_dlpack():
+    """A read-only buffer shared through DLPack is still refused as out."""
+    rng = np.random.default_rng(2)
+    op = bsmm.BlocksparseMatMul(LAYOUT, block_size=BS)
+    x, w = random_data(rng, (N, op.C), "float32"), random_data(rng, op.w_shape, "float32")
+    buffer = np.full((N, op.K), np.nan, np.float32)
+    buffer.flags.writeable = False
+    assert_refused(lambda: op(Producer(x), Producer(w), out=Producer(buffer)), ValueError, "out is read-only", buffer)
+
+
+def test_dlpack_device_bsmm_does_not_run_on():
+    op = bsmm.BlocksparseMatMul(LAYOUT, block_size=BS)
+    x = np.ones((N, op.C), np.float32)
+    assert_refused(lambda: op(ElsewhereProducer(x), ElsewhereProducer(np.ones(op.w_shape, np.float32))), TypeError,
+                   "lives on DLPack device type 4", x)
+
+
+def test_dtype_dlpack_cannot_carry():
+    """bfloat16 has no DLPack code NumPy accepts: a clear TypeError, not a BufferError."""
+    op = bsmm.BlocksparseMatMul(LAYOUT, block_size=BS)
+    x = np.ones((N, op.C), ml_dtypes.bfloat16)
+    assert_refused(lambda: op(Producer(x), Producer(np.ones(op.w_shape, ml_dtypes.bfloat16))), TypeError,
+                   "cannot be shared through DLPack", x)
+
+
+# -- BlockSparseMatrix --------------------------------------------------------------------------------
+def test_matrix_data_must_be_blocks():
+    for data in [np.ones((4, 8), np.float32), np.ones((4, 8, 16), np.float32), [[[1.0]]]]:
+        assert_refused(lambda: bsmm.BlockSparseMatrix(LAYOUT, data), ValueError,
+                       r"data must have shape \(nnzb, bs, bs\)", np.asarray(data))
+
+
+def test_matrix_data_must_fit_layout():
+    data = np.ones((3, 8, 8), np.float32)
+    assert_refused(lambda: bsmm.BlockSparseMatrix(LAYOUT, data), ValueError,
+                   r"data must have shape \(4, 8, 8\) for this layout", data)
+
+
+def test_matrix_data_block_size_and_dtype():
+    data = np.ones((4, 12, 12), np.float32)
+    assert_refused(lambda: bsmm.BlockSparseMatrix(LAYOUT, data), ValueError, "block_size must be one of", data)
+    data = np.ones((4, 8, 8))
+    assert_refused(lambda: bsmm.BlockSparseMatrix(LAYOUT, data), TypeError, "data has dtype float64", data)
+    matrix = bsmm.BlockSparseMatrix(LAYOUT, np.ones((4, 8, 8), np.float32))
+    # the message shows "<class 'numpy.float64'>", hence the loose pattern
+    assert_refused(lambda: matrix.astype(np.float64), TypeError, "dtype has dtype .*float64", matrix.data)
+
+
+@pytest.fixture
+def matrix(xp):
+    rng = np.random.default_rng(3)
+    return bsmm.BlockSparseMatrix(LAYOUT, to_xp(xp, random_data(rng, (4, BS, BS), "float32")))  # (16, 24)
+
+
+def test_matmul_shapes_must_align(matrix, xp):
+    operands = {
+        "W @ X": (lambda X: matrix @ X, (16, 3)),  # needs (24, n)
+        "X @ W": (lambda X: X @ matrix, (3, 24)),  # needs (n, 16)
+        "W.T @ X": (lambda X: matrix.T @ X, (24, 3)),  # needs (16, n)
+        "X @ W.T": (lambda X: X @ matrix.T, (3, 16)),  # needs (n, 24)
+    }
+    for product, (call, shape) in operands.items():
+        X = to_xp(xp, np.ones(shape, np.float32))
+        assert_refused(lambda: call(X), ValueError, "do not align for @", X, matrix.data)
+    v = to_xp(xp, np.ones(16, np.float32))
+    assert_refused(lambda: matrix @ v, ValueError, "do not align", v)
+
+
+def test_matmul_stack_on_the_right_is_refused(matrix, xp):
+    stack = to_xp(xp, np.ones((2, 24, 3), np.float32))
+    assert_refused(lambda: matrix @ stack, ValueError, r"W @ other needs other 1-D or 2-D; got 3-D", stack)
+
+
+def test_matmul_with_a_list(matrix):
+    assert_refused(lambda: matrix @ [[1.0] * 24], TypeError, "other must be an array", matrix.data)
+
+
+def test_matmul_dtype_mismatch(matrix, xp):
+    X = to_xp(xp, np.ones((3, 16), np.float16))
+    assert_refused(lambda: X @ matrix, TypeError, "has dtype float32 but the activations have float16", X)
+
+
+def test_from_dense_shape_must_be_multiple_of_block_size():
+    for shape in [(20, 16), (16, 20), (16,), (2, 16, 16)]:
+        dense = np.ones(shape, np.float32)
+        assert_refused(lambda: bsmm.BlockSparseMatrix.from_dense(dense, block_size=8), ValueError,
+                       "dense must be 2-D with both sides multiples of block_size 8", dense)
+
+
+def test_from_dense_accepts_at_most_one_selector():
+    dense = np.ones((16, 16), np.float32)
+    assert_refused(lambda: bsmm.BlockSparseMatrix.from_dense(dense, block_size=8, threshold=0.5, top_k=2),
+                   ValueError, "give at most one of threshold, top_k, density; got threshold, top_k", dense)
+    assert_refused(lambda: bsmm.BlockSparseMatrix.from_dense(dense, block_size=8, top_k=1, density=0.5),
+                   ValueError, "got top_k, density", dense)
+
+
+def test_from_dense_selector_ranges():
+    dense = np.ones((16, 16), np.float32)  # 4 blocks
+    for density in (-0.1, 1.5):
+        assert_refused(lambda: bsmm.BlockSparseMatrix.from_dense(dense, block_size=8, density=density),
+                       ValueError, "density must be in", dense)
+    for top_k in (-1, 5):
+        assert_refused(lambda: bsmm.BlockSparseMatrix.from_dense(dense, block_size=8, top_k=top_k),
+                       ValueError, r"top_k must be in \[0, 4\]", dense)
+
+
+def test_from_dense_dtype_and_block_size():
+    dense = np.ones((16, 16))
+    assert_refused(lambda: bsmm.BlockSparseMatrix.from_dense(dense, block_size=8), TypeError,
+                   "dense has dtype float64", dense)
+    dense = np.ones((24, 24), np.float32)
+    assert_refused(lambda: bsmm.BlockSparseMatrix.from_dense(dense, block_size=12), ValueError,
+                   "block_size must be one of", dense)
+
+
+def sparse_parts(matrix) -> tuple:
+    """The arrays a scipy.sparse matrix is made of, to check they stay unchanged."""
+    return tuple(getattr(matrix, name) for name in ("data", "indices", "indptr") if hasattr(matrix, name))
+
+
+def test_from_scipy_csr_needs_block_size():
+    csr = scipy.sparse.csr_array(np.eye(16, dtype=np.float32))
+    assert_refused(lambda: bsmm.BlockSparseMatrix.from_scipy(csr), ValueError,
+                   "block_size is needed for a csr matrix", *sparse_parts(csr))
+
+
+def test_from_scipy_bsr_with_rectangular_blocks_needs_block_size():
+    bsr = scipy.sparse.bsr_array(np.eye(16, dtype=np.float32), blocksize=(8, 16))
+    assert_refused(lambda: bsmm.BlockSparseMatrix.from_scipy(bsr), ValueError,
+                   "block_size is needed for a bsr matrix without square blocks", *sparse_parts(bsr))
+
+
+def test_from_scipy_shape_must_be_multiple_of_block_size():
+    csr = scipy.sparse.csr_array(np.eye(20, 16, dtype=np.float32))
+    assert_refused(lambda: bsmm.BlockSparseMatrix.from_scipy(csr, block_size=8), ValueError,
+                   r"matrix shape \(20, 16\) is not a multiple of block_size 8", *sparse_parts(csr))
+
+
+def test_from_scipy_block_size_and_dtype_checked():
+    csr = scipy.sparse.csr_array(np.eye(24, dtype=np.float32))
+    assert_refused(lambda: bsmm.BlockSparseMatrix.from_scipy(csr, block_size=12), ValueError,
+                   "block_size must be one of", *sparse_parts(csr))
+    # the message shows "<class 'numpy.float64'>", hence the loose pattern
+    assert_refused(lambda: bsmm.BlockSparseMatrix.from_scipy(csr, block_size=8, dtype=np.float64), TypeError,
+                   "dtype has dtype .*float64", *sparse_parts(csr))
+
+
+@pytest.mark.parametrize("value", [np.eye(16, dtype=np.float32), [[1.0]], None], ids=["ndarray", "list", "None"])
+def test_from_scipy_of_non_sparse(value):
+    kept = [value] if isinstance(value, np.ndarray) else []
+    assert_refused(lambda: bsmm.BlockSparseMatrix.from_scipy(value, block_size=8), TypeError,
+                   "matrix must be a scipy.sparse matrix or array", *kept)
