@@ -41,7 +41,8 @@ class BlockSparseMatrix:
     (True, True)
     """
 
-    __array_priority__ = 20  # ndarray @ BlockSparseMatrix defers to __rmatmul__
+    # NumPy and CuPy arrays return NotImplemented from ``array @ W`` so Python calls __rmatmul__.
+    __array_ufunc__ = None
 
     def __init__(self, layout, data, *, _index: BlockIndex | None = None, _transposed: bool = False):
         if _index is None:

@@ -278,6 +278,26 @@ def test_read_only_out(case, xp, pass_name):
     assert_refused(lambda: run(op, pass_name, arrays, out=out), ValueError, "out is read-only", *arrays.values(), out)
 
 
+@pytest.mark.parametrize("pass_name", ["fprop", "bprop", "updat"])
+def test_out_overlapping_an_input(xp, pass_name):
+    """out sharing memory with an input is refused (the passes read inputs while writing out)."""
+    rng = np.random.default_rng(4)
+    layout = np.array([[1, 1], [0, 1]], dtype=np.uint8)  # square: C = K = 16, w_shape (3, 8, 8)
+    op = bsmm.BlocksparseMatMul(layout, block_size=BS)
+    x, dy = to_xp(xp, random_data(rng, (N, 16), "float32")), to_xp(xp, random_data(rng, (N, 16), "float32"))
+    w = to_xp(xp, random_data(rng, op.w_shape, "float32"))
+    if pass_name == "updat":  # a gradient buffer carved out of x's memory
+        backing = to_xp(xp, random_data(rng, (3 * 64 + 16,), "float32"))
+        x = backing[:N * 16].reshape(N, 16)
+        out = backing[16:16 + 3 * 64].reshape(op.w_shape)
+        arguments = (x, dy)
+    else:
+        out = x if pass_name == "fprop" else dy
+        arguments = (x, w) if pass_name == "fprop" else (dy, w)
+    run_pass = {"fprop": op, "bprop": op.bprop, "updat": op.updat}[pass_name]
+    assert_refused(lambda: run_pass(*arguments, out=out), ValueError, "out overlaps an input", x, dy, w, out)
+
+
 def test_accumulate_needs_out(case):
     op, axis, arrays, outs = case
     assert_refused(lambda: op.updat(arrays["x"], arrays["dy"], accumulate=True), ValueError,
