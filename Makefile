@@ -11,7 +11,7 @@ STAMP := $(VENV)/.installed
 $(STAMP): setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[test]'
+	$(PY) -m pip install --quiet -e '.[test,nvrtc]'
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -20,6 +20,7 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q tests --doctest-modules bsmm
 	PYTHON=$(PY) bash tools/check_wheel.sh
+	$(PY) tools/compile_kernels.py --arch sm_80 --arch sm_90a --jobs 2
 
 bench: $(STAMP)
 	$(PY) -m bsmm bench -v

@@ -103,7 +103,8 @@ def cuda_include_dirs() -> tuple[str, ...]:
 def compile_options(arch: str) -> tuple[str, ...]:
     """NVRTC options, identical at run time and in CI's compile check."""
     includes = tuple(f"-I{d}" for d in (str(CUDA_DIR), *cuda_include_dirs()))
-    return ("-std=c++17", f"-arch={arch}", "-DNDEBUG", "-Xptxas=-v", *includes)
+    extra = tuple(os.environ.get("BSMM_NVRTC_OPTIONS", "").split())  # e.g. -lineinfo for profiling
+    return ("-std=c++17", f"-arch={arch}", "-DNDEBUG", "-Xptxas=-v", *includes, *extra)
 
 
 def _source() -> str:
