@@ -66,7 +66,10 @@ __device__ __forceinline__ void load_tile(T* dst, Src src, int tid) {
         int valid;
         const T* p = src(row, col, valid);
         T* d = dst + row * PITCH + col;
-#ifdef BSMM_DEBUG_SCALAR_ZERO
+#if defined(BSMM_DEBUG_ALL_SCALAR)
+        if (false) {
+        } else
+#elif defined(BSMM_DEBUG_SCALAR_ZERO)
         if (K::ALIGNED && valid == K::VEC) {
             cp_async16(d, p, 16);
         } else
