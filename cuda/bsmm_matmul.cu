@@ -66,21 +66,10 @@ __device__ __forceinline__ void load_tile(T* dst, Src src, int tid) {
         int valid;
         const T* p = src(row, col, valid);
         T* d = dst + row * PITCH + col;
-#if defined(BSMM_DEBUG_ALL_SCALAR)
-        if (false) {
-        } else
-#elif defined(BSMM_DEBUG_SCALAR_ZERO)
-        if (K::ALIGNED && valid == K::VEC) {
-            cp_async16(d, p, 16);
-        } else
-#else
-        if (K::ALIGNED && valid == K::VEC) {
-            cp_async16(d, p, 16);
-        } else if (K::ALIGNED && valid == 0) {
-            *reinterpret_cast<uint4*>(d) = make_uint4(0, 0, 0, 0);
-        } else
-#endif
-        {
+        if (K::ALIGNED && (valid == K::VEC || valid == 0)) {
+            // Every lane issues the same copy; missing chunks copy 0 bytes and are zero-filled.
+            cp_async16(d, p, valid == 0 ? 0 : 16);
+        } else {
 #pragma unroll
             for (int e = 0; e < K::VEC; ++e) d[e] = e < valid ? p[e] : Elem<T>::from_float(0.f);
         }
