@@ -10,20 +10,18 @@ arrays, which means it is imported already.
 
 from __future__ import annotations
 
-import dataclasses
 import importlib
 import sys
 from typing import Any, Callable
 
 import numpy as np
 
-__all__ = ["Operand", "as_operand", "check_same_place"]
+__all__ = ["Operand", "as_operand", "check_same_place", "overlaps"]
 
 # DLPack device types (dlpack.h): where the memory lives.
 _DLPACK_CPU, _DLPACK_CUDA, _DLPACK_CUDA_HOST, _DLPACK_CUDA_MANAGED = 1, 2, 3, 13
 
 
-@dataclasses.dataclass(frozen=True)
 class Operand:
     """An input array as the backends see it.
 
@@ -39,10 +37,11 @@ class Operand:
         CUDA device ordinal, None on the CPU.
     """
 
-    array: Any
-    backend: str
-    library: str
-    device: int | None
+    __slots__ = ("array", "backend", "library", "device")
+
+    def __init__(self, array: Any, backend: str, library: str, device: int | None):
+        # A plain slotted class: built on every call of a pass, so it must be cheap.
+        self.array, self.backend, self.library, self.device = array, backend, library, device
 
     def wrap(self, result):
         """Return ``result`` (NumPy/CuPy) as an array of the caller's library, without a copy."""
@@ -86,6 +85,20 @@ _REWRAP: dict[str, Callable] = {
 }
 
 
+def _cupy_ndarray():
+    """cupy.ndarray if CuPy is imported already (else None: then no array can be one)."""
+    cupy = sys.modules.get("cupy")
+    return getattr(cupy, "ndarray", None)
+
+
+def overlaps(a, b) -> bool:
+    """Whether two C-contiguous arrays of one library share any byte (exact for contiguous arrays)."""
+    if isinstance(a, np.ndarray):
+        return bool(np.may_share_memory(a, b))
+    start_a, start_b = a.data.ptr, b.data.ptr
+    return start_a < start_b + b.nbytes and start_b < start_a + a.nbytes and a.nbytes > 0 and b.nbytes > 0
+
+
 def as_operand(array, argument: str) -> Operand:
     """Classify ``array`` and expose its memory as NumPy or CuPy, without copying.
 
@@ -95,6 +108,11 @@ def as_operand(array, argument: str) -> Operand:
         If ``array`` is not an array (NumPy, CuPy, or a DLPack producer), or
         DLPack cannot express its dtype for NumPy/CuPy.
     """
+    kind = type(array)
+    if kind is np.ndarray:
+        return Operand(array, "cpu", "numpy", None)
+    if kind is _cupy_ndarray():
+        return Operand(array, "cuda", "cupy", array.device.id)
     library = _top_module(array)
     if isinstance(array, np.ndarray):
         return Operand(array, "cpu", "numpy", None)

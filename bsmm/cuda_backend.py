@@ -20,7 +20,8 @@ import numpy as np
 
 from .block_index import BlockIndex
 from .config import settings
-from .kernels import Variant, load_kernel
+from .dtypes import DTYPE_NAMES
+from .kernels import MAX_PART_BLOCKS, Variant, load_kernel
 
 __all__ = ["fprop", "bprop", "updat", "plan_for", "tile_for"]
 
@@ -55,6 +56,37 @@ def math_mode(dtype: str, pass_name: str, block_size: int, tf32: bool) -> str:
     return "tensor16"
 
 
+_ARG_COUNT = 13  # parameters of bsmm_matmul
+
+
+class _Launcher:
+    """Launches one kernel with a parameter block packed once.
+
+    CuPy's generic launch converts every argument on every call (tens of
+    microseconds for 13 arguments); here the six table and scratch pointers are
+    written once and only the data pointers and sizes change per call.
+    ``cuLaunchKernel`` copies the parameters, so the block is free again when it returns.
+    """
+
+    def __init__(self, kernel, grid, threads: int, shared_bytes: int):
+        self.function = kernel.kernel.ptr
+        self.grid, self.threads, self.shared_bytes = grid, threads, shared_bytes
+        self.values = np.zeros(_ARG_COUNT, dtype=np.uint64)
+        self.pointers = np.arange(_ARG_COUNT, dtype=np.uint64) * 8 + np.uint64(self.values.ctypes.data)
+        self.lock = threading.Lock()
+
+    def launch(self, stream_ptr: int, arrays: tuple, scratch: tuple, ints: tuple) -> None:
+        from cupy.cuda import driver
+
+        with self.lock:
+            values = self.values
+            values[0], values[1], values[2] = (a.data.ptr for a in arrays)
+            values[3:8] = scratch
+            values[8:13] = ints
+            driver.launchKernel(self.function, *self.grid, self.threads, 1, 1, self.shared_bytes, stream_ptr,
+                                self.pointers.ctypes.data, 0)
+
+
 @dataclasses.dataclass
 class Plan:
     """Everything one pass launch needs, built once; see the module docstring."""
@@ -67,18 +99,23 @@ class Plan:
     table: object  # cupy int32 (entries, 2)
     workspace_floats: int
     counter_count: int
-    scratch: dict = dataclasses.field(default_factory=dict)  # stream -> (workspace, counters)
+    launcher: _Launcher
+    # stream -> (kernel pointer arguments 3..7, the workspace and counter arrays they point into)
+    scratch: dict = dataclasses.field(default_factory=dict)
 
-    def scratch_for(self, stream_ptr: int):
-        import cupy
+    def scratch_for(self, stream_ptr: int) -> tuple:
+        """Pointers to the tables and to this stream's workspace and counters (allocated once)."""
+        entry = self.scratch.get(stream_ptr)
+        if entry is None:
+            import cupy
 
-        pair = self.scratch.get(stream_ptr)
-        if pair is None:
             # Counters start at zero and each launch's last part resets the ones it used.
-            pair = (cupy.empty(max(1, self.workspace_floats), dtype=np.float32),
-                    cupy.zeros(max(1, self.counter_count), dtype=np.int32))
-            self.scratch[stream_ptr] = pair
-        return pair
+            workspace = cupy.empty(max(1, self.workspace_floats), dtype=np.float32)
+            counters = cupy.zeros(max(1, self.counter_count), dtype=np.int32)
+            pointers = (self.segments.data.ptr, self.units.data.ptr, self.table.data.ptr,
+                        workspace.data.ptr, counters.data.ptr)
+            entry = self.scratch[stream_ptr] = (pointers, (workspace, counters))
+        return entry[0]
 
 
 def _parts(counts: np.ndarray, part_length: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -135,6 +172,7 @@ def _build_plan(index: BlockIndex, pass_name: str, n: int, dtype: str, feature_a
         # Balance: no part much longer than twice the average unit, and enough parts to fill the GPU.
         fill = math.ceil(total * tiles_per_unit / target_ctas)
         part_length = max(cfg["min_part_blocks"], min(math.ceil(2 * total / n_units), fill))
+        part_length = min(part_length, MAX_PART_BLOCKS)
         parts, unit_of, part_index = _parts(counts, part_length)
         begin = ptr[unit_of] + part_index * part_length
         end = np.minimum(begin + part_length, ptr[unit_of + 1])
@@ -145,11 +183,13 @@ def _build_plan(index: BlockIndex, pass_name: str, n: int, dtype: str, feature_a
     segments = segments[np.argsort(-(segments[:, 2] - segments[:, 1]), kind="stable")]
     units = _unit_table(parts)
     split_parts = int(np.where(parts > 1, parts, 0).sum())
+    grid = (len(segments), *grid_yz)
     with device:
         return Plan(
             kernel=kernel,
             variant=variant,
-            grid=(len(segments), *grid_yz),
+            launcher=_Launcher(kernel, grid, variant.threads, variant.shared_bytes),
+            grid=grid,
             segments=cupy.asarray(segments),
             units=cupy.asarray(units),
             table=cupy.asarray(np.ascontiguousarray(table, dtype=np.int32)),
@@ -167,8 +207,8 @@ def plan_for(index: BlockIndex, pass_name: str, n: int, dtype: str, feature_axis
     """The cached plan for this pass on the current device, built on first use."""
     import cupy
 
-    device = cupy.cuda.Device()
-    key = (pass_name, n, dtype, feature_axis, tf32, aligned, device.id)
+    device_id = cupy.cuda.runtime.getDevice()
+    key = (pass_name, n, dtype, feature_axis, tf32, aligned, device_id)
     plans = _PLANS.get(index)
     plan = plans.get(key) if plans is not None else None
     if plan is None:
@@ -176,7 +216,8 @@ def plan_for(index: BlockIndex, pass_name: str, n: int, dtype: str, feature_axis
             plans = _PLANS.setdefault(index, {})
             plan = plans.get(key)
             if plan is None:
-                plan = plans[key] = _build_plan(index, pass_name, n, dtype, feature_axis, tf32, aligned, device)
+                plan = plans[key] = _build_plan(index, pass_name, n, dtype, feature_axis, tf32, aligned,
+                                                cupy.cuda.Device(device_id))
     return plan
 
 
@@ -190,16 +231,9 @@ def _aligned(feature_axis: int, n: int, *arrays) -> bool:
 def _launch(plan: Plan, act, other, out, n: int, ld_act: int, ld_other: int, ld_out: int, accumulate: bool) -> None:
     import cupy
 
-    stream = cupy.cuda.get_current_stream()
-    workspace, counters = plan.scratch_for(stream.ptr)
-    plan.kernel(
-        plan.grid,
-        (plan.variant.threads, 1, 1),
-        (act, other, out, plan.segments, plan.units, plan.table, workspace, counters,
-         np.int32(n), np.int32(ld_act), np.int32(ld_other), np.int32(ld_out), np.int32(accumulate)),
-        shared_mem=plan.variant.shared_bytes,
-        stream=stream,
-    )
+    stream_ptr = cupy.cuda.get_current_stream().ptr
+    plan.launcher.launch(stream_ptr, (act, other, out), plan.scratch_for(stream_ptr),
+                         (n, ld_act, ld_other, ld_out, int(accumulate)))
 
 
 def _sparse_pass(pass_name: str, index: BlockIndex, act, w, out, feature_axis: int, tf32: bool,
@@ -207,7 +241,7 @@ def _sparse_pass(pass_name: str, index: BlockIndex, act, w, out, feature_axis: i
     n = act.shape[1 - feature_axis]
     if n == 0 or out.size == 0:
         return
-    dtype = str(act.dtype)
+    dtype = DTYPE_NAMES[act.dtype]
     plan = plan_for(index, pass_name, n, dtype, feature_axis, tf32, _aligned(feature_axis, n, act, w, out))
     ld_act, ld_out = (features_in, features_out) if feature_axis == 1 else (n, n)
     _launch(plan, act, w, out, n, ld_act, 0, ld_out, False)
@@ -230,7 +264,7 @@ def updat(index: BlockIndex, x, dy, out, feature_axis: int, accumulate: bool, tf
     if out.size == 0:
         return out
     n = x.shape[1 - feature_axis]
-    dtype = str(x.dtype)
+    dtype = DTYPE_NAMES[x.dtype]
     plan = plan_for(index, "updat", n, dtype, feature_axis, tf32, _aligned(feature_axis, n, x, dy, out))
     ld_x, ld_dy = (index.C, index.K) if feature_axis == 1 else (n, n)
     _launch(plan, x, dy, out, n, ld_x, ld_dy, 0, accumulate)

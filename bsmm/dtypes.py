@@ -5,7 +5,7 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 
-__all__ = ["SUPPORTED_DTYPES", "canonical_dtype"]
+__all__ = ["SUPPORTED_DTYPES", "DTYPE_NAMES", "canonical_dtype"]
 
 #: name -> NumPy dtype. bfloat16 comes from ml_dtypes, the type NumPy-side code
 #: (JAX, TensorFlow) already uses for it.
@@ -14,6 +14,10 @@ SUPPORTED_DTYPES: dict[str, np.dtype] = {
     "float16": np.dtype(np.float16),
     "bfloat16": np.dtype(ml_dtypes.bfloat16),
 }
+
+
+#: dtype -> name, for hot paths (``str(dtype)`` is slow in NumPy).
+DTYPE_NAMES: dict[np.dtype, str] = {dtype: name for name, dtype in SUPPORTED_DTYPES.items()}
 
 
 def canonical_dtype(dtype, argument: str) -> np.dtype:
@@ -32,6 +36,12 @@ def canonical_dtype(dtype, argument: str) -> np.dtype:
     >>> canonical_dtype("float16", "x")
     dtype('float16')
     """
+    try:
+        name = DTYPE_NAMES.get(dtype)  # the common case: already a supported dtype
+    except TypeError:  # unhashable: certainly not a dtype
+        name = None
+    if name is not None:
+        return SUPPORTED_DTYPES[name]
     try:
         resolved = np.dtype(dtype)
     except TypeError:

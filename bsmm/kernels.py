@@ -28,6 +28,9 @@ __all__ = ["Variant", "compile_variant", "load_kernel", "arch_for", "cuda_includ
 SOURCE_FILE = "bsmm_matmul.cu"
 MATH_MODES = {"simt": 0, "tensor16": 1, "tf32": 2}
 PASS_IDS = {"fprop": 0, "bprop": 1, "updat": 2}
+#: Longest part of a block column (row) one thread block takes; its step-table slice is staged in
+#: shared memory (8 bytes an entry). Passed to NVRTC, so host and kernel agree.
+MAX_PART_BLOCKS = 256
 C_TYPES = {"float32": "float", "float16": "__half", "bfloat16": "__nv_bfloat16"}
 ELEMENT_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
@@ -104,7 +107,8 @@ def compile_options(arch: str) -> tuple[str, ...]:
     """NVRTC options, identical at run time and in CI's compile check."""
     includes = tuple(f"-I{d}" for d in (str(CUDA_DIR), *cuda_include_dirs()))
     extra = tuple(os.environ.get("BSMM_NVRTC_OPTIONS", "").split())  # e.g. -lineinfo for profiling
-    return ("-std=c++17", f"-arch={arch}", "-DNDEBUG", "-Xptxas=-v", *includes, *extra)
+    return ("-std=c++17", f"-arch={arch}", "-DNDEBUG", f"-DBSMM_MAX_PART={MAX_PART_BLOCKS}", "-Xptxas=-v",
+            *includes, *extra)
 
 
 def _source() -> str:
@@ -183,7 +187,8 @@ def load_kernel(variant: Variant, device_id: int):
                 arch = arch_for(device.compute_capability)
                 cubin_path, lowered = _cached_cubin(variant, arch)
                 kernel = cupy.RawModule(path=str(cubin_path)).get_function(lowered)
-                if variant.shared_bytes > 48 * 1024:
-                    kernel.max_dynamic_shared_size_bytes = variant.shared_bytes
+                # Always opt in: static shared memory (the staged step table) counts against the
+                # 48 KiB default together with the dynamic stages.
+                kernel.max_dynamic_shared_size_bytes = variant.shared_bytes
             _LOADED[key] = kernel
     return kernel

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import cpu_backend, initializers
-from .arrays import Operand, as_operand, check_same_place
+from .arrays import Operand, as_operand, check_same_place, overlaps
 from .block_index import BlockIndex, block_index
 from .config import settings
 from .dtypes import canonical_dtype
@@ -300,9 +300,8 @@ class BlocksparseMatMul:
             raise ValueError(f"out must be C-contiguous; got strides {array.strides}")
         if like.backend == "cpu" and not array.flags.writeable:
             raise ValueError("out is read-only")
-        xp = _array_module(array)
         for operand in inputs:
-            if xp.may_share_memory(array, operand.array):
+            if overlaps(array, operand.array):
                 raise ValueError("out overlaps an input; pass a separate output buffer")
         return array
 

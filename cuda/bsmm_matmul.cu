@@ -87,11 +87,12 @@ struct Operands {
     int m0, n0;              // tile origin: rows of N (sparse K) or of the block (updat), columns of the block
     int2 block;              // updat: (block row c, block column k)
 
-    // Sparse K: step s covers K positions [s*BK, s*BK + BK) of the concatenated blocks.
+    // Sparse K: step s covers K positions [s*BK, s*BK + BK) of the concatenated blocks;
+    // table is the segment's slice of the step table, staged in shared memory.
     __device__ __forceinline__ bool locate(int kg, int2& entry, int& kin) const {
-        const int j = seg_begin + kg / BS;
+        const int j = kg / BS;
         kin = kg % BS;
-        if (j >= seg_end) return false;
+        if (j >= seg_end - seg_begin) return false;
         entry = table[j];  // (weight block, activation feature block)
         return true;
     }
@@ -300,6 +301,9 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N * 32)
     extern __shared__ __align__(16) unsigned char smem_raw[];
     T* smem = reinterpret_cast<T*>(smem_raw);
     __shared__ int last_part;
+    // A part's entries of the step table, read once: the loaders would otherwise wait on a
+    // dependent global load before every copy they issue.
+    __shared__ int2 part_table[PASS == UPDAT ? 1 : BSMM_MAX_PART];
 
     const int4 seg = segments[blockIdx.x];
     const int unit = seg.x, part = seg.w;
@@ -310,7 +314,7 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N * 32)
     Operands<K, T, BS> ops;
     ops.act = act;
     ops.other = other;
-    ops.table = table;
+    ops.table = PASS == UPDAT ? table : part_table;
     ops.n_rows = n_rows;
     ops.ld_act = ld_act;
     ops.ld_other = ld_other;
@@ -325,6 +329,8 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N * 32)
     } else {
         ops.block = make_int2(0, 0);
         n_steps = ((seg.z - seg.y) * BS + BK - 1) / BK;
+        for (int i = threadIdx.x; i < seg.z - seg.y; i += K::NT) part_table[i] = table[seg.y + i];
+        __syncthreads();
     }
 
     float acc[K::ACC];
