@@ -129,3 +129,20 @@ def ref_updat(layout, bs: int, x, dy, feature_axis: int) -> np.ndarray:
     x, dy = as_float64(x), as_float64(dy)
     full = x.T @ dy if feature_axis == 1 else x @ dy.T
     return dense_to_present_blocks(layout, full, bs)
+
+
+class Producer:
+    """A minimal foreign DLPack producer on the CPU: wraps a NumPy array and forwards DLPack.
+
+    Its type's top-level module is this test helper module, so bsmm sees a library other
+    than NumPy, and one without ``from_dlpack`` (results then come back as NumPy arrays).
+    """
+
+    def __init__(self, array):
+        self.array = array
+
+    def __dlpack__(self, **kwargs):
+        return self.array.__dlpack__(**kwargs)
+
+    def __dlpack_device__(self):
+        return self.array.__dlpack_device__()

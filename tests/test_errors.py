@@ -11,27 +11,11 @@ import scipy.sparse
 
 import bsmm
 from conftest import poisoned, snapshot, to_numpy, to_xp
-from reference import random_data
+from reference import Producer, random_data
 
 BS = 8
 LAYOUT = np.array([[1, 0, 1], [0, 1, 1]], dtype=np.uint8)  # C = 16, K = 24, 4 blocks
 N = 5
-
-
-class Producer:
-    """A minimal foreign DLPack producer on the CPU: wraps a NumPy array, forwards DLPack.
-
-    Its type's top-level module is this test module, so bsmm sees a library other than NumPy.
-    """
-
-    def __init__(self, array):
-        self.array = array
-
-    def __dlpack__(self, **kwargs):
-        return self.array.__dlpack__(**kwargs)
-
-    def __dlpack_device__(self):
-        return self.array.__dlpack_device__()
 
 
 class ElsewhereProducer(Producer):
@@ -339,7 +323,7 @@ def test_inputs_of_different_libraries():
     op = bsmm.BlocksparseMatMul(LAYOUT, block_size=BS)
     x = random_data(rng, (N, op.C), "float32")
     w = random_data(rng, op.w_shape, "float32")
-    library = __name__.split(".", 1)[0]
+    library = Producer.__module__.split(".", 1)[0]
     assert_refused(lambda: op(Producer(x), w), ValueError,
                    f"w is a numpy array but x is a {library} array; pass arrays of one library", x, w)
     assert_refused(lambda: op.updat(x, Producer(np.ones((N, op.K), np.float32))), ValueError,

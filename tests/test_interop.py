@@ -14,25 +14,9 @@ import numpy as np
 import pytest
 
 import bsmm
-from reference import assert_close, random_data, random_layout, ref_bprop, ref_fprop, ref_updat
+from reference import Producer, assert_close, random_data, random_layout, ref_bprop, ref_fprop, ref_updat
 
 BS = 16
-
-
-class Producer:
-    """A CPU DLPack producer that wraps a NumPy array and forwards DLPack to it.
-
-    Its top-level module is this test module, which has no ``from_dlpack``.
-    """
-
-    def __init__(self, array):
-        self.array = array
-
-    def __dlpack__(self, **kwargs):
-        return self.array.__dlpack__(**kwargs)
-
-    def __dlpack_device__(self):
-        return self.array.__dlpack_device__()
 
 
 assert "from_dlpack" not in globals(), "this module must not offer from_dlpack (the fallback is under test)"
