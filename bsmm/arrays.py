@@ -131,7 +131,8 @@ def as_operand(array, argument: str) -> Operand:
             import cupy
 
             return Operand(cupy.from_dlpack(array), "cuda", library, device_id)
-    except (BufferError, TypeError, ValueError) as error:
+    except (BufferError, TypeError, ValueError, RuntimeError) as error:
+        # e.g. bfloat16, which NumPy's DLPack import does not know (the framework adapters handle it)
         raise TypeError(f"{argument} ({library} array) cannot be shared through DLPack: {error}") from error
     raise TypeError(f"{argument} lives on DLPack device type {device_type}; bsmm runs on the CPU and on CUDA GPUs")
 
