@@ -145,14 +145,94 @@ struct Operands {
     }
 };
 
-template <class K, typename T>
-struct Accumulators {
-    float v[K::ACC];
+
+// The fast copy path (16-byte aligned operands, one block per step or dense K): every
+// address a thread copies is a fixed offset from a per-step base pointer, so the offsets and
+// range checks are computed once per thread block instead of once per chunk and step.
+template <class K, int ROWS, int COLS, int PITCH>
+struct ChunkPlan {
+    static constexpr int CHUNKS = ROWS * COLS / K::VEC;
+    static constexpr int PER_THREAD = (CHUNKS + K::NT - 1) / K::NT;
+    static constexpr int ABSENT = 0x7fffffff;
+    long long offset[PER_THREAD];  // from the step's base pointer, in elements
+    int k[PER_THREAD];             // K coordinate of the chunk within the step; ABSENT if it never exists
+
+    // ld: elements between stored rows; k_is_col: columns run along K; mn_limit: rows/columns
+    // of the non-K dimension that exist (batch rows past N do not).
+    __device__ __forceinline__ void init(int tid, long long ld, bool k_is_col, int mn_limit) {
+#pragma unroll
+        for (int i = 0; i < PER_THREAD; ++i) {
+            const int c = tid + i * K::NT;
+            const int row = c / (COLS / K::VEC), col = (c % (COLS / K::VEC)) * K::VEC;
+            const int mn = k_is_col ? row : col;
+            offset[i] = row * ld + col;
+            k[i] = (c < CHUNKS && mn < mn_limit) ? (k_is_col ? col : row) : ABSENT;
+        }
+    }
+
+    // Copies the chunks whose K coordinate is below k_limit; the rest of the tile becomes zeros.
+    template <typename T>
+    __device__ __forceinline__ void copy(T* dst, const T* base, int k_limit, int tid) const {
+#pragma unroll
+        for (int i = 0; i < PER_THREAD; ++i) {
+            const int c = tid + i * K::NT;
+            if (CHUNKS % K::NT == 0 || c < CHUNKS) {
+                const int row = c / (COLS / K::VEC), col = (c % (COLS / K::VEC)) * K::VEC;
+                const bool valid = k[i] < k_limit;
+                cp_async16(dst + row * PITCH + col, valid ? base + offset[i] : base, valid ? 16 : 0);
+            }
+        }
+    }
 };
 
+template <class K, typename T, int BS>
+struct FastLoader {
+    ChunkPlan<K, K::A_ROWS, K::A_COLS, K::A_PITCH> a;
+    ChunkPlan<K, K::B_ROWS, K::B_COLS, K::B_PITCH> b;
+    const Operands<K, T, BS>* ops;
+    long long ld_act, ld_other;
+
+    __device__ __forceinline__ void init(const Operands<K, T, BS>& o, int tid) {
+        ops = &o;
+        ld_act = o.ld_act;
+        ld_other = K::PASS == UPDAT ? o.ld_other : BS;
+        const int rows_left = K::PASS == UPDAT ? K::BM : o.n_rows - o.m0;  // batch rows past N are absent
+        a.init(tid, ld_act, K::A_KMAJOR, rows_left);
+        b.init(tid, ld_other, K::B_KMAJOR, ChunkPlan<K, K::B_ROWS, K::B_COLS, K::B_PITCH>::ABSENT);
+    }
+
+    __device__ __forceinline__ void operator()(int step, T* sa, T* sb) const {
+        const Operands<K, T, BS>& o = *ops;
+        const int tid = threadIdx.x;
+        const T* a_base;
+        const T* b_base;
+        int k_limit;
+        if constexpr (K::PASS == UPDAT) {
+            const long long n = o.seg_begin + step * K::BK;  // first batch row of the step
+            const long long feature_a = (long long)o.block.x * BS + o.m0, feature_b = (long long)o.block.y * BS + o.n0;
+            a_base = K::A_KMAJOR ? o.act + feature_a * ld_act + n : o.act + n * ld_act + feature_a;
+            b_base = K::B_KMAJOR ? o.other + feature_b * ld_other + n : o.other + n * ld_other + feature_b;
+            k_limit = o.seg_end - (int)n;
+        } else {
+            const int kg = step * K::BK, j = kg / BS, kin = kg % BS;
+            const bool present = j < o.seg_end - o.seg_begin;
+            const int2 entry = present ? o.table[j] : make_int2(0, 0);
+            const long long feature = (long long)entry.y * BS + kin;
+            a_base = K::A_KMAJOR ? o.act + (long long)o.m0 * ld_act + feature : o.act + feature * ld_act + o.m0;
+            const T* w = o.other + (long long)entry.x * BS * BS;
+            b_base = K::B_KMAJOR ? w + (long long)o.n0 * BS + kin : w + (long long)kin * BS + o.n0;
+            k_limit = present ? K::BK : 0;
+        }
+        a.copy(sa, a_base, k_limit, tid);
+        b.copy(sb, b_base, k_limit, tid);
+    }
+};
+
+
 // The main loop: a STAGES-deep cp.async pipeline feeding tensor-core or SIMT math.
-template <class K, typename T, class Ops>
-__device__ __forceinline__ void main_loop(const Ops& ops, int n_steps, T* smem, float (&acc)[K::ACC]) {
+// load(step, a_stage, b_stage) issues the copies of one step's A and B tiles.
+template <class K, typename T, class Load>
+__device__ __forceinline__ void main_loop(Load&& load, int n_steps, T* smem, float (&acc)[K::ACC]) {
     const int tid = threadIdx.x;
     T* sA = smem;
     T* sB = smem + K::STAGES * K::A_STAGE;
@@ -161,10 +241,7 @@ __device__ __forceinline__ void main_loop(const Ops& ops, int n_steps, T* smem, 
 
     auto load_stage = [&](int step) {
         const int stage = step % K::STAGES;
-        load_tile<K, K::A_ROWS, K::A_COLS, K::A_PITCH>(
-            sA + stage * K::A_STAGE, [&](int r, int c, int& valid) { return ops.a_src(step, r, c, valid); }, tid);
-        load_tile<K, K::B_ROWS, K::B_COLS, K::B_PITCH>(
-            sB + stage * K::B_STAGE, [&](int r, int c, int& valid) { return ops.b_src(step, r, c, valid); }, tid);
+        load(step, sA + stage * K::A_STAGE, sB + stage * K::B_STAGE);
     };
 
 #pragma unroll
@@ -334,7 +411,20 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N * 32)
     }
 
     float acc[K::ACC];
-    main_loop<K, T>(ops, n_steps, smem, acc);
+    if constexpr (ALIGNED && (PASS == UPDAT || BK <= BS)) {
+        FastLoader<K, T, BS> loader;
+        loader.init(ops, threadIdx.x);
+        main_loop<K, T>(loader, n_steps, smem, acc);
+    } else {
+        main_loop<K, T>(
+            [&](int step, T* sa, T* sb) {
+                load_tile<K, K::A_ROWS, K::A_COLS, K::A_PITCH>(
+                    sa, [&](int r, int c, int& valid) { return ops.a_src(step, r, c, valid); }, threadIdx.x);
+                load_tile<K, K::B_ROWS, K::B_COLS, K::B_PITCH>(
+                    sb, [&](int r, int c, int& valid) { return ops.b_src(step, r, c, valid); }, threadIdx.x);
+            },
+            n_steps, smem, acc);
+    }
 
     // A unit cut into parts: park this part's sums, and let the last part to arrive add
     // all parts in part order.
