@@ -142,12 +142,23 @@ def _build_plan(index: BlockIndex, pass_name: str, n: int, dtype: str, feature_a
     mode = math_mode(dtype, pass_name, bs, tf32)
     tile = tile_for(mode, pass_name, bs, n)
     bm, bn, bk = tile[:3]
-    variant = Variant(dtype, bs, tile, mode, pass_name, feature_axis, aligned)
+    # A batch no deeper than one step: stream many weight blocks through each thread block.
+    grouped = pass_name == "updat" and aligned and 0 < n <= bk
+    variant = Variant(dtype, bs, tile, mode, pass_name, feature_axis, aligned, grouped)
     kernel = load_kernel(variant, device.id)
     cfg = settings()["kernels"]
     target_ctas = cfg["waves"] * device.attributes["MultiProcessorCount"]
 
-    if pass_name == "updat":
+    if grouped:
+        tiles_per_unit = (bs // bm) * (bs // bn)
+        group = max(1, min(MAX_PART_BLOCKS, math.ceil(index.nnzb * tiles_per_unit / target_ctas)))
+        first = np.arange(0, index.nnzb, group)
+        # (first block, end block, -, -): nothing is cut into parts, so no units, workspace or counters.
+        segments = np.stack([first, np.minimum(first + group, index.nnzb), 0 * first, 0 * first], axis=1)
+        parts = np.ones(0, dtype=np.int64)
+        table = np.stack([index.rows, index.indices], axis=1)
+        grid_yz = (bs // bm, bs // bn)
+    elif pass_name == "updat":
         tiles_per_unit = (bs // bm) * (bs // bn)
         ctas_unsplit = max(1, index.nnzb * tiles_per_unit)
         # Few blocks and a long batch: cut the batch so every SM has work.
@@ -178,9 +189,11 @@ def _build_plan(index: BlockIndex, pass_name: str, n: int, dtype: str, feature_a
         end = np.minimum(begin + part_length, ptr[unit_of + 1])
         grid_yz = (math.ceil(max(n, 1) / bm), bs // bn)
 
-    segments = np.stack([unit_of, begin, end, part_index], axis=1).astype(np.int32)
-    # Longest parts first: the hardware hands out thread blocks roughly in order.
-    segments = segments[np.argsort(-(segments[:, 2] - segments[:, 1]), kind="stable")]
+    if not grouped:
+        segments = np.stack([unit_of, begin, end, part_index], axis=1)
+        # Longest parts first: the hardware hands out thread blocks roughly in order.
+        segments = segments[np.argsort(-(segments[:, 2] - segments[:, 1]), kind="stable")]
+    segments = segments.astype(np.int32)
     units = _unit_table(parts)
     split_parts = int(np.where(parts > 1, parts, 0).sum())
     grid = (len(segments), *grid_yz)

@@ -46,6 +46,7 @@ class Variant:
     pass_name: str  # "fprop", "bprop", "updat"
     feature_axis: int
     aligned: bool  # 16-byte vector copies are legal for every operand
+    grouped: bool = False  # updat only: a thread block streams a group of blocks, whole batch per step
 
     @property
     def threads(self) -> int:
@@ -68,7 +69,8 @@ class Variant:
         bm, bn, bk, wm, wn, stages = self.tile
         return (
             f"bsmm::bsmm_matmul<{C_TYPES[self.dtype]}, {self.block_size}, {bm}, {bn}, {bk}, {wm}, {wn}, {stages}, "
-            f"{MATH_MODES[self.math]}, {PASS_IDS[self.pass_name]}, {int(self.feature_axis == 1)}, {int(self.aligned)}>"
+            f"{MATH_MODES[self.math]}, {PASS_IDS[self.pass_name]}, {int(self.feature_axis == 1)}, {int(self.aligned)}, "
+            f"{int(self.grouped)}>"
         )
 
 

@@ -21,11 +21,14 @@ enum Pass { FPROP = 0, BPROP = 1, UPDAT = 2 };
 enum Math { SIMT = 0, TENSOR16 = 1, TF32 = 2 };
 
 template <typename T, int BS, int BM_, int BN_, int BK_, int WARPS_M_, int WARPS_N_, int STAGES_, int MATH_, int PASS_,
-          int AXIS1_, int ALIGNED_>
+          int AXIS1_, int ALIGNED_, int GROUPED_>
 struct Kernel {
     static constexpr int BM = BM_, BN = BN_, BK = BK_, WARPS_M = WARPS_M_, WARPS_N = WARPS_N_, STAGES = STAGES_;
     static constexpr int MATH = MATH_, PASS = PASS_;
     static constexpr bool AXIS1 = AXIS1_ != 0, ALIGNED = ALIGNED_ != 0;
+    // updat with the whole batch in one step: a thread block streams a group of weight blocks
+    // through the pipeline, one block per step, instead of owning a single block.
+    static constexpr bool GROUPED = GROUPED_ != 0;
     static constexpr int NT = WARPS_M * WARPS_N * 32;
     static constexpr int VEC = 16 / sizeof(T);  // elements per 16-byte copy
     // Which operand dimension is contiguous in shared memory (as it is in global memory).
@@ -49,6 +52,7 @@ struct Kernel {
     static_assert(MATH != TENSOR16 || (BK % 16 == 0 && WTM % 16 == 0 && WTN % 8 == 0), "m16n8k16 tiling");
     static_assert(MATH != TF32 || (BK % 8 == 0 && WTM % 16 == 0 && WTN % 8 == 0), "m16n8k8 tiling");
     static_assert(MATH != SIMT || (TY * TX == NT && TM * TY == BM && TN * TX == BN), "SIMT tiling");
+    static_assert(!GROUPED || (PASS == UPDAT && ALIGNED), "grouping is an updat mode of the aligned copy path");
 
     __device__ __forceinline__ static T* a_at(T* s, int m, int k) { return A_KMAJOR ? s + m * A_PITCH + k : s + k * A_PITCH + m; }
     __device__ __forceinline__ static T* b_at(T* s, int k, int n) { return B_KMAJOR ? s + n * B_PITCH + k : s + k * B_PITCH + n; }
@@ -208,8 +212,10 @@ struct FastLoader {
         const T* b_base;
         int k_limit;
         if constexpr (K::PASS == UPDAT) {
-            const long long n = o.seg_begin + step * K::BK;  // first batch row of the step
-            const long long feature_a = (long long)o.block.x * BS + o.m0, feature_b = (long long)o.block.y * BS + o.n0;
+            // Grouped: step = one weight block of the group, all batch rows; else: BK batch rows.
+            const long long n = K::GROUPED ? 0 : o.seg_begin + step * K::BK;  // first batch row of the step
+            const int2 block = K::GROUPED ? o.table[step] : o.block;
+            const long long feature_a = (long long)block.x * BS + o.m0, feature_b = (long long)block.y * BS + o.n0;
             a_base = K::A_KMAJOR ? o.act + feature_a * ld_act + n : o.act + n * ld_act + feature_a;
             b_base = K::B_KMAJOR ? o.other + feature_b * ld_other + n : o.other + n * ld_other + feature_b;
             k_limit = o.seg_end - (int)n;
@@ -231,8 +237,8 @@ struct FastLoader {
 
 // The main loop: a STAGES-deep cp.async pipeline feeding tensor-core or SIMT math.
 // load(step, a_stage, b_stage) issues the copies of one step's A and B tiles.
-template <class K, typename T, class Load>
-__device__ __forceinline__ void main_loop(Load&& load, int n_steps, T* smem, float (&acc)[K::ACC]) {
+template <class K, typename T, class Load, class After>
+__device__ __forceinline__ void main_loop(Load&& load, int n_steps, T* smem, float (&acc)[K::ACC], After&& after) {
     const int tid = threadIdx.x;
     T* sA = smem;
     T* sB = smem + K::STAGES * K::A_STAGE;
@@ -337,8 +343,14 @@ __device__ __forceinline__ void main_loop(Load&& load, int n_steps, T* smem, flo
                     for (int j = 0; j < K::TN; ++j) acc[i * K::TN + j] = fmaf(av[i], bv[j], acc[i * K::TN + j]);
             }
         }
+        after(step, acc);
     }
     cp_async_wait<0>();
+}
+
+template <class K, typename T, class Load>
+__device__ __forceinline__ void main_loop(Load&& load, int n_steps, T* smem, float (&acc)[K::ACC]) {
+    main_loop<K, T>(load, n_steps, smem, acc, [](int, float (&)[K::ACC]) {});
 }
 
 // Calls f(index into acc, tile row, tile column) for every accumulator this thread holds.
@@ -368,21 +380,54 @@ __device__ __forceinline__ void for_each_acc(F f) {
 // output block column/row and [begin, end) indexes the step table; for updat a unit
 // is a weight block and [begin, end) are batch rows. units[u] = (first workspace slot, parts).
 template <typename T, int BS, int BM, int BN, int BK, int WARPS_M, int WARPS_N, int STAGES, int MATH, int PASS, int AXIS1,
-          int ALIGNED>
+          int ALIGNED, int GROUPED>
 __global__ void __launch_bounds__(WARPS_M* WARPS_N * 32)
     bsmm_matmul(const T* __restrict__ act, const T* __restrict__ other, T* __restrict__ out,
                 const int4* __restrict__ segments, const int2* __restrict__ units, const int2* __restrict__ table,
                 float* __restrict__ workspace, int* __restrict__ counters, int n_rows, int ld_act, int ld_other,
                 int ld_out, int accumulate) {
-    using K = Kernel<T, BS, BM, BN, BK, WARPS_M, WARPS_N, STAGES, MATH, PASS, AXIS1, ALIGNED>;
+    using K = Kernel<T, BS, BM, BN, BK, WARPS_M, WARPS_N, STAGES, MATH, PASS, AXIS1, ALIGNED, GROUPED>;
     extern __shared__ __align__(16) unsigned char smem_raw[];
     T* smem = reinterpret_cast<T*>(smem_raw);
     __shared__ int last_part;
     // A part's entries of the step table, read once: the loaders would otherwise wait on a
     // dependent global load before every copy they issue.
-    __shared__ int2 part_table[PASS == UPDAT ? 1 : BSMM_MAX_PART];
+    __shared__ int2 part_table[PASS == UPDAT && !GROUPED ? 1 : BSMM_MAX_PART];
 
     const int4 seg = segments[blockIdx.x];
+    if constexpr (GROUPED) {
+        // seg = (first weight block, end block, -, -); every block takes the whole batch in one step.
+        const int count = seg.y - seg.x;
+        for (int i = threadIdx.x; i < count; i += WARPS_M * WARPS_N * 32) part_table[i] = table[seg.x + i];
+        __syncthreads();
+        Operands<K, T, BS> ops;
+        ops.act = act;
+        ops.other = other;
+        ops.table = part_table;
+        ops.n_rows = n_rows;
+        ops.ld_act = ld_act;
+        ops.ld_other = ld_other;
+        ops.seg_begin = 0;
+        ops.seg_end = n_rows;
+        ops.m0 = blockIdx.y * BM;
+        ops.n0 = blockIdx.z * BN;
+        ops.block = make_int2(0, 0);
+        FastLoader<K, T, BS> loader;
+        loader.init(ops, threadIdx.x);
+        float acc[K::ACC];
+        main_loop<K, T>(loader, count, smem, acc, [&](int step, float(&sums)[K::ACC]) {
+            T* block_out = out + (long long)(seg.x + step) * BS * BS;
+            for_each_acc<K>([&](int i, int m, int n) {
+                T* dst = block_out + (long long)(ops.m0 + m) * BS + ops.n0 + n;
+                float v = sums[i];
+                if (accumulate) v += Elem<T>::to_float(*dst);
+                *dst = Elem<T>::from_float(v);
+            });
+#pragma unroll
+            for (int i = 0; i < K::ACC; ++i) sums[i] = 0.f;
+        });
+        return;
+    }
     const int unit = seg.x, part = seg.w;
     const int2 unit_info = units[unit];
     const int tiles_per_unit = gridDim.y * gridDim.z;

@@ -31,6 +31,8 @@ def all_variants() -> list[Variant]:
                         for axis in (0, 1):
                             for aligned in (True, False):
                                 variants.add(Variant(dtype, bs, tile, mode, pass_name, axis, aligned))
+                            if pass_name == "updat":  # small batches stream blocks (aligned copies only)
+                                variants.add(Variant(dtype, bs, tile, mode, pass_name, axis, True, True))
     return sorted(variants, key=repr)
 
 
