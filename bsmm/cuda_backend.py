@@ -38,10 +38,11 @@ def _batch_class(n: int) -> str:
 def tile_for(math_mode: str, pass_name: str, block_size: int, n: int, arch_key: str = "sm90") -> tuple:
     """[BM, BN, BK, WARPS_M, WARPS_N, STAGES] from the launch table in ``bsmm.toml``."""
     group = "updat" if pass_name == "updat" else "sparse"
-    batch = "any" if group == "updat" else _batch_class(n)
+    batches = (_batch_class(n), "any")  # updat tables may give small-batch tiles before "any"
     tables = settings()["kernels"]
     for section in (tables.get(arch_key, {}), tables["default"]):
-        entry = section.get(math_mode, {}).get(group, {}).get(str(block_size), {}).get(batch)
+        entries = section.get(math_mode, {}).get(group, {}).get(str(block_size), {})
+        entry = next((entries[b] for b in batches if b in entries), None)
         if entry is not None:
             return tuple(int(v) for v in entry)
     raise NotImplementedError(f"no {math_mode} kernel tile for {pass_name} at block size {block_size}")

@@ -22,6 +22,22 @@ template <> struct Elem<__nv_bfloat16> {
     static __device__ __forceinline__ __nv_bfloat16 from_float(float v) { return __float2bfloat16_rn(v); }
 };
 
+// Two adjacent elements in one store (and load): the accumulator fragments of the tensor-core
+// paths hold column pairs, and 2-byte stores would halve the write bandwidth.
+template <typename T> struct Pair;
+template <> struct Pair<float> {
+    static __device__ __forceinline__ void load(const float* p, float& a, float& b) { float2 v = *reinterpret_cast<const float2*>(p); a = v.x; b = v.y; }
+    static __device__ __forceinline__ void store(float* p, float a, float b) { *reinterpret_cast<float2*>(p) = make_float2(a, b); }
+};
+template <> struct Pair<__half> {
+    static __device__ __forceinline__ void load(const __half* p, float& a, float& b) { float2 v = __half22float2(*reinterpret_cast<const __half2*>(p)); a = v.x; b = v.y; }
+    static __device__ __forceinline__ void store(__half* p, float a, float b) { *reinterpret_cast<__half2*>(p) = __floats2half2_rn(a, b); }
+};
+template <> struct Pair<__nv_bfloat16> {
+    static __device__ __forceinline__ void load(const __nv_bfloat16* p, float& a, float& b) { float2 v = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(p)); a = v.x; b = v.y; }
+    static __device__ __forceinline__ void store(__nv_bfloat16* p, float a, float b) { *reinterpret_cast<__nv_bfloat162*>(p) = __floats2bfloat162_rn(a, b); }
+};
+
 // ---- asynchronous global -> shared copies -----------------------------------------------
 __device__ __forceinline__ unsigned smem_addr(const void* p) {
     return static_cast<unsigned>(__cvta_generic_to_shared(p));

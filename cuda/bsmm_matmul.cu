@@ -376,6 +376,30 @@ __device__ __forceinline__ void for_each_acc(F f) {
     }
 }
 
+// Writes (or adds, if accumulate) a thread block's BM x BN tile of one weight block's gradient.
+template <class K, typename T, int BS>
+__device__ __forceinline__ void store_block_tile(T* block_out, const float (&acc)[K::ACC], int m0, int n0, int accumulate) {
+    if constexpr (K::MATH == SIMT) {
+        for_each_acc<K>([&](int i, int m, int n) {
+            T* dst = block_out + (m0 + m) * BS + n0 + n;
+            *dst = Elem<T>::from_float(acc[i] + (accumulate ? Elem<T>::to_float(*dst) : 0.f));
+        });
+    } else {
+        for_each_acc<K>([&](int i, int m, int n) {
+            if (i % 2) return;  // fragments hold column pairs (i, i + 1) = (n, n + 1)
+            T* dst = block_out + (m0 + m) * BS + n0 + n;
+            float a = acc[i], b = acc[i + 1];
+            if (accumulate) {
+                float old_a, old_b;
+                Pair<T>::load(dst, old_a, old_b);
+                a += old_a;
+                b += old_b;
+            }
+            Pair<T>::store(dst, a, b);
+        });
+    }
+}
+
 // Segment table entry: (output unit, begin, end, part). For fprop/bprop a unit is an
 // output block column/row and [begin, end) indexes the step table; for updat a unit
 // is a weight block and [begin, end) are batch rows. units[u] = (first workspace slot, parts).
@@ -416,13 +440,7 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N * 32)
         loader.init(ops, threadIdx.x);
         float acc[K::ACC];
         main_loop<K, T>(loader, count, smem, acc, [&](int step, float(&sums)[K::ACC]) {
-            T* block_out = out + (long long)(seg.x + step) * BS * BS;
-            for_each_acc<K>([&](int i, int m, int n) {
-                T* dst = block_out + (long long)(ops.m0 + m) * BS + ops.n0 + n;
-                float v = sums[i];
-                if (accumulate) v += Elem<T>::to_float(*dst);
-                *dst = Elem<T>::from_float(v);
-            });
+            store_block_tile<K, T, BS>(out + (long long)(seg.x + step) * BS * BS, sums, ops.m0, ops.n0, accumulate);
 #pragma unroll
             for (int i = 0; i < K::ACC; ++i) sums[i] = 0.f;
         });
@@ -498,19 +516,16 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N * 32)
         }
     }
 
+    if constexpr (PASS == UPDAT) {
+        store_block_tile<K, T, BS>(out + (long long)unit * BS * BS, acc, ops.m0, ops.n0, accumulate);
+        return;
+    }
     for_each_acc<K>([&](int i, int m, int n) {
-        if (PASS == UPDAT) {
-            T* dst = out + (long long)unit * BS * BS + (long long)(ops.m0 + m) * BS + ops.n0 + n;
-            float v = acc[i];
-            if (accumulate) v += Elem<T>::to_float(*dst);
-            *dst = Elem<T>::from_float(v);
-        } else {
-            const int row = ops.m0 + m;
-            if (row >= n_rows) return;
-            const long long feature = (long long)unit * BS + ops.n0 + n;
-            T* dst = AXIS1 ? out + (long long)row * ld_out + feature : out + feature * ld_out + row;
-            *dst = Elem<T>::from_float(acc[i]);
-        }
+        const int row = ops.m0 + m;
+        if (row >= n_rows) return;
+        const long long feature = (long long)unit * BS + ops.n0 + n;
+        T* dst = AXIS1 ? out + (long long)row * ld_out + feature : out + feature * ld_out + row;
+        *dst = Elem<T>::from_float(acc[i]);
     });
 }
 

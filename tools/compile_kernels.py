@@ -26,7 +26,7 @@ def all_variants() -> list[Variant]:
             for pass_name in ("fprop", "bprop", "updat"):
                 for bs in block_sizes:
                     mode = math_mode(dtype, pass_name, bs, tf32)
-                    for n in ((1,) if pass_name == "updat" else (16, 32, 64, 4096)):
+                    for n in (16, 32, 64, 4096):
                         tile = tile_for(mode, pass_name, bs, n)
                         for axis in (0, 1):
                             for aligned in (True, False):
