@@ -108,16 +108,12 @@ def as_operand(array, argument: str) -> Operand:
         If ``array`` is not an array (NumPy, CuPy, or a DLPack producer), or
         DLPack cannot express its dtype for NumPy/CuPy.
     """
-    kind = type(array)
-    if kind is np.ndarray:
-        return Operand(array, "cpu", "numpy", None)
-    if kind is _cupy_ndarray():
-        return Operand(array, "cuda", "cupy", array.device.id)
-    library = _top_module(array)
     if isinstance(array, np.ndarray):
         return Operand(array, "cpu", "numpy", None)
-    if library == "cupy" and hasattr(array, "__cuda_array_interface__"):
+    cupy_ndarray = _cupy_ndarray()
+    if cupy_ndarray is not None and isinstance(array, cupy_ndarray):
         return Operand(array, "cuda", "cupy", array.device.id)
+    library = _top_module(array)
     if not (hasattr(array, "__dlpack__") and hasattr(array, "__dlpack_device__")):
         raise TypeError(
             f"{argument} must be an array (NumPy, CuPy, or any DLPack producer such as a "

@@ -207,9 +207,6 @@ class GpuRow(BenchRow):
     graph_s: float | None = None
     workload: str = ""
 
-    def as_dict(self) -> dict:
-        return super().as_dict()
-
 
 def bench_gpu(workloads=("S", "T", "I"), calls: int = 20, batches: int = 11, seed: int = 0,
               progress: Callable[[str], None] | None = None, quick: bool = False) -> list[GpuRow]:

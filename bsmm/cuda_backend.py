@@ -35,12 +35,15 @@ def _batch_class(n: int) -> str:
     return "large"
 
 
-def tile_for(math_mode: str, pass_name: str, block_size: int, n: int, arch_key: str = "sm90") -> tuple:
-    """[BM, BN, BK, WARPS_M, WARPS_N, STAGES] from the launch table in ``bsmm.toml``."""
+def tile_for(math_mode: str, pass_name: str, block_size: int, n: int, arch_key: str | None = None) -> tuple:
+    """[BM, BN, BK, WARPS_M, WARPS_N, STAGES] from the launch table in ``bsmm.toml``.
+
+    ``arch_key`` ("sm90", "sm80", ...) selects a device's override section over the defaults.
+    """
     group = "updat" if pass_name == "updat" else "sparse"
     batches = (_batch_class(n), "any")  # updat tables may give small-batch tiles before "any"
     tables = settings()["kernels"]
-    for section in (tables.get(arch_key, {}), tables["default"]):
+    for section in (tables.get(arch_key or "", {}), tables["default"]):
         entries = section.get(math_mode, {}).get(group, {}).get(str(block_size), {})
         entry = next((entries[b] for b in batches if b in entries), None)
         if entry is not None:
@@ -92,9 +95,7 @@ class _Launcher:
 class Plan:
     """Everything one pass launch needs, built once; see the module docstring."""
 
-    kernel: object
     variant: Variant
-    grid: tuple[int, int, int]
     segments: object  # cupy int32 (n_segments, 4)
     units: object  # cupy int32 (n_units, 2)
     table: object  # cupy int32 (entries, 2)
@@ -141,7 +142,7 @@ def _build_plan(index: BlockIndex, pass_name: str, n: int, dtype: str, feature_a
 
     bs = index.block_size
     mode = math_mode(dtype, pass_name, bs, tf32)
-    tile = tile_for(mode, pass_name, bs, n)
+    tile = tile_for(mode, pass_name, bs, n, arch_key=f"sm{device.compute_capability}")
     bm, bn, bk = tile[:3]
     # A batch no deeper than one step: stream many weight blocks through each thread block.
     grouped = pass_name == "updat" and aligned and 0 < n <= bk
@@ -200,10 +201,8 @@ def _build_plan(index: BlockIndex, pass_name: str, n: int, dtype: str, feature_a
     grid = (len(segments), *grid_yz)
     with device:
         return Plan(
-            kernel=kernel,
             variant=variant,
             launcher=_Launcher(kernel, grid, variant.threads, variant.shared_bytes),
-            grid=grid,
             segments=cupy.asarray(segments),
             units=cupy.asarray(units),
             table=cupy.asarray(np.ascontiguousarray(table, dtype=np.int32)),
