@@ -17,6 +17,11 @@ from .dtypes import canonical_dtype
 
 __all__ = ["BlocksparseMatMul", "blocks_to_dense", "dense_to_blocks"]
 
+# cupy.ndarray once the GPU backend has run a pass (before that no repeatable call exists).
+_gpu_array_type = None
+# Repeatable GPU calls an operator keeps (one per pass, batch shape and dtype in use).
+_MAX_GPU_CALLS = 64
+
 
 def _array_module(array):
     if type(array).__module__.split(".", 1)[0] == "cupy":
@@ -90,6 +95,7 @@ class BlocksparseMatMul:
             layout, defaults["block_size"] if block_size is None else block_size
         )
         self.feature_axis = _check_feature_axis(defaults["feature_axis"] if feature_axis is None else feature_axis)
+        self._gpu_calls: dict = {}
 
     @classmethod
     def from_index(cls, index: BlockIndex, feature_axis: int | None = None, tf32: bool | None = None):
@@ -99,6 +105,7 @@ class BlocksparseMatMul:
         op.index = index
         op.feature_axis = _check_feature_axis(defaults["feature_axis"] if feature_axis is None else feature_axis)
         op.tf32 = bool(defaults["tf32"] if tf32 is None else tf32)
+        op._gpu_calls = {}
         return op
 
     # -- the layout -----------------------------------------------------------------
@@ -191,13 +198,19 @@ class BlocksparseMatMul:
         -------
         y : (N, K) or (K, N), x's dtype and library
         """
+        if x.__class__ is _gpu_array_type:
+            call = self._gpu_calls.get(("fprop", x.shape, x.dtype, self.feature_axis, self.tf32))
+            result = call(x, w, out) if call is not None else None
+            if result is not None:
+                return result
         x_op, w_op = as_operand(x, "x"), as_operand(w, "w")
         n = self._check_activation(x_op, "x", self.C)
         dtype = canonical_dtype(x_op.array.dtype, "x")
         self._check_weights(w_op, "w", dtype)
         check_same_place({"x": x_op, "w": w_op})
         result = self._output(out, x_op, self._activation_shape(n, self.K), dtype, (x_op, w_op))
-        self._backend(x_op).fprop(self.index, x_op.array, w_op.array, result, self.feature_axis, self.tf32)
+        call = self._backend(x_op).fprop(self.index, x_op.array, w_op.array, result, self.feature_axis, self.tf32)
+        self._remember("fprop", x_op, call)
         return out if out is not None else x_op.wrap(result)
 
     def bprop(self, dy, w, out=None):
@@ -213,13 +226,19 @@ class BlocksparseMatMul:
         -------
         dx : (N, C) or (C, N), dy's dtype and library
         """
+        if dy.__class__ is _gpu_array_type:
+            call = self._gpu_calls.get(("bprop", dy.shape, dy.dtype, self.feature_axis, self.tf32))
+            result = call(dy, w, out) if call is not None else None
+            if result is not None:
+                return result
         dy_op, w_op = as_operand(dy, "dy"), as_operand(w, "w")
         n = self._check_activation(dy_op, "dy", self.K)
         dtype = canonical_dtype(dy_op.array.dtype, "dy")
         self._check_weights(w_op, "w", dtype)
         check_same_place({"dy": dy_op, "w": w_op})
         result = self._output(out, dy_op, self._activation_shape(n, self.C), dtype, (dy_op, w_op))
-        self._backend(dy_op).bprop(self.index, dy_op.array, w_op.array, result, self.feature_axis, self.tf32)
+        call = self._backend(dy_op).bprop(self.index, dy_op.array, w_op.array, result, self.feature_axis, self.tf32)
+        self._remember("bprop", dy_op, call)
         return out if out is not None else dy_op.wrap(result)
 
     def updat(self, x, dy, out=None, accumulate: bool = False):
@@ -239,6 +258,11 @@ class BlocksparseMatMul:
         -------
         dw : (nnzb, bs, bs), x's dtype and library
         """
+        if x.__class__ is _gpu_array_type and (out is not None or not accumulate):
+            call = self._gpu_calls.get(("updat", x.shape, x.dtype, self.feature_axis, self.tf32))
+            result = call(x, dy, out, accumulate) if call is not None else None
+            if result is not None:
+                return result
         x_op, dy_op = as_operand(x, "x"), as_operand(dy, "dy")
         n = self._check_activation(x_op, "x", self.C)
         n_dy = self._check_activation(dy_op, "dy", self.K)
@@ -251,9 +275,10 @@ class BlocksparseMatMul:
         if accumulate and out is None:
             raise ValueError("accumulate=True needs out=, the buffer to add the gradient to")
         result = self._output(out, x_op, self.w_shape, dtype, (x_op, dy_op))
-        self._backend(x_op).updat(
+        call = self._backend(x_op).updat(
             self.index, x_op.array, dy_op.array, result, self.feature_axis, bool(accumulate), self.tf32
         )
+        self._remember("updat", x_op, call)
         return out if out is not None else x_op.wrap(result)
 
     # -- checks shared by the passes ----------------------------------------------------
@@ -312,6 +337,16 @@ class BlocksparseMatMul:
         from . import cuda_backend
 
         return cuda_backend
+
+    def _remember(self, pass_name: str, act: Operand, call) -> None:
+        """Keep the GPU backend's repeatable call for CuPy arrays of this shape (see FastCall)."""
+        global _gpu_array_type
+        if act.backend != "cuda" or act.library != "cupy" or call is None:
+            return  # CPU passes and DLPack callers keep the checked path
+        _gpu_array_type = type(act.array)
+        if len(self._gpu_calls) >= _MAX_GPU_CALLS:
+            self._gpu_calls.clear()  # e.g. a new batch size every call: keep the dict small
+        self._gpu_calls[(pass_name, act.array.shape, act.array.dtype, self.feature_axis, self.tf32)] = call
 
     # -- identity, pickling -----------------------------------------------------------
     def __reduce__(self):

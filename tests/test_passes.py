@@ -384,6 +384,39 @@ def test_two_calls_are_bitwise_equal(xp, dtype, feature_axis, monkeypatch):
         assert first.tobytes() == second.tobytes(), f"{pass_name} is not deterministic"
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("min_part_blocks", [None, 1], ids=["default", "shortest"])
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_long_block_columns_cut_into_parts(xp, dtype, min_part_blocks, monkeypatch):
+    """GPU: block columns longer than a part meet in the ordered last-part reduction.
+
+    A tall layout (70 block rows, one dense column) is cut into parts even with the default
+    table; ``min_part_blocks = 1`` cuts every column as short as the plan allows. Results match
+    the reference and repeat bitwise.
+    """
+    if xp is np:
+        pytest.skip("the CPU backend has no parts")
+    from bsmm import cuda_backend
+
+    if min_part_blocks is not None:
+        monkeypatch.setitem(bsmm.config.settings()["kernels"], "min_part_blocks", min_part_blocks)
+    monkeypatch.setattr(cuda_backend, "_PLANS", type(cuda_backend._PLANS)())
+    rng = np.random.default_rng([70, min_part_blocks or 0])
+    layout = random_layout(rng, 70, 3, 0.3)
+    layout[:, 1] = 1
+    layout[5:40, 2] = 1  # and a long run in one more column
+    for axis in (1, 0):
+        case = make_case(rng, layout, 8, 37, dtype, axis)
+        for pass_name in PASSES:
+            args = device_inputs(xp, case, pass_name)
+            first = to_numpy(call(case.op, pass_name, args))
+            assert_close(first, reference(case, pass_name), dtype, pass_name)
+            assert first.tobytes() == to_numpy(call(case.op, pass_name, args)).tobytes()
+    plans = cuda_backend._PLANS[case.op.index]
+    assert any(p.workspace_floats > 0 for key, p in plans.items() if key[0] in ("fprop", "bprop")), \
+        "no column was cut into parts: the reduction path went untested"
+
+
 # -- a bigger case: many chunks on many threads ----------------------------------------------
 @pytest.mark.parametrize("feature_axis", [1, 0])
 def test_many_chunks_equal_one_chunk_bitwise(xp, feature_axis, monkeypatch):

@@ -1,0 +1,158 @@
+"""Repeated GPU calls: the operator's per-shape fast path (``cuda_backend.FastCall``).
+
+After a pass has run once through the checked path, later calls with CuPy arrays of
+the same shape skip the full validation. These tests make sure a repeat computes the
+same thing, and that anything the checked path would refuse or treat differently
+(shapes, dtypes, strides, overlap, alignment, streams) still goes through it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import bsmm
+from conftest import poisoned, snapshot, to_numpy, to_xp
+from reference import random_data, ref_bprop, ref_fprop, ref_updat, rel_error, tolerance
+
+pytestmark = pytest.mark.gpu
+BS = 16
+LAYOUT = np.array([[1, 0, 1, 1], [0, 1, 1, 0], [1, 1, 0, 1]], dtype=np.uint8)  # C = 48, K = 64
+
+
+@pytest.fixture(scope="module")
+def cupy():
+    from conftest import _cupy_or_skip
+
+    return _cupy_or_skip()
+
+
+def make(cupy, axis=1, n=33, dtype="float16", seed=0):
+    rng = np.random.default_rng(seed)
+    op = bsmm.BlocksparseMatMul(LAYOUT, block_size=BS, feature_axis=axis)
+    shape = lambda features: (n, features) if axis == 1 else (features, n)
+    host = {"x": random_data(rng, shape(op.C), dtype), "dy": random_data(rng, shape(op.K), dtype),
+            "w": random_data(rng, op.w_shape, dtype)}
+    return op, host, {k: to_xp(cupy, v) for k, v in host.items()}
+
+
+def run(op, pass_name, arrays, **kwargs):
+    if pass_name == "fprop":
+        return op.fprop(arrays["x"], arrays["w"], **kwargs)
+    if pass_name == "bprop":
+        return op.bprop(arrays["dy"], arrays["w"], **kwargs)
+    return op.updat(arrays["x"], arrays["dy"], **kwargs)
+
+
+def check(op, pass_name, host, result, dtype):
+    layout, bs, axis = op.layout, op.block_size, op.feature_axis
+    expected = {
+        "fprop": lambda: ref_fprop(layout, host["w"], bs, host["x"], axis),
+        "bprop": lambda: ref_bprop(layout, host["w"], bs, host["dy"], axis),
+        "updat": lambda: ref_updat(layout, bs, host["x"], host["dy"], axis),
+    }[pass_name]()
+    assert rel_error(to_numpy(result), expected) < tolerance(dtype)
+
+
+@pytest.mark.parametrize("axis", [1, 0])
+@pytest.mark.parametrize("pass_name", ["fprop", "bprop", "updat"])
+def test_repeats_match_first_call_and_reference(cupy, pass_name, axis):
+    op, host, arrays = make(cupy, axis)
+    first = run(op, pass_name, arrays)
+    assert op._gpu_calls, "the checked path should leave a repeatable call behind"
+    for _ in range(3):
+        again = run(op, pass_name, arrays)
+        assert again.data.ptr != first.data.ptr  # a new output each call
+        assert snapshot(again) == snapshot(first)
+    out = poisoned(cupy, first.shape, first.dtype)
+    assert run(op, pass_name, arrays, out=out) is out
+    assert snapshot(out) == snapshot(first)
+    check(op, pass_name, host, out, "float16")
+
+
+def test_repeat_with_new_data_uses_the_new_data(cupy):
+    op, host, arrays = make(cupy)
+    op.fprop(arrays["x"], arrays["w"])
+    _, host2, arrays2 = make(cupy, seed=1)
+    check(op, "fprop", host2, op.fprop(arrays2["x"], arrays2["w"]), "float16")
+
+
+def test_accumulate_repeats_add(cupy):
+    op, host, arrays = make(cupy)
+    dw = op.updat(arrays["x"], arrays["dy"])
+    total = dw.copy()
+    for _ in range(3):
+        op.updat(arrays["x"], arrays["dy"], out=total, accumulate=True)
+    np.testing.assert_allclose(to_numpy(total).astype(np.float32), 4 * to_numpy(dw).astype(np.float32),
+                               rtol=5e-3, atol=1e-2)
+    with pytest.raises(ValueError, match="accumulate=True needs out="):
+        op.updat(arrays["x"], arrays["dy"], accumulate=True)
+
+
+@pytest.mark.parametrize("pass_name", ["fprop", "bprop", "updat"])
+def test_bad_repeat_still_refused(cupy, pass_name):
+    op, host, arrays = make(cupy, dtype="float32")
+    run(op, pass_name, arrays)
+    bad_w = dict(arrays, w=arrays["w"][:-1])
+    # One operand of another dtype than the other: w for fprop/bprop, dy for updat.
+    bad_dtype = (dict(arrays, dy=arrays["dy"].astype(np.float16)) if pass_name == "updat"
+                 else dict(arrays, w=arrays["w"].astype(np.float16)))
+    wide = {k: cupy.concatenate([v, v], axis=-1) for k, v in arrays.items() if k != "w"}
+    strided = dict(arrays, x=wide["x"][:, ::2], dy=wide["dy"][:, ::2])
+    if pass_name != "updat":
+        with pytest.raises(ValueError, match="w must have shape"):
+            run(op, pass_name, bad_w)
+    with pytest.raises(TypeError, match="dtype"):
+        run(op, pass_name, bad_dtype)
+    with pytest.raises(ValueError, match="C-contiguous"):
+        run(op, pass_name, strided)
+    good = run(op, pass_name, arrays)
+    with pytest.raises(TypeError, match="out has dtype"):
+        run(op, pass_name, arrays, out=good.astype(np.float16))
+    with pytest.raises(ValueError, match="out must have shape"):
+        run(op, pass_name, arrays, out=good[:-1])
+
+
+def test_out_overlapping_an_input_refused_on_repeat(cupy):
+    layout = np.ones((2, 2), dtype=np.uint8)
+    op = bsmm.BlocksparseMatMul(layout, block_size=BS)
+    x = cupy.asarray(np.random.default_rng(0).standard_normal((8, op.C)), dtype=np.float32)
+    w = cupy.asarray(np.random.default_rng(1).standard_normal(op.w_shape), dtype=np.float32)
+    op.fprop(x, w)
+    before = snapshot(x, w)
+    with pytest.raises(ValueError, match="overlaps an input"):
+        op.fprop(x, w, out=x)
+    assert snapshot(x, w) == before
+
+
+@pytest.mark.parametrize("pass_name", ["fprop", "bprop", "updat"])
+def test_misaligned_repeat_takes_the_general_kernel(cupy, pass_name):
+    op, host, arrays = make(cupy, n=32)
+    run(op, pass_name, arrays)  # aligned first: the fast plan is the aligned kernel
+    shifted = {}
+    for name, value in arrays.items():
+        storage = cupy.empty(value.size + 1, dtype=value.dtype)
+        view = storage[1:].reshape(value.shape)  # C-contiguous, 2 bytes off a 16-byte boundary
+        view[...] = value
+        shifted[name] = view
+    check(op, pass_name, host, run(op, pass_name, shifted), "float16")
+
+
+def test_feature_axis_and_tf32_changes_are_not_served_stale(cupy):
+    op, host, arrays = make(cupy, dtype="float32")
+    y1 = op.fprop(arrays["x"], arrays["w"])
+    op.tf32 = True
+    y2 = op.fprop(arrays["x"], arrays["w"])
+    assert rel_error(to_numpy(y2), to_numpy(y1)) < 1e-2
+    assert len(op._gpu_calls) == 2
+
+
+def test_repeat_on_another_stream_is_ordered(cupy):
+    op, host, arrays = make(cupy)
+    op.fprop(arrays["x"], arrays["w"])
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        x = arrays["x"] * 1  # produced on this stream, consumed on it
+        y = op.fprop(x, arrays["w"])
+    stream.synchronize()
+    check(op, "fprop", host, y, "float16")
