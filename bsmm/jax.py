@@ -1,0 +1,396 @@
+"""JAX adapter: block-sparse ``x·W`` as a differentiable JAX function.
+
+:func:`blocksparse_matmul` works under ``jax.jit``, ``jax.grad`` (reverse mode,
+through ``jax.custom_vjp``) and ``jax.vmap``; :class:`BlockSparseDense` is a
+small layer over a params pytree. Import it explicitly (``import bsmm.jax``);
+``import bsmm`` alone does not import JAX.
+
+How the passes run
+------------------
+Each pass is one ``jax.experimental.buffer_callback`` (JAX >= 0.7), an XLA
+custom call that hands Python the operands' and the result's own buffers and,
+on a GPU, XLA's stream:
+
+- CPU: the buffers are wrapped as NumPy arrays (no copy in, and the CPU backend
+  writes the result straight into XLA's output buffer, no copy out). The
+  ``jax.pure_callback`` alternative was measured to copy the inputs and copies
+  the returned result, so it is not used.
+- CUDA: the buffers are wrapped as CuPy arrays by pointer (no copy), XLA's
+  stream becomes CuPy's current stream and the kernels are launched on it, so
+  the pass is ordered with the rest of the XLA program and never leaves jit.
+
+Which backend runs is decided per call from the DLPack device type of the
+buffers XLA passes (``__dlpack_device__``), i.e. where XLA actually placed the
+computation, rather than from ``jax.default_backend()``, which is wrong for
+arrays placed on a non-default device. ``buffer_callback`` cannot be lowered
+for several platforms at once, so ``jax.export`` with more than one platform is
+not supported.
+
+Batching
+--------
+Under ``jax.vmap`` (``jax.custom_batching.custom_vmap`` on each pass) the batch
+of activations is folded into N when ``feature_axis=1`` and the weights are
+shared: one pass over ``B*N`` rows, a free reshape. Otherwise (``feature_axis=0``,
+per-example weights, or the per-example weight gradients that ``vmap`` of a
+gradient needs) one custom call loops over the batch on views of the buffers,
+still without copies. For training, pass the batch as leading axes of ``x``
+(``(..., C)`` with ``feature_axis=1``) rather than ``vmap``-ing the loss: the
+weight gradient is then one pass over all rows, where ``jax.grad(jax.vmap(...))``
+computes one weight gradient per example and sums them.
+
+Examples
+--------
+>>> import numpy as np, jax, jax.numpy as jnp, bsmm, bsmm.jax
+>>> op = bsmm.BlocksparseMatMul(np.array([[1, 0], [1, 1]]), block_size=8)
+>>> w = jnp.asarray(op.normal_init(seed=0))
+>>> x = jnp.ones((4, op.C))
+>>> y = jax.jit(bsmm.jax.blocksparse_matmul, static_argnums=2)(x, w, op)
+>>> dw = jax.grad(lambda w: bsmm.jax.blocksparse_matmul(x, w, op).sum())(w)
+>>> y.shape, dw.shape
+((4, 16), (3, 8, 8))
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import numpy as np
+
+try:
+    import jax
+    import jax.numpy as jnp
+except ImportError as error:  # pragma: no cover - exercised in a subprocess by the tests
+    raise ImportError("bsmm.jax needs JAX: pip install jax") from error
+try:
+    from jax.experimental.buffer_callback import buffer_callback
+except ImportError as error:  # pragma: no cover
+    raise ImportError(
+        f"bsmm.jax needs JAX >= 0.7 (jax.experimental.buffer_callback); found JAX {jax.__version__}: "
+        f"pip install -U jax"
+    ) from error
+from jax.custom_batching import custom_vmap
+from jax.custom_derivatives import SymbolicZero
+
+from .arrays import _DLPACK_CPU, _DLPACK_CUDA
+from .dtypes import canonical_dtype
+from .matmul import BlocksparseMatMul
+
+__all__ = ["blocksparse_matmul", "BlockSparseDense"]
+
+# -- the host side of a pass ------------------------------------------------------------------
+class _XlaStream:
+    """XLA's stream handle speaking the CUDA stream protocol, for ``cupy.cuda.Stream.from_external``."""
+
+    __slots__ = ("ptr",)
+
+    def __init__(self, ptr: int):
+        self.ptr = ptr
+
+    def __cuda_stream__(self):
+        return (0, self.ptr)
+
+
+def _cupy_view(cupy, buffer, device_id: int):
+    """A CuPy array over an XLA device buffer (no copy).
+
+    Only the pointer is taken from ``__cuda_array_interface__``: its typestr for
+    bfloat16 is a raw 2-byte void type, while ``buffer.dtype`` is the real dtype.
+    """
+    dtype = np.dtype(buffer.dtype)
+    shape = tuple(buffer.shape)
+    pointer = buffer.__cuda_array_interface__["data"][0]
+    memory = cupy.cuda.UnownedMemory(pointer, math.prod(shape) * dtype.itemsize, buffer, device_id)
+    return cupy.ndarray(shape, dtype, cupy.cuda.MemoryPointer(memory, 0))
+
+
+def _numpy_view(buffer, writeable: bool) -> np.ndarray:
+    array = np.asarray(buffer)  # a view of XLA's host buffer
+    if not writeable:
+        array.flags.writeable = False  # inputs are XLA's: make any write fail loudly
+    return array
+
+
+def _pick(array, index: tuple):
+    """``array[index]`` over the leading batch axes, where an axis of length 1 broadcasts."""
+    return array[tuple(i if array.shape[axis] != 1 else 0 for axis, i in enumerate(index))]
+
+
+class _PassCallback:
+    """What XLA calls for one pass: ``out[i] = pass(a[i], b[i])`` over the batch shape.
+
+    Compared by value so that equal passes are equal custom calls to JAX's caches.
+    """
+
+    __slots__ = ("op", "pass_name", "batch_shape", "__weakref__")  # JAX keys caches on weak references
+
+    def __init__(self, op: BlocksparseMatMul, pass_name: str, batch_shape: tuple):
+        self.op, self.pass_name, self.batch_shape = op, pass_name, batch_shape
+
+    def _key(self):
+        return (id(self.op), self.pass_name, self.batch_shape)
+
+    def __eq__(self, other):
+        return type(other) is _PassCallback and other.op is self.op and other._key() == self._key()
+
+    def __hash__(self):
+        return hash(self._key())
+
+    def __repr__(self) -> str:  # shown in jaxprs
+        return f"bsmm.{self.pass_name}(batch_shape={self.batch_shape})"
+
+    def __call__(self, context, out, a, b) -> None:
+        device_type, device_id = (int(v) for v in out.__dlpack_device__())
+        if device_type == _DLPACK_CPU:
+            self._run(_numpy_view(out, True), _numpy_view(a, False), _numpy_view(b, False))
+        elif device_type == _DLPACK_CUDA:
+            import cupy
+
+            with cupy.cuda.Device(device_id):
+                # The kernels launch on CuPy's current stream: make it XLA's.
+                with cupy.cuda.Stream.from_external(_XlaStream(int(context.stream))):
+                    self._run(*(_cupy_view(cupy, buffer, device_id) for buffer in (out, a, b)))
+        else:
+            raise NotImplementedError(
+                f"bsmm runs on the CPU and on CUDA GPUs; XLA placed this pass on DLPack device type {device_type}"
+            )
+
+    def _run(self, out, a, b) -> None:
+        run = getattr(self.op, self.pass_name)
+        for index in np.ndindex(*self.batch_shape):
+            run(_pick(a, index), _pick(b, index), out=out[index])
+
+
+# -- one pass as a batchable JAX function ----------------------------------------------------------
+def _out_core_shape(op: BlocksparseMatMul, pass_name: str, a) -> tuple:
+    if pass_name == "updat":
+        return op.w_shape
+    features = op.K if pass_name == "fprop" else op.C
+    n = a.shape[-2 + (1 - op.feature_axis)]
+    return (n, features) if op.feature_axis == 1 else (features, n)
+
+
+def _bind(op: BlocksparseMatMul, pass_name: str, a, b):
+    """Run a pass on operands with equal numbers of leading batch axes (each of size B or 1)."""
+    batch_rank = a.ndim - 2
+    a_batch, b_batch = a.shape[:batch_rank], b.shape[:batch_rank]
+    if pass_name != "updat" and op.feature_axis == 1 and math.prod(b_batch) == 1 and batch_rank:
+        # Shared weights, rows last but one: the batch folds into N with a free reshape.
+        folded = _bind(op, pass_name, a.reshape(-1, a.shape[-1]), b.reshape(b.shape[batch_rank:]))
+        return folded.reshape(a_batch + a.shape[-2:-1] + folded.shape[-1:])
+    batch_shape = tuple(max(i, j) for i, j in zip(a_batch, b_batch))
+    out_shape = batch_shape + _out_core_shape(op, pass_name, a)
+    if 0 in out_shape or 0 in a.shape or 0 in b.shape:
+        # Nothing to compute (an empty layout or N = 0): a sum over nothing is 0.
+        # XLA may hand out null pointers for empty buffers, so no callback is made.
+        return jnp.zeros(out_shape, a.dtype)
+    call = buffer_callback(_PassCallback(op, pass_name, batch_shape), jax.ShapeDtypeStruct(out_shape, a.dtype))
+    return call(a, b)
+
+
+def _pass(op: BlocksparseMatMul, pass_name: str, a, b):
+    """``pass_name`` of ``op`` on ``a`` and ``b``, with a vmap rule that batches without copies."""
+    run = custom_vmap(functools.partial(_bind, op, pass_name))
+
+    @run.def_vmap
+    def _rule(axis_size, in_batched, a, b):
+        # An unbatched operand gets a batch axis of length 1 (a free reshape) so both keep
+        # the same number of batch axes, whichever levels of vmap batched which operand.
+        a, b = (v if batched else v[None] for v, batched in zip((a, b), in_batched))
+        return _pass(op, pass_name, a, b), True
+
+    return run(a, b)
+
+
+# -- the three passes as one differentiable function ------------------------------------------------
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _matmul(x, w, op):
+    return _pass(op, "fprop", x, w)
+
+
+def _matmul_fwd(x, w, op):
+    y = _pass(op, "fprop", x.value, w.value)
+    # Keep what the backward pass needs: w for dx if x is differentiated, x for dW if w is.
+    # Data inputs (x not differentiated) thus skip bprop, frozen weights skip updat.
+    return y, (w.value if x.perturbed else None, x.value if w.perturbed else None)
+
+
+def _matmul_bwd(op, residuals, dy):
+    w, x = residuals
+    if isinstance(dy, SymbolicZero):
+        return None, None
+    dx = None if w is None else _pass(op, "bprop", dy, w)
+    dw = None if x is None else _pass(op, "updat", x, dy)
+    return dx, dw
+
+
+_matmul.defvjp(_matmul_fwd, _matmul_bwd, symbolic_zeros=True)
+
+
+@functools.partial(jax.jit, static_argnums=2)
+def _matmul_jit(x, w, op):
+    if op.feature_axis == 1:
+        y = _matmul(x.reshape(-1, op.C), w, op)
+        return y.reshape(x.shape[:-1] + (op.K,))
+    y = _matmul(x.reshape(op.C, -1), w, op)
+    return y.reshape((op.K,) + x.shape[1:])
+
+
+def _check_inputs(x, w, op) -> None:
+    if not isinstance(op, BlocksparseMatMul):
+        raise TypeError(f"op must be a bsmm.BlocksparseMatMul; got {type(op).__name__}")
+    for name, value in (("x", x), ("w", w)):
+        if not (hasattr(value, "shape") and hasattr(value, "dtype")):
+            raise TypeError(f"{name} must be a JAX or NumPy array; got {type(value).__name__}")
+    dtype = canonical_dtype(x.dtype, "x")
+    if op.feature_axis == 1 and (x.ndim < 1 or x.shape[-1] != op.C):
+        raise ValueError(f"x must have shape (..., {op.C}) (features last, feature_axis=1); got {tuple(x.shape)}")
+    if op.feature_axis == 0 and (x.ndim not in (1, 2) or x.shape[0] != op.C):
+        raise ValueError(
+            f"x must have shape ({op.C}, N) or ({op.C},) (features first, feature_axis=0; batch with "
+            f"jax.vmap); got {tuple(x.shape)}"
+        )
+    if tuple(w.shape) != op.w_shape:
+        raise ValueError(f"w must have shape w_shape {op.w_shape}; got {tuple(w.shape)}")
+    if w.dtype != dtype:
+        raise TypeError(f"w has dtype {w.dtype} but x has {dtype}; pass one dtype")
+
+
+def blocksparse_matmul(x, w, op: BlocksparseMatMul):
+    """y = x·W with block-sparse ``W``: differentiable, jit-able and vmap-able.
+
+    Parameters
+    ----------
+    x : (..., C) array with ``op.feature_axis == 1``; (C, N) or (C,) with ``feature_axis == 0``
+        float32, float16 or bfloat16. Leading axes (feature_axis 1) are rows.
+    w : (nnzb, bs, bs) array of x's dtype
+        Block data in the layout's storage order (``op.w_shape``).
+    op : bsmm.BlocksparseMatMul
+        The layout, block size and feature axis; static (hashed by identity), so
+        reuse one operator to reuse compiled code.
+
+    Returns
+    -------
+    y : (..., K), or (K, N) / (K,), x's dtype
+        Accumulated in float32, rounded once to the dtype.
+
+    Raises
+    ------
+    TypeError
+        If ``op`` is not a BlocksparseMatMul, ``x`` has an unsupported dtype, or
+        ``w``'s dtype differs from ``x``'s.
+    ValueError
+        If ``x`` or ``w`` has the wrong shape.
+
+    Notes
+    -----
+    Reverse mode only (``jax.grad``, ``jax.vjp``), as for any ``jax.custom_vjp``;
+    the backward pass skips ``bprop`` when ``x`` is not differentiated and
+    ``updat`` when ``w`` is not. There is no float64.
+
+    Examples
+    --------
+    >>> import numpy as np, jax, jax.numpy as jnp, bsmm, bsmm.jax
+    >>> op = bsmm.BlocksparseMatMul(np.eye(2), block_size=8)
+    >>> w = jnp.asarray(op.identity_init())
+    >>> x = jnp.arange(2 * 3 * 16, dtype=jnp.float32).reshape(2, 3, 16)
+    >>> bool(jnp.array_equal(bsmm.jax.blocksparse_matmul(x, w, op), x))   # W = I
+    True
+    >>> jax.vmap(bsmm.jax.blocksparse_matmul, in_axes=(0, None, None))(x, w, op).shape
+    (2, 3, 16)
+    """
+    _check_inputs(x, w, op)
+    return _matmul_jit(x, w, op)
+
+
+# -- a layer over a params pytree -------------------------------------------------------------------
+class BlockSparseDense:
+    """A dense layer ``y = x·W + b`` whose ``W`` (in_features, out_features) is block-sparse.
+
+    Parameters live in a pytree (``{"w": (nnzb, bs, bs), "b": (out_features,)}``)
+    that :meth:`init` creates and :meth:`apply` reads, so they combine with any
+    JAX optimizer; the layer object itself holds only the static operator.
+
+    Parameters
+    ----------
+    in_features, out_features : int
+        C and K; must equal ``layout.shape[0] * block_size`` and ``layout.shape[1] * block_size``.
+    layout : (C // block_size, K // block_size) array of 0/1
+    block_size : int, default 32
+    bias : bool, default True
+    feature_axis : {1, 0}, default 1
+        1: ``x`` is (..., C); 0: (C, N).
+    tf32 : bool, optional
+        Passed to :class:`bsmm.BlocksparseMatMul`.
+
+    Raises
+    ------
+    ValueError
+        If ``in_features``/``out_features`` do not match the layout.
+
+    Examples
+    --------
+    >>> import numpy as np, jax, jax.numpy as jnp, bsmm.jax
+    >>> layer = bsmm.jax.BlockSparseDense(32, 16, np.array([[1, 0], [1, 1], [0, 1], [1, 0]]), block_size=8)
+    >>> params = layer.init(jax.random.key(0))
+    >>> x = jnp.ones((5, 32))
+    >>> loss = lambda params: (layer.apply(params, x) ** 2).mean()
+    >>> grads = jax.jit(jax.grad(loss))(params)
+    >>> params = jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)   # one SGD step
+    >>> layer.apply(params, x).shape, params["w"].shape
+    ((5, 16), (5, 8, 8))
+    """
+
+    def __init__(self, in_features: int, out_features: int, layout, block_size: int = 32, bias: bool = True,
+                 feature_axis: int = 1, tf32: bool | None = None):
+        self.op = BlocksparseMatMul(layout, block_size=block_size, feature_axis=feature_axis, tf32=tf32)
+        for name, value, expected, axis in (("in_features", in_features, self.op.C, 0),
+                                            ("out_features", out_features, self.op.K, 1)):
+            if value != expected:
+                raise ValueError(
+                    f"{name} must be layout.shape[{axis}] * block_size = {expected}; got {value}"
+                )
+        self.bias = bool(bias)
+
+    def init(self, key, dtype=jnp.float32) -> dict:
+        """Initial parameters: ``w`` Gaussian with std 1/sqrt(fan-in), ``b`` zeros.
+
+        The fan-in of an output feature counts only present blocks (as
+        :func:`bsmm.initializers.normal`), so outputs start at unit variance for
+        unit-variance inputs whatever the density.
+
+        Parameters
+        ----------
+        key : jax.random key
+        dtype : float32, float16 or bfloat16
+
+        Returns
+        -------
+        dict with ``"w"`` (nnzb, bs, bs) and, with bias, ``"b"`` (out_features,)
+        """
+        dtype = canonical_dtype(dtype, "dtype")
+        layout = self.op.layout
+        fan_in = np.count_nonzero(layout, axis=0)[np.nonzero(layout)[1]] * self.op.block_size
+        std = (1.0 / np.sqrt(fan_in)).astype(np.float32)
+        w = jax.random.normal(key, self.op.w_shape, jnp.float32) * std[:, None, None]
+        params = {"w": w.astype(dtype)}
+        if self.bias:
+            params["b"] = jnp.zeros((self.op.K,), dtype)
+        return params
+
+    def apply(self, params: dict, x):
+        """``x·W + b``: (..., C) -> (..., K) (feature_axis 1) or (C, N) -> (K, N) (feature_axis 0)."""
+        y = blocksparse_matmul(x, params["w"], self.op)
+        if not self.bias:
+            return y
+        b = params["b"]
+        if tuple(b.shape) != (self.op.K,):
+            raise ValueError(f"params['b'] must have shape ({self.op.K},); got {tuple(b.shape)}")
+        return y + (b if self.op.feature_axis == 1 or y.ndim == 1 else b[:, None]).astype(y.dtype)
+
+    __call__ = apply
+
+    def __repr__(self) -> str:
+        return (f"BlockSparseDense(in_features={self.op.C}, out_features={self.op.K}, "
+                f"block_size={self.op.block_size}, blocks={self.op.blocks}, bias={self.bias}, "
+                f"feature_axis={self.op.feature_axis})")

@@ -1,0 +1,509 @@
+"""bsmm.jax: the differentiable JAX function and layer, on the CPU backend and (marker gpu) the CUDA kernels.
+
+Every test body runs on the ``device`` fixture's device: inputs are created
+there and jit runs there, so the same checks cover the host callback to the CPU
+backend and the kernels launched on XLA's stream. References are float64 dense
+products built without bsmm (``reference.py``) or JAX's own dense ``x @ W``
+with ``W`` scattered from the block data by :func:`dense_w` (independent of bsmm).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+jax = pytest.importorskip("jax")
+import jax.extend.core  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from jax.test_util import check_grads  # noqa: E402
+
+try:
+    # Two host devices for the mixed-device test; only possible before JAX starts its backends.
+    jax.config.update("jax_num_cpu_devices", 2)
+except RuntimeError:
+    pass
+
+import bsmm  # noqa: E402
+import bsmm.jax as bjax  # noqa: E402
+from reference import assert_close, random_data, random_layout, ref_bprop, ref_fprop, ref_updat  # noqa: E402
+
+BS = 8
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+# -- fixtures and helpers -----------------------------------------------------------------------------
+def _gpu_or_skip():
+    try:
+        gpus = jax.devices("gpu")
+    except RuntimeError as error:
+        pytest.skip(f"JAX has no GPU backend ({error}): GPU tests skipped")
+    cupy = pytest.importorskip("cupy", reason="CuPy is not installed: GPU tests skipped")
+    try:
+        if not cupy.cuda.is_available():
+            pytest.skip("CuPy sees no CUDA device: GPU tests skipped")
+    except Exception as error:  # a broken driver/runtime counts as "no GPU"
+        pytest.skip(f"CuPy cannot query CUDA ({type(error).__name__}: {error}): GPU tests skipped")
+    return gpus[0]
+
+
+@pytest.fixture(params=["cpu", pytest.param("gpu", marks=pytest.mark.gpu)])
+def device(request):
+    """The device every array of the test lives on (jit then runs there)."""
+    dev = jax.devices("cpu")[0] if request.param == "cpu" else _gpu_or_skip()
+    with jax.default_device(dev):
+        yield dev
+
+
+def put(array, dev):
+    return jax.device_put(jnp.asarray(array), dev)
+
+
+def host(array) -> np.ndarray:
+    return np.asarray(jax.device_get(array))
+
+
+def dense_w(op, w):
+    """Dense (C, K) ``W`` from block data with JAX ops (differentiable, no bsmm code)."""
+    rows, cols = np.nonzero(op.layout)
+    cb, kb = op.layout.shape
+    blocked = jnp.zeros((cb, BS, kb, BS), w.dtype).at[rows, :, cols, :].set(w)
+    return blocked.reshape(op.C, op.K)
+
+
+def dense_matmul(x, w, op):
+    """The dense JAX twin of blocksparse_matmul."""
+    weight = dense_w(op, w)
+    return x @ weight if op.feature_axis == 1 else weight.T @ x
+
+
+def activation_shape(op, n, features):
+    return (n, features) if op.feature_axis == 1 else (features, n)
+
+
+def make_case(seed, axis, n, dtype="float32", cb=4, kb=3, density=0.5, layout=None):
+    rng = np.random.default_rng(seed)
+    layout = random_layout(rng, cb, kb, density) if layout is None else layout
+    op = bsmm.BlocksparseMatMul(layout, block_size=BS, feature_axis=axis)
+    x = random_data(rng, activation_shape(op, n, op.C), dtype)
+    dy = random_data(rng, activation_shape(op, n, op.K), dtype)
+    w = random_data(rng, op.w_shape, dtype)
+    return op, x, dy, w
+
+
+def passes_in(jaxpr) -> list[str]:
+    """The bsmm passes (with batch shapes) that a jaxpr runs, in order, nested jaxprs included."""
+    found = []
+
+    def visit(closed_or_open):
+        jaxpr_ = getattr(closed_or_open, "jaxpr", closed_or_open)
+        for eqn in jaxpr_.eqns:
+            if eqn.primitive.name == "buffer_callback":
+                found.append(repr(eqn.params["callback"]))
+            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+                visit(sub)
+
+    visit(jaxpr)
+    return found
+
+
+AXES = pytest.mark.parametrize("axis", [1, 0], ids=["axis1", "axis0"])
+
+
+# -- import behaviour ---------------------------------------------------------------------------------
+def _run_python(code: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+
+
+def test_import_bsmm_does_not_import_jax():
+    result = _run_python("import sys, bsmm; print('jax' in sys.modules, 'jaxlib' in sys.modules)")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["False", "False"]
+
+
+def test_missing_jax_gives_a_clear_import_error():
+    result = _run_python(
+        "import sys; sys.modules['jax'] = None\n"
+        "try:\n    import bsmm.jax\nexcept ImportError as e:\n    print('ImportError:', e)\n"
+    )
+    assert result.returncode == 0, result.stderr
+    assert "ImportError: bsmm.jax needs JAX: pip install jax" in result.stdout
+
+
+# -- forward ------------------------------------------------------------------------------------------
+@AXES
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("n", [1, 7, 32])
+def test_forward_matches_float64_reference(device, axis, dtype, n):
+    op, x, _, w = make_case(10 + n, axis, n, dtype)
+    y = bjax.blocksparse_matmul(put(x, device), put(w, device), op)
+    assert y.dtype == jnp.dtype(dtype) and y.shape == activation_shape(op, n, op.K)
+    assert y.devices() == {device}
+    assert_close(host(y), ref_fprop(op.layout, w, BS, x, axis), dtype, "y")
+
+
+@AXES
+def test_empty_layout_gives_zeros_and_zero_gradients(device, axis):
+    op, x, dy, w = make_case(3, axis, 5, layout=np.zeros((4, 3), np.uint8))
+    assert op.w_shape == (0, BS, BS)
+    x_, w_ = put(x, device), put(w, device)
+    y, vjp = jax.vjp(lambda x, w: bjax.blocksparse_matmul(x, w, op), x_, w_)
+    dx, dw = vjp(put(dy, device))
+    assert host(y).shape == dy.shape and not host(y).any()
+    assert host(dx).shape == x.shape and not host(dx).any()
+    assert dw.shape == (0, BS, BS)
+
+
+@AXES
+def test_zero_rows(device, axis):
+    op, x, dy, w = make_case(4, axis, 0)
+    y, vjp = jax.vjp(lambda x, w: bjax.blocksparse_matmul(x, w, op), put(x, device), put(w, device))
+    dx, dw = vjp(put(dy, device))
+    assert y.shape == dy.shape and dx.shape == x.shape
+    assert not host(dw).any() and dw.shape == op.w_shape
+
+
+def test_leading_axes_are_rows(device):
+    """feature_axis=1: x (..., C) is the batch of rows x.reshape(-1, C)."""
+    op, x, _, w = make_case(5, 1, 12)
+    x3 = x.reshape(2, 2, 3, op.C)
+    y = bjax.blocksparse_matmul(put(x3, device), put(w, device), op)
+    assert y.shape == (2, 2, 3, op.K)
+    assert_close(host(y).reshape(12, op.K), ref_fprop(op.layout, w, BS, x, 1), "float32")
+    vector = bjax.blocksparse_matmul(put(x[0], device), put(w, device), op)
+    assert vector.shape == (op.K,)
+    assert_close(host(vector), ref_fprop(op.layout, w, BS, x[:1], 1)[0], "float32")
+
+
+# -- gradients ----------------------------------------------------------------------------------------
+@AXES
+@pytest.mark.parametrize("n", [1, 9])
+def test_gradients_match_dense_jax_autodiff(device, axis, n):
+    """Analytic gradients (bprop for x, updat for w) against JAX's autodiff of the dense
+    twin ``x @ W`` in float32, and against float64 references; norm-wise rtol 1e-5."""
+    op, x, dy, w = make_case(20 + n, axis, n)
+    x_, w_, dy_ = put(x, device), put(w, device), put(dy, device)
+
+    def loss(f):
+        return lambda x, w: jnp.vdot(f(x, w, op), dy_)
+
+    dx, dw = jax.grad(loss(bjax.blocksparse_matmul), argnums=(0, 1))(x_, w_)
+    dense_dx, dense_dw = jax.grad(loss(dense_matmul), argnums=(0, 1))(x_, w_)
+    assert_close(host(dx), host(dense_dx), "float32", "dx vs dense autodiff")
+    assert_close(host(dw), host(dense_dw), "float32", "dw vs dense autodiff")
+    assert_close(host(dx), ref_bprop(op.layout, w, BS, dy, axis), "float32", "dx vs float64")
+    assert_close(host(dw), ref_updat(op.layout, BS, x, dy, axis), "float32", "dw vs float64")
+
+
+@AXES
+def test_check_grads_reverse_mode(device, axis):
+    """jax.test_util.check_grads (order 1, reverse mode) in float32: bsmm has no float64.
+
+    The product is bilinear, so central differences are exact up to rounding for any
+    step; eps=0.5 keeps float32 rounding (~1e-6 relative) far below atol=rtol=1e-3,
+    while a wrong gradient is off by O(1).
+    """
+    op, x, _, w = make_case(30, axis, 6)
+    check_grads(lambda x, w: bjax.blocksparse_matmul(x, w, op), (put(x, device), put(w, device)),
+                order=1, modes=["rev"], eps=0.5, atol=1e-3, rtol=1e-3)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_half_precision_gradients(device, dtype):
+    """Gradients in half precision keep the dtype and match float64 at the dtype's tolerance."""
+    op, x, dy, w = make_case(31, 1, 16, dtype)
+    _, vjp = jax.vjp(lambda x, w: bjax.blocksparse_matmul(x, w, op), put(x, device), put(w, device))
+    dx, dw = vjp(put(dy, device))
+    assert dx.dtype == dw.dtype == jnp.dtype(dtype)
+    assert_close(host(dx), ref_bprop(op.layout, w, BS, dy, 1), dtype, "dx")
+    assert_close(host(dw), ref_updat(op.layout, BS, x, dy, 1), dtype, "dw")
+
+
+def test_backward_runs_only_the_passes_it_needs():
+    """A data input (no gradient for x) skips bprop; frozen weights skip updat."""
+    op, x, _, w = make_case(32, 1, 4)
+    f = functools.partial(bjax.blocksparse_matmul, op=op)
+    only_w = passes_in(jax.make_jaxpr(jax.grad(lambda w: f(x, w).sum()))(w))
+    only_x = passes_in(jax.make_jaxpr(jax.grad(lambda x: f(x, w).sum()))(x))
+    both = passes_in(jax.make_jaxpr(jax.grad(lambda x, w: f(x, w).sum(), argnums=(0, 1)))(x, w))
+    assert [p.split("(")[0] for p in only_w] == ["bsmm.fprop", "bsmm.updat"]
+    assert [p.split("(")[0] for p in only_x] == ["bsmm.fprop", "bsmm.bprop"]
+    assert sorted(p.split("(")[0] for p in both) == ["bsmm.bprop", "bsmm.fprop", "bsmm.updat"]
+
+
+# -- jit ----------------------------------------------------------------------------------------------
+def test_jit_traces_once(device, monkeypatch):
+    """Repeated calls (eager, under an outer jit, and of the gradient) trace bsmm's passes once."""
+    op, x, _, w = make_case(40, 1, 5)
+    x_, w_ = put(x, device), put(w, device)
+    traced = []
+    original = bjax._bind
+    monkeypatch.setattr(bjax, "_bind", lambda *args: (traced.append(args[1]), original(*args))[1])
+    outer = jax.jit(lambda x, w: bjax.blocksparse_matmul(x, w, op) * 2)
+    grad = jax.grad(lambda w: bjax.blocksparse_matmul(x_, w, op).sum())
+    for _ in range(3):
+        eager, jitted, dw = bjax.blocksparse_matmul(x_, w_, op), outer(x_, w_), grad(w_)
+    assert traced.count("fprop") <= 3 and traced.count("updat") == 1, traced
+    calls_after_warmup = len(traced)
+    bjax.blocksparse_matmul(x_, w_, op), outer(x_, w_), grad(w_)
+    assert len(traced) == calls_after_warmup
+    assert_close(host(jitted), 2 * host(eager).astype(np.float64), "float32")
+    assert_close(host(dw), ref_updat(op.layout, BS, x, np.ones((5, op.K)), 1), "float32")
+
+
+def test_jit_with_op_as_static_argument(device):
+    op, x, _, w = make_case(41, 0, 3)
+    f = jax.jit(bjax.blocksparse_matmul, static_argnums=2)
+    y = f(put(x, device), put(w, device), op)
+    assert_close(host(y), ref_fprop(op.layout, w, BS, x, 0), "float32")
+
+
+# -- vmap ---------------------------------------------------------------------------------------------
+def _loop(f, *batched):
+    return np.stack([host(f(*args)) for args in zip(*batched)])
+
+
+@AXES
+def test_vmap_over_activations_matches_a_loop(device, axis):
+    op, _, _, w = make_case(50, axis, 1)
+    rng = np.random.default_rng(51)
+    xs = random_data(rng, (3,) + activation_shape(op, 5, op.C), "float32")
+    w_ = put(w, device)
+    f = jax.vmap(bjax.blocksparse_matmul, in_axes=(0, None, None))
+    ys = f(put(xs, device), w_, op)
+    expected = _loop(lambda x: bjax.blocksparse_matmul(put(x, device), w_, op), xs)
+    np.testing.assert_array_equal(host(ys), expected)
+    for b in range(3):
+        assert_close(host(ys)[b], ref_fprop(op.layout, w, BS, xs[b], axis), "float32")
+    # feature_axis 1 folds the batch into N (one pass, batch_shape ()); axis 0 loops over views.
+    (pass_,) = passes_in(jax.make_jaxpr(f, static_argnums=2)(xs, w, op))
+    assert pass_ == ("bsmm.fprop(batch_shape=())" if axis == 1 else "bsmm.fprop(batch_shape=(3,))")
+
+
+@AXES
+def test_vmap_over_weights_and_both(device, axis):
+    op, x, _, _ = make_case(52, axis, 4)
+    rng = np.random.default_rng(53)
+    ws = random_data(rng, (2,) + op.w_shape, "float32")
+    xs = random_data(rng, (2,) + x.shape, "float32")
+    shared_x = jax.vmap(bjax.blocksparse_matmul, in_axes=(None, 0, None))(put(x, device), put(ws, device), op)
+    paired = jax.vmap(bjax.blocksparse_matmul, in_axes=(0, 0, None))(put(xs, device), put(ws, device), op)
+    for b in range(2):
+        assert_close(host(shared_x)[b], ref_fprop(op.layout, ws[b], BS, x, axis), "float32")
+        assert_close(host(paired)[b], ref_fprop(op.layout, ws[b], BS, xs[b], axis), "float32")
+
+
+def test_nested_vmap(device):
+    """vmap(vmap) with the inner level over x and the outer over w: (2 w) x (3 x) products."""
+    op, _, _, _ = make_case(54, 1, 1)
+    rng = np.random.default_rng(55)
+    xs = random_data(rng, (3, 4, op.C), "float32")
+    ws = random_data(rng, (2,) + op.w_shape, "float32")
+    inner = jax.vmap(bjax.blocksparse_matmul, in_axes=(0, None, None))
+    outer = jax.vmap(inner, in_axes=(None, 0, None))
+    ys = outer(put(xs, device), put(ws, device), op)
+    assert ys.shape == (2, 3, 4, op.K)
+    for i in range(2):
+        for j in range(3):
+            assert_close(host(ys)[i, j], ref_fprop(op.layout, ws[i], BS, xs[j], 1), "float32")
+
+
+@AXES
+def test_gradients_under_vmap_match_a_loop(device, axis):
+    """Per-example gradients (vmap of grad) and the gradient of a vmapped loss (grad of vmap)."""
+    op, _, _, w = make_case(56, axis, 1)
+    rng = np.random.default_rng(57)
+    xs = random_data(rng, (3,) + activation_shape(op, 4, op.C), "float32")
+    dys = random_data(rng, (3,) + activation_shape(op, 4, op.K), "float32")
+    w_, xs_, dys_ = put(w, device), put(xs, device), put(dys, device)
+
+    def loss(w, x, dy):
+        return jnp.vdot(bjax.blocksparse_matmul(x, w, op), dy)
+
+    per_example = jax.jit(jax.vmap(jax.grad(loss, argnums=(0, 1)), in_axes=(None, 0, 0)))(w_, xs_, dys_)
+    summed = jax.grad(lambda w: jax.vmap(loss, in_axes=(None, 0, 0))(w, xs_, dys_).sum())(w_)
+    for b in range(3):
+        dw, dx = jax.grad(loss, argnums=(0, 1))(w_, xs_[b], dys_[b])
+        np.testing.assert_array_equal(host(per_example[0])[b], host(dw))
+        np.testing.assert_array_equal(host(per_example[1])[b], host(dx))
+    expected = sum(ref_updat(op.layout, BS, xs[b], dys[b], axis) for b in range(3))
+    assert_close(host(summed), expected, "float32", "grad of vmap")
+
+
+# -- inputs, errors -----------------------------------------------------------------------------------
+def test_inputs_are_not_modified(device):
+    op, x, dy, w = make_case(60, 1, 6)
+    x_, w_, dy_ = put(x, device), put(w, device), put(dy, device)
+    _, vjp = jax.vjp(lambda x, w: bjax.blocksparse_matmul(x, w, op), x_, w_)
+    jax.block_until_ready(vjp(dy_))
+    for before, after in ((x, x_), (w, w_), (dy, dy_)):
+        np.testing.assert_array_equal(host(after), before)
+
+
+def test_cpu_buffers_are_shared_not_copied(monkeypatch):
+    """On the CPU the pass reads XLA's input buffers and writes the jit output buffer itself."""
+    op, x, _, w = make_case(61, 1, 6)
+    dev = jax.devices("cpu")[0]
+    x_, w_ = put(x, dev), put(w, dev)
+    seen = []
+    original = bjax._numpy_view
+    monkeypatch.setattr(bjax, "_numpy_view",
+                        lambda buffer, writeable: seen.append(original(buffer, writeable)) or seen[-1])
+    y = jax.jit(lambda x, w: bjax.blocksparse_matmul(x, w, op))(x_, w_)
+    out, a, b = seen
+    assert out.ctypes.data == y.unsafe_buffer_pointer(), "the result must be written into the output buffer"
+    assert a.ctypes.data == x_.unsafe_buffer_pointer() and b.ctypes.data == w_.unsafe_buffer_pointer()
+    assert not a.flags.writeable and not b.flags.writeable and out.flags.writeable
+
+
+def test_bad_inputs_name_the_argument():
+    op, x, _, w = make_case(62, 1, 3)
+    x_, w_ = jnp.asarray(x), jnp.asarray(w)
+    f = bjax.blocksparse_matmul
+    with pytest.raises(TypeError, match=r"x has dtype int32; supported dtypes are float32, float16, bfloat16"):
+        f(x_.astype(jnp.int32), w_, op)
+    with pytest.raises(TypeError, match=r"w has dtype float16 but x has float32; pass one dtype"):
+        f(x_, w_.astype(jnp.float16), op)
+    with pytest.raises(ValueError, match=r"x must have shape \(\.\.\., 32\) .*; got \(3, 31\)"):
+        f(x_[:, :-1], w_, op)
+    with pytest.raises(ValueError, match=r"w must have shape w_shape \(\d+, 8, 8\); got \(\d+, 8, 7\)"):
+        f(x_, w_[:, :, :-1], op)
+    with pytest.raises(TypeError, match="op must be a bsmm.BlocksparseMatMul; got str"):
+        f(x_, w_, "op")
+    with pytest.raises(TypeError, match="x must be a JAX or NumPy array; got list"):
+        f(x.tolist(), w_, op)
+    op0 = bsmm.BlocksparseMatMul(op.layout, block_size=BS, feature_axis=0)
+    with pytest.raises(ValueError, match=r"x must have shape \(32, N\) or \(32,\) .*; got \(2, 32, 3\)"):
+        f(jnp.zeros((2, op.C, 3)), w_, op0)
+    # The checks also hold inside jit and vmap, where x is a tracer.
+    with pytest.raises(TypeError, match="w has dtype bfloat16 but x has float32"):
+        jax.jit(lambda x, w: f(x, w, op))(x_, w_.astype(jnp.bfloat16))
+    with pytest.raises(ValueError, match=r"x must have shape \(\.\.\., 32\)"):
+        jax.vmap(f, in_axes=(1, None, None))(x_, w_, op)
+
+
+def test_mixed_devices_are_refused():
+    """x and w committed to different devices: JAX refuses before bsmm runs, naming both."""
+    devices = jax.devices("cpu")
+    if len(devices) < 2:
+        pytest.skip("needs two JAX CPU devices (jax_num_cpu_devices was set too late)")
+    op, x, _, w = make_case(63, 1, 3)
+    with pytest.raises(ValueError, match=r"incompatible devices.*\bx\b.*\bw\b"):
+        bjax.blocksparse_matmul(put(x, devices[0]), put(w, devices[1]), op)
+
+
+# -- the layer and a small model trained a few steps ----------------------------------------------
+def test_layer_init(device):
+    layout = random_layout(np.random.default_rng(70), 8, 4, 0.5)
+    layout[:, 0] = 1  # a full block column: fan-in 8 blocks
+    layer = bjax.BlockSparseDense(64, 32, layout, block_size=BS)
+    params = layer.init(jax.random.key(0))
+    assert set(params) == {"w", "b"} and params["w"].shape == layer.op.w_shape
+    assert params["w"].dtype == jnp.float32 and not host(params["b"]).any()
+    first_column = host(params["w"])[np.nonzero(layout)[1] == 0]
+    assert abs(first_column.std() - 1 / np.sqrt(8 * BS)) < 0.15 / np.sqrt(8 * BS)
+    half = bjax.BlockSparseDense(64, 32, layout, block_size=BS, bias=False).init(jax.random.key(1), "bfloat16")
+    assert set(half) == {"w"} and half["w"].dtype == jnp.bfloat16
+    with pytest.raises(ValueError, match=r"in_features must be layout.shape\[0\] \* block_size = 64; got 60"):
+        bjax.BlockSparseDense(60, 32, layout, block_size=BS)
+    with pytest.raises(ValueError, match=r"out_features must be layout.shape\[1\] \* block_size = 32; got 33"):
+        bjax.BlockSparseDense(64, 33, layout, block_size=BS)
+    with pytest.raises(ValueError, match=r"params\['b'\] must have shape \(32,\); got \(31,\)"):
+        layer.apply({"w": params["w"], "b": params["b"][:-1]}, jnp.ones((2, 64)))
+
+
+@AXES
+def test_small_model_trains_like_a_masked_dense_model(device, axis):
+    """Two block-sparse layers with a tanh between, 5 SGD steps, against the same model built
+    from dense layers whose weights are masked by the layouts: same losses (rtol 1e-5)."""
+    rng = np.random.default_rng(80 + axis)
+    layers = [bjax.BlockSparseDense(48, 32, random_layout(rng, 6, 4, 0.5), block_size=BS, feature_axis=axis),
+              bjax.BlockSparseDense(32, 16, random_layout(rng, 4, 2, 0.6), block_size=BS, feature_axis=axis)]
+    params = [layer.init(key) for layer, key in zip(layers, jax.random.split(jax.random.key(axis), 2))]
+    masks = [jnp.asarray(np.kron(layer.op.layout, np.ones((BS, BS), np.float32))) for layer in layers]
+    dense_params = [{"w": dense_w(layer.op, p["w"]), "b": p["b"]} for layer, p in zip(layers, params)]
+    x = put(random_data(rng, activation_shape(layers[0].op, 10, 48), "float32"), device)
+    target = put(random_data(rng, activation_shape(layers[1].op, 10, 16), "float32"), device)
+
+    def sparse_loss(params):
+        h = jnp.tanh(layers[0].apply(params[0], x))
+        return jnp.mean((layers[1].apply(params[1], h) - target) ** 2)
+
+    def dense_loss(params):
+        h = x
+        for p, mask, activation in zip(params, masks, (jnp.tanh, lambda v: v)):
+            weight = p["w"] * mask
+            h = activation(h @ weight + p["b"] if axis == 1 else weight.T @ h + p["b"][:, None])
+        return jnp.mean((h - target) ** 2)
+
+    def train(loss, params):
+        step = jax.jit(jax.value_and_grad(loss))
+        losses = []
+        for _ in range(5):
+            value, grads = step(params)
+            params = jax.tree.map(lambda p, g: p - 0.5 * g, params, grads)
+            losses.append(float(value))
+        return np.array(losses), params
+
+    sparse_losses, sparse_params = train(sparse_loss, params)
+    dense_losses, dense_final = train(dense_loss, dense_params)
+    assert sparse_losses[-1] < 0.9 * sparse_losses[0], f"the model did not learn: {sparse_losses}"
+    np.testing.assert_allclose(sparse_losses, dense_losses, rtol=1e-5)
+    for layer, p, d in zip(layers, sparse_params, dense_final):
+        assert_close(host(dense_w(layer.op, p["w"])), host(d["w"]), "float32", "trained weights")
+
+
+# -- GPU: zero copy and stream order --------------------------------------------------------------------
+@pytest.mark.gpu
+def test_gpu_jitted_passes_allocate_only_their_outputs():
+    """Device memory statistics: a jitted pass adds exactly its output to the memory in use,
+    and the peak never exceeds what was in use plus the outputs (no copies of inputs);
+    inputs are unchanged."""
+    dev = _gpu_or_skip()
+    if dev.memory_stats() is None:
+        pytest.skip("this JAX GPU client reports no memory statistics")
+    rng = np.random.default_rng(90)
+    op = bsmm.BlocksparseMatMul(random_layout(rng, 64, 64, 0.3), block_size=32)  # C = K = 2048
+    # Larger than anything else the suite allocates, so the peak statistic sees any copy.
+    x = random_data(rng, (8192, op.C), "float32")
+    dy = random_data(rng, (8192, op.K), "float32")
+    w = random_data(rng, op.w_shape, "float32")
+    x_, w_, dy_ = put(x, dev), put(w, dev), put(dy, dev)
+    forward = jax.jit(lambda x, w: bjax.blocksparse_matmul(x, w, op))
+    backward = jax.jit(lambda x, w, dy: jax.vjp(lambda x, w: bjax.blocksparse_matmul(x, w, op), x, w)[1](dy))
+
+    for run, args in ((forward, (x_, w_)), (backward, (x_, w_, dy_))):
+        jax.block_until_ready(run(*args))  # compile and build bsmm's plans first
+        before = dev.memory_stats()
+        outputs = jax.block_until_ready(run(*args))
+        after = dev.memory_stats()
+        out_bytes = sum(o.nbytes for o in jax.tree.leaves(outputs))
+        grown = after["bytes_in_use"] - before["bytes_in_use"]
+        assert out_bytes <= grown <= out_bytes + 4096, f"{grown} bytes allocated for {out_bytes} of outputs"
+        # The backward jit may keep the (unused) forward output alive while it runs.
+        slack = 0 if run is forward else 8192 * op.K * 4
+        assert after["peak_bytes_in_use"] <= max(before["peak_bytes_in_use"],
+                                                 before["bytes_in_use"] + out_bytes + slack + 4096)
+        del outputs
+    for before_, after_ in ((x, x_), (w, w_), (dy, dy_)):
+        np.testing.assert_array_equal(host(after_), before_)
+
+
+@pytest.mark.gpu
+def test_gpu_pass_is_ordered_on_xla_stream():
+    """Inside one jit, XLA writes x*2+1 just before the pass and reads the result right after:
+    on another stream the kernels would read stale input or XLA would read an unfinished output."""
+    dev = _gpu_or_skip()
+    rng = np.random.default_rng(91)
+    op = bsmm.BlocksparseMatMul(random_layout(rng, 32, 32, 0.5), block_size=32)
+    x = random_data(rng, (4096, op.C), "float32")
+    w = random_data(rng, op.w_shape, "float32")
+    f = jax.jit(lambda x, w: bjax.blocksparse_matmul(x * 2 + 1, w, op) - 3)
+    for _ in range(3):
+        y = f(put(x, dev), put(w, dev))
+        assert_close(host(y) + 3, ref_fprop(op.layout, w, op.block_size, x * 2 + 1, 1), "float32")
