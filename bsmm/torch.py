@@ -1,0 +1,291 @@
+"""PyTorch adapter: block-sparse ``x·W`` as a differentiable, compilable operator and an ``nn.Module``.
+
+>>> import numpy as np, torch, bsmm.torch
+>>> layer = bsmm.torch.BlockSparseLinear(64, 64, np.array([[1, 0], [1, 1]]), block_size=32)
+>>> layer.weight.shape, layer(torch.ones(5, 64)).shape
+(torch.Size([3, 32, 32]), torch.Size([5, 64]))
+
+- :func:`blocksparse_matmul` ``(x, w, op)``: ``x·W`` for a :class:`bsmm.BlocksparseMatMul`
+  ``op`` and block data ``w`` (``op.w_shape``), with leading batch dimensions and autocast.
+- :class:`BlockSparseLinear`: the layer, weight parameter of shape ``w_shape``.
+- Both run ``torch.ops.bsmm.matmul`` (:mod:`bsmm.torch_ops`), a ``torch.library``
+  custom operator with a fake implementation and an autograd formula made of the
+  ``bsmm::matmul_bprop`` and ``bsmm::matmul_updat`` operators: ``torch.compile(fullgraph=True)``
+  traces through it, and gradients of any order are block-sparse.
+- CPU tensors run the CPU backend, CUDA tensors the GPU kernels on PyTorch's
+  current stream; tensors are shared through DLPack, never copied, and each pass
+  allocates only its output (through PyTorch's allocator).
+- Dtypes float32, float16, bfloat16; under ``torch.autocast`` the input and the
+  weight are cast to the autocast dtype first, as ``nn.Linear`` does.
+- Inputs must be contiguous (a ``ValueError`` otherwise, rather than a hidden copy);
+  gradients arriving in backward are made contiguous when they are not (``y.sum()``
+  sends an expanded one).
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+
+import numpy as np
+
+# First, for its clear ImportError when PyTorch is missing.
+from .torch_ops import SUPPORTED_DTYPES, Registration, lookup, matmul, register
+
+import torch  # noqa: E402  (after the guarded import above)
+
+from .matmul import BlocksparseMatMul  # noqa: E402
+
+__all__ = ["BlockSparseLinear", "blocksparse_matmul", "register", "lookup"]
+
+# The registration of each BlocksparseMatMul used through blocksparse_matmul, alive as long as the op.
+_OPS: "weakref.WeakKeyDictionary[BlocksparseMatMul, Registration]" = weakref.WeakKeyDictionary()
+
+
+def _autocast(x: torch.Tensor, w: torch.Tensor):
+    """Cast both to the autocast dtype where autocast is on for x's device, as ``F.linear`` would."""
+    device_type = x.device.type
+    if torch.is_autocast_enabled(device_type):
+        dtype = torch.get_autocast_dtype(device_type)
+        if dtype in SUPPORTED_DTYPES:
+            # float64 is left alone, as autocast does, and refused by the operator with a clear error.
+            cast = (torch.float32, torch.float16, torch.bfloat16)
+            return (x.to(dtype) if x.dtype in cast else x), (w.to(dtype) if w.dtype in cast else w)
+    return x, w
+
+
+def _matmul(x, w, key: str, features_in: int, features_out: int, feature_axis: int, tf32: bool) -> torch.Tensor:
+    """``x·W`` over any leading (feature_axis=1) or trailing (feature_axis=0) batch dimensions."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a torch.Tensor; got {type(x).__name__}")
+    if not isinstance(w, torch.Tensor):
+        raise TypeError(f"w must be a torch.Tensor; got {type(w).__name__}")
+    x, w = _autocast(x, w)
+    axis = x.dim() - 1 if feature_axis == 1 else 0
+    if x.dim() == 0 or x.shape[axis] != features_in:
+        expected = f"(..., {features_in})" if feature_axis == 1 else f"({features_in}, ...)"
+        raise ValueError(f"x must have shape {expected} with feature_axis={feature_axis}; got {tuple(x.shape)}")
+    if not x.is_contiguous():
+        raise ValueError(f"x must be contiguous; got shape {tuple(x.shape)}, strides {x.stride()}")
+    # On a contiguous tensor these reshapes are views.
+    if feature_axis == 1:
+        y = matmul(x.reshape(-1, features_in), w, key, feature_axis, tf32)
+        return y.reshape(*x.shape[:-1], features_out)
+    y = matmul(x.reshape(features_in, -1), w, key, feature_axis, tf32)
+    return y.reshape(features_out, *x.shape[1:])
+
+
+def _registration_for(op: BlocksparseMatMul) -> Registration:
+    registration = _OPS.get(op)
+    if registration is None:
+        registration = _OPS[op] = register(op.index)
+    return registration
+
+
+@torch.compiler.assume_constant_result
+def _static_arguments(op: BlocksparseMatMul) -> tuple:
+    # Run once when torch.compile traces a call (the op is guarded): the layout tables never enter the graph.
+    if not isinstance(op, BlocksparseMatMul):
+        raise TypeError(f"op must be a bsmm.BlocksparseMatMul; got {type(op).__name__}")
+    return (_registration_for(op).key, op.C, op.K, op.feature_axis, op.tf32)
+
+
+def blocksparse_matmul(x: torch.Tensor, w: torch.Tensor, op: BlocksparseMatMul) -> torch.Tensor:
+    """y = x·W for the block-sparse ``W`` of ``op``'s layout, differentiable in ``x`` and ``w``.
+
+    Parameters
+    ----------
+    x : (..., C) tensor, or (C, ...) with ``op.feature_axis == 0``
+        float32, float16 or bfloat16, contiguous, on the CPU or a CUDA device.
+    w : (nnzb, bs, bs) tensor, ``op.w_shape``
+        Block data, x's dtype and device.
+    op : bsmm.BlocksparseMatMul
+        The layout, block size, feature axis and TF32 choice.
+
+    Returns
+    -------
+    y : (..., K) tensor, or (K, ...) with ``op.feature_axis == 0``; x's dtype and device
+        (the autocast dtype under ``torch.autocast``).
+
+    Raises
+    ------
+    TypeError
+        If ``x`` or ``w`` is not a tensor or not of a supported dtype, their dtypes
+        differ, or ``op`` is not a BlocksparseMatMul.
+    ValueError
+        If a shape does not fit ``op``, a tensor is not contiguous, or ``x`` and
+        ``w`` are on different devices.
+
+    Examples
+    --------
+    >>> import numpy as np, torch, bsmm, bsmm.torch
+    >>> op = bsmm.BlocksparseMatMul(np.array([[1, 0], [1, 1]]), block_size=8)
+    >>> w = torch.randn(op.w_shape, requires_grad=True)
+    >>> x = torch.randn(2, 3, op.C)
+    >>> y = bsmm.torch.blocksparse_matmul(x, w, op)
+    >>> y.shape
+    torch.Size([2, 3, 16])
+    >>> dense = torch.from_numpy(op.to_dense(w.detach().numpy()))
+    >>> torch.allclose(y, x @ dense, atol=1e-5)
+    True
+    >>> y.sum().backward()
+    >>> w.grad.shape
+    torch.Size([3, 8, 8])
+    """
+    key, features_in, features_out, feature_axis, tf32 = _static_arguments(op)
+    return _matmul(x, w, key, features_in, features_out, feature_axis, tf32)
+
+
+def _layout_array(layout) -> np.ndarray:
+    if isinstance(layout, torch.Tensor):
+        return layout.detach().cpu().numpy()
+    return np.asarray(layout)
+
+
+class BlockSparseLinear(torch.nn.Module):
+    """y = x·W + b with a block-sparse ``W`` (in_features × out_features) of a fixed layout.
+
+    Parameters
+    ----------
+    in_features, out_features : int
+        ``C`` and ``K``; must equal ``layout.shape[0] * block_size`` and ``layout.shape[1] * block_size``.
+    layout : (C // block_size, K // block_size) array or tensor of 0/1
+        ``layout[c, k] != 0``: block ``(c, k)`` of ``W`` is present.
+    block_size : int
+        8, 16, 32, 64 or 128.
+    bias : bool
+        Add a learnable bias of shape (out_features,).
+    feature_axis : {1, 0}
+        1: input (..., C), output (..., K). 0: input (C, ...), output (K, ...).
+    tf32 : bool
+        On the GPU, float32 products on TF32 tensor cores.
+    device, dtype
+        Of the parameters (and of the ``layout`` buffer's device); dtype float32, float16 or bfloat16.
+
+    Attributes
+    ----------
+    weight : Parameter (nnzb, block_size, block_size)
+        The present blocks of ``W``, row-major over the layout (``op.w_shape``).
+    bias : Parameter (out_features,) or None
+    layout : buffer (C // block_size, K // block_size) uint8
+        Saved in the ``state_dict``; loading a state_dict of another layout raises.
+        It records the layout: changing it in place does not change the layer.
+    op : bsmm.BlocksparseMatMul
+        The operator over the layout (``op.to_dense``, ``op.flops``, ...).
+
+    Notes
+    -----
+    Initialization follows ``nn.Linear`` with each output feature's true fan-in:
+    the weights of block column ``k`` and the bias entries of its features are drawn
+    from U(-1/sqrt(fan_in_k), 1/sqrt(fan_in_k)), ``fan_in_k = block_size ×`` the
+    present blocks of column ``k``, with PyTorch's generator (``torch.manual_seed``
+    applies). For a dense layout this is ``nn.Linear``'s distribution; features of
+    an empty block column get a zero bias.
+
+    Examples
+    --------
+    >>> import numpy as np, torch, bsmm.torch
+    >>> torch.manual_seed(0)  # doctest: +ELLIPSIS
+    <torch._C.Generator object at ...>
+    >>> layer = bsmm.torch.BlockSparseLinear(64, 64, np.eye(2), block_size=32)
+    >>> layer
+    BlockSparseLinear(in_features=64, out_features=64, block_size=32, blocks=2, density=0.5, bias=True)
+    >>> x = torch.randn(8, 64)
+    >>> dense = layer.to_dense_weight()  # (in_features, out_features)
+    >>> torch.allclose(layer(x), x @ dense + layer.bias, atol=1e-5)
+    True
+    """
+
+    def __init__(self, in_features: int, out_features: int, layout, block_size: int = 32, bias: bool = True,
+                 feature_axis: int = 1, tf32: bool = False, device=None, dtype=None):
+        super().__init__()
+        dtype = torch.get_default_dtype() if dtype is None else dtype
+        if dtype not in SUPPORTED_DTYPES:
+            raise TypeError(f"dtype must be one of {', '.join(SUPPORTED_DTYPES.values())}; got {dtype}")
+        self.op = BlocksparseMatMul(_layout_array(layout), block_size, feature_axis, tf32)
+        for argument, value, blocks in (("in_features", in_features, 0), ("out_features", out_features, 1)):
+            expected = self.op.layout.shape[blocks] * self.op.block_size
+            if value != expected:
+                raise ValueError(
+                    f"{argument} must be layout.shape[{blocks}] * block_size = {self.op.layout.shape[blocks]} * "
+                    f"{self.op.block_size} = {expected}; got {value}"
+                )
+        self.in_features, self.out_features = self.op.C, self.op.K
+        self.feature_axis, self.tf32 = self.op.feature_axis, self.op.tf32
+        # Pickles as its layout and re-registers on load (see bsmm.torch_ops).
+        self._registration = register(self.op.index)
+        self._key = self._registration.key
+        self.register_buffer("layout", torch.tensor(np.array(self.op.layout), device=device))
+        self.weight = torch.nn.Parameter(torch.empty(self.op.w_shape, device=device, dtype=dtype))
+        if bias:
+            self.bias = torch.nn.Parameter(torch.empty(self.out_features, device=device, dtype=dtype))
+        else:
+            self.register_parameter("bias", None)
+        self.reset_parameters()
+
+    def _feature_bounds(self) -> np.ndarray:
+        """(KB,) 1/sqrt(fan-in) of each block column, 0 for an empty one."""
+        fan_in = np.count_nonzero(self.op.layout, axis=0) * self.op.block_size
+        return np.where(fan_in > 0, 1.0 / np.sqrt(np.maximum(fan_in, 1)), 0.0)
+
+    def reset_parameters(self) -> None:
+        """Draw the weight and bias again (see Notes), with PyTorch's random generator."""
+        bounds = self._feature_bounds()
+        with torch.no_grad():
+            block_bounds = torch.tensor(bounds[self.op.indices], dtype=self.weight.dtype, device=self.weight.device)
+            self.weight.uniform_(-1.0, 1.0).mul_(block_bounds.view(-1, 1, 1))
+            if self.bias is not None:
+                feature_bounds = np.repeat(bounds, self.op.block_size)
+                self.bias.uniform_(-1.0, 1.0).mul_(
+                    torch.tensor(feature_bounds, dtype=self.bias.dtype, device=self.bias.device)
+                )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x (..., C) -> (..., K), or (C, ...) -> (K, ...) with feature_axis=0."""
+        y = _matmul(x, self.weight, self._key, self.in_features, self.out_features, self.feature_axis, self.tf32)
+        if self.bias is None:
+            return y
+        bias = self.bias.to(y.dtype)  # autocast: the product's dtype, as nn.Linear
+        if self.feature_axis == 0:
+            bias = bias.view(-1, *([1] * (y.dim() - 1)))
+        # In place: y is a fresh output nothing else holds, and its backward does not need it.
+        return y.add_(bias)
+
+    def to_dense_weight(self) -> torch.Tensor:
+        """Dense ``W`` (in_features, out_features), zero where blocks are absent; differentiable.
+
+        ``nn.Linear`` stores the transpose: ``nn.Linear.weight`` equals ``to_dense_weight().T``.
+        """
+        bs = self.op.block_size
+        rows = torch.tensor(self.op.index.rows, dtype=torch.long, device=self.weight.device)
+        cols = torch.tensor(self.op.indices, dtype=torch.long, device=self.weight.device)
+        blocks = self.weight.new_zeros(*self.op.layout.shape, bs, bs).index_put((rows, cols), self.weight)
+        return blocks.permute(0, 2, 1, 3).reshape(self.in_features, self.out_features)
+
+    def extra_repr(self) -> str:
+        text = (
+            f"in_features={self.in_features}, out_features={self.out_features}, block_size={self.op.block_size}, "
+            f"blocks={self.op.blocks}, density={self.op.density:.3g}, bias={self.bias is not None}"
+        )
+        if self.feature_axis != 1:
+            text += f", feature_axis={self.feature_axis}"
+        return text + (", tf32=True" if self.tf32 else "")
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        saved = state_dict.get(prefix + "layout")
+        if saved is not None:
+            saved = saved.detach().cpu()
+            if tuple(saved.shape) != self.op.layout.shape or not np.array_equal(saved.numpy() != 0,
+                                                                              self.op.layout != 0):
+                error_msgs.append(
+                    f"{prefix}layout: the state_dict holds a layout of shape {tuple(saved.shape)} with "
+                    f"{int(torch.count_nonzero(saved))} blocks, this BlockSparseLinear has shape "
+                    f"{self.op.layout.shape} with {self.op.blocks} blocks"
+                    + ("" if tuple(saved.shape) != self.op.layout.shape else " in other places")
+                    + f"; build the layer with the saved layout, BlockSparseLinear(..., layout=state_dict"
+                    f"['{prefix}layout'])"
+                )
+                return
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)

@@ -1,0 +1,317 @@
+"""The three passes as PyTorch custom operators: ``bsmm::matmul``, ``bsmm::matmul_bprop``, ``bsmm::matmul_updat``.
+
+Layer one of :mod:`bsmm.torch`: operators that take tensors and plain values
+only, each with a fake (shape-only) implementation for ``torch.compile`` and an
+autograd formula written with the other two, so gradients of any order stay
+block-sparse:
+
+=====================  ===================  ==========================================
+operator               computes             gradients (upstream ``g``)
+=====================  ===================  ==========================================
+``matmul(x, w)``       y  = x·W             dx = bprop(g, w), dw = updat(x, g)
+``matmul_bprop(dy, w)``  dx = dy·Wᵀ         d(dy) = matmul(g, w), dw = updat(g, dy)
+``matmul_updat(x, dy)``  dW = xᵀ·dy on blocks  dx = bprop(dy, g), d(dy) = matmul(x, g)
+=====================  ===================  ==========================================
+
+**How an operator finds its layout.** A custom operator's arguments are
+tensors and primitives, so the layout travels as a string *key*: block rows x
+block columns / block size / SHA-256 of the packed layout. It is derived from the
+layout's content, not from an object's id or a counter, because
+``torch.compile`` bakes the key into graphs it may cache on disk and reload in
+another process: there the same string must name the same layout. The key
+resolves through a process-wide registry of :class:`Registration` objects held
+weakly; whoever needs a layout (a ``BlockSparseLinear``, a ``BlocksparseMatMul``
+used through :func:`bsmm.torch.blocksparse_matmul`, a pending backward) holds
+its ``Registration``, so an entry lives exactly as long as something can call
+an operator with its key. Nothing about the registry is pickled: the layout
+itself is, and unpickling registers it again.
+
+**Devices.** CPU tensors are shared with the CPU backend as NumPy arrays,
+CUDA tensors with the GPU kernels as CuPy arrays, both through DLPack without a
+copy (bfloat16 passes as an int16 view, which DLPack expresses for NumPy).
+On CUDA the kernels run on PyTorch's current stream of the tensors' device.
+The only memory a pass takes from PyTorch is its output, from ``torch.empty``
+(so the caching allocator owns it).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+import weakref
+
+import ml_dtypes
+import numpy as np
+
+try:
+    import torch
+except ImportError as error:  # pragma: no cover - depends on the environment
+    raise ImportError("bsmm.torch needs PyTorch: pip install torch") from error
+
+from .block_index import BlockIndex, block_index
+from .matmul import BlocksparseMatMul
+
+__all__ = ["Registration", "register", "lookup", "matmul", "matmul_bprop", "matmul_updat"]
+
+#: torch dtypes bsmm runs, by the names bsmm.dtypes uses.
+SUPPORTED_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+
+
+# -- the layout registry ---------------------------------------------------------------------------------
+class Registration:
+    """Keeps one layout reachable from custom operators under :attr:`key` while referenced.
+
+    Attributes
+    ----------
+    key : str
+        ``"{CB}x{KB}/{block_size}/{sha256 of the packed layout}"``.
+    index : BlockIndex
+    """
+
+    __slots__ = ("key", "index", "__weakref__")
+
+    def __init__(self, key: str, index: BlockIndex):
+        self.key, self.index = key, index
+
+    def __reduce__(self):
+        # Only the layout travels; unpickling registers it in the loading process's registry.
+        return (_register_layout, (np.array(self.index.layout), self.index.block_size))
+
+    def __repr__(self) -> str:
+        return f"Registration({self.key!r})"
+
+
+_REGISTRY: "weakref.WeakValueDictionary[str, Registration]" = weakref.WeakValueDictionary()
+_LOCK = threading.Lock()
+
+
+def layout_key(index: BlockIndex) -> str:
+    """The content-derived key of a layout (see the module docstring)."""
+    digest = hashlib.sha256(np.packbits(index.layout).tobytes()).hexdigest()
+    return f"{index.n_block_rows}x{index.n_block_cols}/{index.block_size}/{digest}"
+
+
+def register(index: BlockIndex) -> Registration:
+    """Make ``index`` reachable by its key; hold the result as long as operators may use the key.
+
+    Registering an equal layout twice returns the live ``Registration`` of the first.
+
+    Examples
+    --------
+    >>> import numpy as np, bsmm
+    >>> registration = register(bsmm.block_index(np.eye(2), block_size=8))
+    >>> registration.key[:5], lookup(registration.key) is registration.index
+    ('2x2/8', True)
+    """
+    key = layout_key(index)
+    with _LOCK:
+        registration = _REGISTRY.get(key)
+        if registration is None:
+            registration = _REGISTRY[key] = Registration(key, index)
+    return registration
+
+
+def _register_layout(layout: np.ndarray, block_size: int) -> Registration:
+    return register(block_index(layout, block_size))
+
+
+def lookup(key: str) -> BlockIndex:
+    """The layout registered under ``key``.
+
+    Raises
+    ------
+    ValueError
+        If nothing holds a registration of ``key`` in this process.
+    """
+    registration = _REGISTRY.get(key)
+    if registration is None:
+        raise ValueError(
+            f"key {key!r} names no layout registered in this process: the BlockSparseLinear or "
+            f"BlocksparseMatMul that registered it is gone, or the key comes from another process "
+            f"(build the layer or call bsmm.torch.register first)"
+        )
+    return registration.index
+
+
+# -- checks, on real and on fake tensors -------------------------------------------------------------------
+def _check_dtype(tensor: torch.Tensor, argument: str) -> None:
+    if tensor.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(
+            f"{argument} has dtype {tensor.dtype}; supported dtypes are {', '.join(SUPPORTED_DTYPES.values())}"
+        )
+
+
+def _check_like(tensor: torch.Tensor, argument: str, reference: torch.Tensor, reference_name: str) -> None:
+    if tensor.device != reference.device:
+        raise ValueError(
+            f"{argument} is on {tensor.device} but {reference_name} is on {reference.device}; move them to one device"
+        )
+    if tensor.dtype != reference.dtype:
+        raise TypeError(
+            f"{argument} has dtype {tensor.dtype} but {reference_name} has {reference.dtype}; pass one dtype"
+        )
+
+
+def _check_contiguous(tensor: torch.Tensor, argument: str) -> None:
+    if not tensor.is_contiguous():
+        raise ValueError(f"{argument} must be contiguous; got shape {tuple(tensor.shape)}, strides {tensor.stride()}")
+
+
+def _check_activation(tensor: torch.Tensor, argument: str, features: int, feature_axis: int):
+    """Return N, or raise naming ``argument``."""
+    if tensor.dim() != 2 or tensor.shape[feature_axis] != features:
+        expected = f"(N, {features})" if feature_axis == 1 else f"({features}, N)"
+        raise ValueError(
+            f"{argument} must have shape {expected} with feature_axis={feature_axis}; got {tuple(tensor.shape)}"
+        )
+    _check_contiguous(tensor, argument)
+    return tensor.shape[1 - feature_axis]
+
+
+def _check_weights(tensor: torch.Tensor, argument: str, index: BlockIndex) -> None:
+    if tuple(tensor.shape) != index.w_shape:
+        raise ValueError(f"{argument} must have shape w_shape {index.w_shape}; got {tuple(tensor.shape)}")
+    _check_contiguous(tensor, argument)
+
+
+def _check_feature_axis(feature_axis: int) -> None:
+    if feature_axis not in (0, 1):
+        raise ValueError(f"feature_axis must be 0 or 1; got {feature_axis!r}")
+
+
+def _activation_shape(n, features: int, feature_axis: int) -> tuple:
+    return (n, features) if feature_axis == 1 else (features, n)
+
+
+def _product_shape(a, w, key, feature_axis, pass_name: str) -> tuple:
+    """Output shape of fprop (``a`` is x (N, C)) or bprop (``a`` is dy (N, K)), or raise naming the argument."""
+    index = lookup(key)
+    name, features_in, features_out = ("x", index.C, index.K) if pass_name == "fprop" else ("dy", index.K, index.C)
+    _check_feature_axis(feature_axis)
+    _check_dtype(a, name)
+    _check_like(w, "w", a, name)
+    n = _check_activation(a, name, features_in, feature_axis)
+    _check_weights(w, "w", index)
+    return _activation_shape(n, features_out, feature_axis)
+
+
+def _updat_shape(x, dy, key, feature_axis) -> tuple:
+    index = lookup(key)
+    _check_feature_axis(feature_axis)
+    _check_dtype(x, "x")
+    _check_like(dy, "dy", x, "x")
+    n = _check_activation(x, "x", index.C, feature_axis)
+    n_dy = _check_activation(dy, "dy", index.K, feature_axis)
+    if n_dy != n:
+        raise ValueError(f"dy has N = {n_dy} but x has N = {n}; they must match")
+    return index.w_shape
+
+
+# -- running a pass on real tensors ----------------------------------------------------------------------
+def _shared_as(module, tensor: torch.Tensor):
+    """``tensor``'s memory as a NumPy or CuPy array, without a copy."""
+    tensor = tensor.detach()
+    if tensor.dtype == torch.bfloat16:
+        # DLPack's bfloat16 code is unknown to NumPy: share the bits as int16, then relabel them.
+        return module.from_dlpack(tensor.view(torch.int16)).view(ml_dtypes.bfloat16)
+    return module.from_dlpack(tensor)
+
+
+def _cupy_stream(cupy, stream):
+    """PyTorch ``stream`` as a CuPy stream (CuPy 14 deprecates ExternalStream for from_external)."""
+    from_external = getattr(cupy.cuda.Stream, "from_external", None)
+    if from_external is not None and hasattr(stream, "__cuda_stream__"):
+        return from_external(stream)
+    return cupy.cuda.ExternalStream(stream.cuda_stream, stream.device_index)
+
+
+def _run(pass_name: str, a: torch.Tensor, b: torch.Tensor, shape: tuple, key: str, feature_axis: int,
+         tf32: bool) -> torch.Tensor:
+    """One pass of BlocksparseMatMul on ``a`` and ``b`` into a new tensor of ``shape``."""
+    op = BlocksparseMatMul.from_index(lookup(key), feature_axis, tf32)
+    out = torch.empty(shape, dtype=a.dtype, device=a.device)
+    if a.device.type == "cpu":
+        getattr(op, pass_name)(_shared_as(np, a), _shared_as(np, b), out=_shared_as(np, out))
+    elif a.device.type == "cuda":
+        import cupy
+
+        stream = torch.cuda.current_stream(a.device)
+        # Import under torch's stream: DLPack then sees producer and consumer on one stream and adds no wait.
+        with cupy.cuda.Device(a.device.index), _cupy_stream(cupy, stream):
+            getattr(op, pass_name)(_shared_as(cupy, a), _shared_as(cupy, b), out=_shared_as(cupy, out))
+    else:
+        raise ValueError(f"tensors are on {a.device}; bsmm runs on the CPU and on CUDA GPUs")
+    return out
+
+
+# -- the operators -----------------------------------------------------------------------------------
+@torch.library.custom_op("bsmm::matmul", mutates_args=())
+def matmul(x: torch.Tensor, w: torch.Tensor, key: str, feature_axis: int, tf32: bool) -> torch.Tensor:
+    """y = x·W: x (N, C) or (C, N) -> y (N, K) or (K, N); w (nnzb, bs, bs) of x's dtype and device."""
+    return _run("fprop", x, w, _product_shape(x, w, key, feature_axis, "fprop"), key, feature_axis, tf32)
+
+
+@torch.library.custom_op("bsmm::matmul_bprop", mutates_args=())
+def matmul_bprop(dy: torch.Tensor, w: torch.Tensor, key: str, feature_axis: int, tf32: bool) -> torch.Tensor:
+    """dx = dy·Wᵀ: dy (N, K) or (K, N) -> dx (N, C) or (C, N)."""
+    return _run("bprop", dy, w, _product_shape(dy, w, key, feature_axis, "bprop"), key, feature_axis, tf32)
+
+
+@torch.library.custom_op("bsmm::matmul_updat", mutates_args=())
+def matmul_updat(x: torch.Tensor, dy: torch.Tensor, key: str, feature_axis: int, tf32: bool) -> torch.Tensor:
+    """dW = xᵀ·dy on the present blocks: x (N, C), dy (N, K) (or transposed) -> (nnzb, bs, bs)."""
+    return _run("updat", x, dy, _updat_shape(x, dy, key, feature_axis), key, feature_axis, tf32)
+
+
+@matmul.register_fake
+def _matmul_fake(x, w, key, feature_axis, tf32):
+    return x.new_empty(_product_shape(x, w, key, feature_axis, "fprop"))
+
+
+@matmul_bprop.register_fake
+def _bprop_fake(dy, w, key, feature_axis, tf32):
+    return dy.new_empty(_product_shape(dy, w, key, feature_axis, "bprop"))
+
+
+@matmul_updat.register_fake
+def _updat_fake(x, dy, key, feature_axis, tf32):
+    return x.new_empty(_updat_shape(x, dy, key, feature_axis))
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    first, second, key, feature_axis, tf32 = inputs
+    ctx.options = (key, feature_axis, tf32)
+    # Holding the registration keeps the key resolvable until backward, whatever the caller drops meanwhile.
+    ctx.registration = _REGISTRY.get(key)
+    needs_first, needs_second = ctx.needs_input_grad[:2]
+    # In all three operators the gradient of one operand is a product with the other one only.
+    ctx.save_for_backward(first if needs_second else None, second if needs_first else None)
+
+
+def _autograd(first_gradient, second_gradient):
+    """A backward from two formulas ``(g, first, second, *options) -> gradient``."""
+
+    def backward(ctx, grad):
+        first, second = ctx.saved_tensors
+        # Upstream gradients are often expanded or transposed views (sum(), .T): the kernels need them dense.
+        grad = grad.contiguous()
+        needs_first, needs_second = ctx.needs_input_grad[:2]
+        d_first = first_gradient(grad, first, second, *ctx.options) if needs_first else None
+        d_second = second_gradient(grad, first, second, *ctx.options) if needs_second else None
+        return d_first, d_second, None, None, None
+
+    return backward
+
+
+matmul.register_autograd(
+    _autograd(lambda g, x, w, *o: matmul_bprop(g, w, *o), lambda g, x, w, *o: matmul_updat(x, g, *o)),
+    setup_context=_setup_context,
+)
+matmul_bprop.register_autograd(
+    _autograd(lambda g, dy, w, *o: matmul(g, w, *o), lambda g, dy, w, *o: matmul_updat(g, dy, *o)),
+    setup_context=_setup_context,
+)
+matmul_updat.register_autograd(
+    _autograd(lambda g, x, dy, *o: matmul_bprop(dy, g, *o), lambda g, x, dy, *o: matmul(x, g, *o)),
+    setup_context=_setup_context,
+)
