@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import functools
 
-import ml_dtypes
 import numpy as np
 
 try:
@@ -71,7 +70,7 @@ _NUMPY_DTYPES: dict[tf.DType, np.dtype] = {
     tf.float16: SUPPORTED_DTYPES["float16"],
     tf.bfloat16: SUPPORTED_DTYPES["bfloat16"],
 }
-_BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
+_BFLOAT16 = SUPPORTED_DTYPES["bfloat16"]  # ml_dtypes.bfloat16
 
 # TensorFlow's CPU allocator aligns to 64 bytes and its Eigen kernels assume it.
 _ALIGNMENT = 64
