@@ -58,12 +58,14 @@ def _bench(args) -> int:
         import cupy
 
         meta["gpu"] = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["name"].decode()
-        rows = bench_gpu(workloads=tuple(args.workloads.split(",")), progress=log, quick=args.quick)
+        rows = bench_gpu(workloads=tuple(args.workloads.split(",")), progress=log, quick=args.quick,
+                         only_dtypes=args.dtype and tuple(args.dtype.split(",")),
+                         only_block_sizes=args.block_size and (args.block_size,))
         print(format_gpu_table(rows))
     else:
         densities = tuple(float(d) / 100 for d in args.densities.split(","))
-        rows = bench_cpu(N=args.N, C=args.C, K=args.K, block_size=args.block_size, densities=densities,
-                         dtype=args.dtype, repeats=args.repeats, progress=log)
+        rows = bench_cpu(N=args.N, C=args.C, K=args.K, block_size=args.block_size or 32, densities=densities,
+                         dtype=args.dtype or "float32", repeats=args.repeats, progress=log)
         print(format_table(rows))
     if args.json:
         write_json(rows, args.json, meta=meta)
@@ -85,9 +87,10 @@ def main(argv=None) -> int:
     bench.add_argument("--N", type=int, default=32, help="CPU: batch rows")
     bench.add_argument("--C", type=int, default=12288, help="CPU: input features")
     bench.add_argument("--K", type=int, default=12288, help="CPU: output features")
-    bench.add_argument("--block-size", type=int, default=32, help="CPU: block size")
+    bench.add_argument("--block-size", type=int, help="block size (CPU: default 32; GPU: only this one)")
     bench.add_argument("--densities", default="50,25,10,5,2", help="CPU: percentages, comma-separated")
-    bench.add_argument("--dtype", default="float32", help="CPU: element type")
+    bench.add_argument("--dtype", help="element type (CPU: default float32; GPU: only these, comma-separated, "
+                                       "tf32 included)")
     bench.add_argument("--repeats", type=int, default=5, help="CPU: timed calls per row")
     bench.add_argument("--json", help="also write the rows to this JSON file")
     bench.add_argument("--plot", help="draw speed-up over dense vs sparsity to this image (needs matplotlib)")

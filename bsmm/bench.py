@@ -209,8 +209,12 @@ class GpuRow(BenchRow):
 
 
 def bench_gpu(workloads=("S", "T", "I"), calls: int = 20, batches: int = 11, seed: int = 0,
-              progress: Callable[[str], None] | None = None, quick: bool = False) -> list[GpuRow]:
-    """Each pass of bsmm beside dense cuBLAS on the workloads of BENCHMARKS.md (needs a GPU)."""
+              progress: Callable[[str], None] | None = None, quick: bool = False,
+              only_dtypes=None, only_block_sizes=None) -> list[GpuRow]:
+    """Each pass of bsmm beside dense cuBLAS on the workloads of BENCHMARKS.md (needs a GPU).
+
+    ``only_dtypes`` ("float16", "tf32", ...) and ``only_block_sizes`` restrict the rows run.
+    """
     import cupy
 
     rng = cupy.random.default_rng(seed)
@@ -219,12 +223,16 @@ def bench_gpu(workloads=("S", "T", "I"), calls: int = 20, batches: int = 11, see
         spec = WORKLOADS[name]
         N, C = spec["N"], spec["C"]
         for kind in spec["dtypes"]:
+            if only_dtypes and kind not in only_dtypes:
+                continue
             tf32 = kind == "tf32"
             dtype = "float32" if tf32 else kind
             np_dtype = canonical_dtype(dtype, "dtype")
             block_sizes = _T_FLOAT32_BLOCKS.get(kind, spec["block_sizes"]) if name == "T" else spec["block_sizes"]
             if quick:
                 block_sizes = block_sizes[:1]
+            if only_block_sizes:
+                block_sizes = tuple(bs for bs in block_sizes if bs in only_block_sizes)
             x = rng.standard_normal((N, C), dtype=np.float32).astype(np_dtype)
             dy = rng.standard_normal((N, C), dtype=np.float32).astype(np_dtype)
             dense_w = rng.standard_normal((C, C), dtype=np.float32).astype(np_dtype)

@@ -279,7 +279,7 @@ class FastCall:
         if (device != self.device or act_data.device_id != device or other.__class__ is not act.__class__
                 or other_data.device_id != device or act.strides != self.act_strides
                 or other.shape != self.other_shape or other.strides != self.other_strides
-                or other.dtype != self.dtype):
+                or other.dtype is not self.dtype):
             return None
         act_ptr, other_ptr = act_data.ptr, other_data.ptr
         if self.aligned and (act_ptr | other_ptr) & 15:
@@ -287,7 +287,7 @@ class FastCall:
         if out is None:
             out = cupy.ndarray(self.out_shape, self.dtype)
         elif (out.__class__ is not act.__class__ or out.shape != self.out_shape or out.strides != self.out_strides
-              or out.dtype != self.dtype or out.data.device_id != device or (self.aligned and out.data.ptr & 15)
+              or out.dtype is not self.dtype or out.data.device_id != device or (self.aligned and out.data.ptr & 15)
               or _overlap(out, act) or _overlap(out, other)):
             return None
         self.plan.launch(_current_stream().ptr, act_ptr, other_ptr, out.data.ptr, self.sizes,

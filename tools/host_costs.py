@@ -25,3 +25,42 @@ for name, fn in cases.items():
     n = 20000
     seconds = min(timeit.repeat(fn, number=n, repeat=3)) / n
     print(f"{name:36s} {seconds * 1e9:8.0f} ns")
+
+# The fast path of one pass, split into Python and cuLaunchKernel (host time only: 200 calls
+# are fewer than the launch queue holds, so no call waits for the GPU).
+import time
+
+import bsmm
+from bsmm import cuda_backend
+
+layout = bsmm.layouts.random_layout(384, 384, density=0.02, seed=0)
+op = bsmm.BlocksparseMatMul(layout, block_size=32)
+w = cupy.ones(op.w_shape, dtype=np.float16)
+y = cupy.empty((32, op.K), dtype=np.float16)
+op.fprop(x, w, out=y)
+cupy.cuda.Device().synchronize()
+
+
+def host_time(fn, calls=200, rounds=20):
+    best = float("inf")
+    for _ in range(rounds):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        best = min(best, (time.perf_counter() - start) / calls)
+        cupy.cuda.Device().synchronize()
+    return best
+
+
+real_launch = cuda_backend._launch_kernel
+print(f"{'op.fprop(x, w, out=y)':36s} {host_time(lambda: op.fprop(x, w, out=y)) * 1e9:8.0f} ns")
+print(f"{'op.fprop(x, w)':36s} {host_time(lambda: op.fprop(x, w)) * 1e9:8.0f} ns")
+cuda_backend._launch_kernel = lambda *args: None
+print(f"{'op.fprop(x, w, out=y), no launch':36s} {host_time(lambda: op.fprop(x, w, out=y)) * 1e9:8.0f} ns")
+cuda_backend._launch_kernel = real_launch
+plan = next(iter(op._gpu_calls.values())).plan
+launcher, stream = plan.launcher, cupy.cuda.get_current_stream().ptr
+args = (launcher.function, *launcher.grid, launcher.threads, 1, 1, launcher.shared_bytes, stream,
+        launcher.pointers_address, 0)
+print(f"{'launchKernel alone':36s} {host_time(lambda: real_launch(*args)) * 1e9:8.0f} ns")
+print(f"grid {launcher.grid} threads {launcher.threads} shared {launcher.shared_bytes}")
