@@ -16,7 +16,12 @@
   current stream; tensors are shared through DLPack, never copied, and each pass
   allocates only its output (through PyTorch's allocator).
 - Dtypes float32, float16, bfloat16; under ``torch.autocast`` the input and the
-  weight are cast to the autocast dtype first, as ``nn.Linear`` does.
+  weight are cast to the autocast dtype first, as ``nn.Linear`` does (those casts
+  are copies, as in any autocast region; the pass itself still copies nothing).
+- The layout reaches the operators as a content-derived string key resolved in a
+  process-wide registry (:func:`register`, :func:`lookup`; why, in :mod:`bsmm.torch_ops`).
+  Layers and ``BlocksparseMatMul`` objects register themselves; pickled or deep-copied
+  layers register again on load, and ``state_dict`` carries the layout as a buffer.
 - Inputs must be contiguous (a ``ValueError`` otherwise, rather than a hidden copy);
   gradients arriving in backward are made contiguous when they are not (``y.sum()``
   sends an expanded one).
@@ -24,7 +29,6 @@
 
 from __future__ import annotations
 
-import math
 import weakref
 
 import numpy as np
@@ -115,6 +119,12 @@ def blocksparse_matmul(x: torch.Tensor, w: torch.Tensor, op: BlocksparseMatMul) 
     ValueError
         If a shape does not fit ``op``, a tensor is not contiguous, or ``x`` and
         ``w`` are on different devices.
+
+    Notes
+    -----
+    ``op``'s layout stays registered while ``op`` lives, and in eager mode until a
+    pending backward has run. A ``torch.compile``'d backward holds only the key, so
+    keep ``op`` alive until it has run (a ``BlockSparseLinear`` holds its own).
 
     Examples
     --------

@@ -5,13 +5,11 @@ only, each with a fake (shape-only) implementation for ``torch.compile`` and an
 autograd formula written with the other two, so gradients of any order stay
 block-sparse:
 
-=====================  ===================  ==========================================
-operator               computes             gradients (upstream ``g``)
-=====================  ===================  ==========================================
-``matmul(x, w)``       y  = x·W             dx = bprop(g, w), dw = updat(x, g)
-``matmul_bprop(dy, w)``  dx = dy·Wᵀ         d(dy) = matmul(g, w), dw = updat(g, dy)
-``matmul_updat(x, dy)``  dW = xᵀ·dy on blocks  dx = bprop(dy, g), d(dy) = matmul(x, g)
-=====================  ===================  ==========================================
+- ``matmul(x, w)``: y = x·W; dx = matmul_bprop(g, w), dw = matmul_updat(x, g).
+- ``matmul_bprop(dy, w)``: dx = dy·Wᵀ; d(dy) = matmul(g, w), dw = matmul_updat(g, dy).
+- ``matmul_updat(x, dy)``: dW = xᵀ·dy on the present blocks; dx = matmul_bprop(dy, g), d(dy) = matmul(x, g).
+
+(``g`` is the upstream gradient; all take ``key, feature_axis, tf32`` after the tensors.)
 
 **How an operator finds its layout.** A custom operator's arguments are
 tensors and primitives, so the layout travels as a string *key*: block rows x
@@ -217,12 +215,34 @@ def _shared_as(module, tensor: torch.Tensor):
     return module.from_dlpack(tensor)
 
 
-def _cupy_stream(cupy, stream):
-    """PyTorch ``stream`` as a CuPy stream (CuPy 14 deprecates ExternalStream for from_external)."""
-    from_external = getattr(cupy.cuda.Stream, "from_external", None)
-    if from_external is not None and hasattr(stream, "__cuda_stream__"):
-        return from_external(stream)
-    return cupy.cuda.ExternalStream(stream.cuda_stream, stream.device_index)
+class _StreamHandle:
+    """A raw ``cudaStream_t`` through the CUDA stream protocol (what CuPy 14's ``from_external`` reads)."""
+
+    __slots__ = ("ptr",)
+
+    def __init__(self, ptr: int):
+        self.ptr = ptr
+
+    def __cuda_stream__(self):
+        return (0, self.ptr)
+
+
+#: (device, stream pointer) -> CuPy stream object; PyTorch pools its streams and never destroys them.
+_CUPY_STREAMS: dict = {}
+
+
+def _cupy_stream(cupy, device_index: int, ptr: int):
+    """PyTorch's stream ``ptr`` as a CuPy stream (CuPy 14 deprecates ExternalStream for from_external)."""
+    if ptr == 0:
+        return cupy.cuda.Stream.null  # PyTorch's default stream is the legacy default stream
+    stream = _CUPY_STREAMS.get((device_index, ptr))
+    if stream is None:
+        if hasattr(cupy.cuda.Stream, "from_external"):
+            stream = cupy.cuda.Stream.from_external(_StreamHandle(ptr))
+        else:
+            stream = cupy.cuda.ExternalStream(ptr, device_index)
+        _CUPY_STREAMS[(device_index, ptr)] = stream
+    return stream
 
 
 def _run(pass_name: str, a: torch.Tensor, b: torch.Tensor, shape: tuple, key: str, feature_axis: int,
@@ -235,9 +255,9 @@ def _run(pass_name: str, a: torch.Tensor, b: torch.Tensor, shape: tuple, key: st
     elif a.device.type == "cuda":
         import cupy
 
-        stream = torch.cuda.current_stream(a.device)
+        ptr = torch.cuda.current_stream(a.device).cuda_stream
         # Import under torch's stream: DLPack then sees producer and consumer on one stream and adds no wait.
-        with cupy.cuda.Device(a.device.index), _cupy_stream(cupy, stream):
+        with cupy.cuda.Device(a.device.index), _cupy_stream(cupy, a.device.index, ptr):
             getattr(op, pass_name)(_shared_as(cupy, a), _shared_as(cupy, b), out=_shared_as(cupy, out))
     else:
         raise ValueError(f"tensors are on {a.device}; bsmm runs on the CPU and on CUDA GPUs")

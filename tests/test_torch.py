@@ -223,7 +223,7 @@ def test_second_order_gradients_match_dense(device, axis):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("axis", [1, 0])
 @pytest.mark.parametrize("requires_grad", [False, True])
-def test_opcheck(dtype, axis, requires_grad):
+def test_opcheck(device, dtype, axis, requires_grad):
     """Schema, fake tensor, autograd registration and AOT dispatch (dynamic shapes) of all three operators."""
     rng = np.random.default_rng(7)
     op = bsmm.BlocksparseMatMul(random_layout(rng, 3, 2, 0.6), BS, axis)
@@ -231,7 +231,7 @@ def test_opcheck(dtype, axis, requires_grad):
     key = registration.key
 
     def sample(shape):
-        return tensor(random_data(rng, shape, dtype), requires_grad=requires_grad)
+        return tensor(random_data(rng, shape, dtype), device, requires_grad=requires_grad)
 
     x, dy, w = sample(shape_of(5, op.C, axis)), sample(shape_of(5, op.K, axis)), sample(op.w_shape)
     for operator, args in ((torch_ops.matmul, (x, w)), (torch_ops.matmul_bprop, (dy, w)),
@@ -260,11 +260,11 @@ def _forward_backward(model, x):
 
 @pytest.mark.parametrize("axis", [1, 0])
 @pytest.mark.parametrize("dynamic", [False, True])
-def test_compile_fullgraph(axis, dynamic):
+def test_compile_fullgraph(device, axis, dynamic):
     """torch.compile(fullgraph=True) (aot_eager: the AOTAutograd graphs without inductor's compile time)
     traces the layers and their backward without graph breaks and agrees with eager."""
-    model = _two_layers(axis)
-    x = torch.randn((7, 32) if axis == 1 else (32, 7))
+    model = _two_layers(axis, device=device)
+    x = torch.randn((7, 32) if axis == 1 else (32, 7), device=device)
     compiled = torch.compile(model, fullgraph=True, backend="aot_eager", dynamic=dynamic)
     for got, expected in zip(_forward_backward(compiled, x), _forward_backward(model, x)):
         torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
@@ -300,6 +300,9 @@ def test_autocast_cpu_bfloat16():
     x16, w16 = (host(torch.as_tensor(a).bfloat16()) for a in (x, layer.weight.detach()))
     assert_close(host(y), ref_fprop(layout, w16, BS, x16, 1) + host(layer.bias), "bfloat16")
     assert_close(host(y), host(reference_linear), "bfloat16", "against nn.Linear under autocast")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")(tx)
+    assert compiled.dtype == torch.bfloat16 and torch.equal(compiled, y)
 
 
 # -- the module -------------------------------------------------------------------------------------------
@@ -393,6 +396,7 @@ def test_pickled_and_copied_modules_register_their_layout_again():
     for restored in (pickle.loads(data), torch.load(io.BytesIO(buffer.getvalue()), weights_only=False)):
         assert torch.equal(restored(x), expected)
         assert torch.equal(copy.deepcopy(restored)(x), expected)
+        assert torch.equal(torch.compile(restored, fullgraph=True, backend="eager")(x), expected)
 
 
 def test_backward_outlives_the_op():
