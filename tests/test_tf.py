@@ -191,6 +191,25 @@ def test_cpu_passes_share_memory_with_tensorflow(mode, dtype):
     assert_close(y.numpy(), ref_fprop(LAYOUT, w.numpy(), BS, x.numpy(), 1), dtype)
 
 
+@pytest.mark.xfail(strict=True, reason="BlocksparseMatMul allocates CPU results with np.empty (16-byte aligned) "
+                   "and bsmm.arrays hands them to TensorFlow, whose kernels abort on unaligned memory")
+def test_operator_called_on_tf_tensors_returns_tensors_tensorflow_can_use():
+    """BlocksparseMatMul itself (not bsmm.tf) on CPU tensors: the result goes back through DLPack
+    and must be safe for TensorFlow's kernels. Run in a child process, as the failure is an abort."""
+    script = (
+        "import numpy as np, tensorflow as tf, bsmm\n"
+        "op = bsmm.BlocksparseMatMul(np.ones((2, 2)), block_size=8)\n"
+        "for n in (3, 5, 7, 1000):\n"
+        "    y = op(tf.ones((n, 16)), tf.ones(op.w_shape))\n"
+        "    assert float(y[0, 1]) == 16.0\n"
+    )
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]),
+               TF_CPP_MIN_LOG_LEVEL="2")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
 @pytest.mark.parametrize("axis", [1, 0], ids=["axis1", "axis0"])
 def test_graph_shapes_are_static(axis):
     """Inside tf.function with N unknown, every pass's output has the static shape it implies."""
