@@ -492,6 +492,7 @@ def test_constructor_errors():
         bt.BlockSparseLinear(16, 24, layout, block_size=BS, feature_axis=2)
 
 
+@pytest.mark.gpu
 def test_mixed_devices_are_refused(cuda):
     layer = bt.BlockSparseLinear(16, 16, np.ones((2, 2)), block_size=BS, device=cuda)
     with pytest.raises(ValueError, match="w is on cuda:0 but x is on cpu; move them to one device"):
@@ -555,6 +556,7 @@ def _pass_calls(layer, x):
     }
 
 
+@pytest.mark.gpu
 def test_gpu_each_pass_allocates_only_its_output(cuda):
     """Zero copy on the GPU: one allocation from PyTorch's allocator per pass, of the output's size."""
     layer = bt.BlockSparseLinear(256, 128, random_layout(np.random.default_rng(16), 8, 4, 0.5), block_size=32,
@@ -572,6 +574,7 @@ def test_gpu_each_pass_allocates_only_its_output(cuda):
         assert grown == -(-result.numel() * result.element_size() // 512) * 512, f"{name}: {grown} bytes"
 
 
+@pytest.mark.gpu
 def test_gpu_kernels_write_the_output_tensor_on_torch_stream(cuda, monkeypatch):
     """The kernel's out is the returned tensor's memory, and it runs on PyTorch's current (side) stream."""
     import cupy
@@ -597,6 +600,7 @@ def test_gpu_kernels_write_the_output_tensor_on_torch_stream(cuda, monkeypatch):
     torch.testing.assert_close(y, x @ layer.to_dense_weight(), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_gpu_autocast(cuda, dtype):
     layer = bt.BlockSparseLinear(64, 32, np.array([[1, 0], [1, 1]]), block_size=32, device=cuda)
@@ -610,9 +614,22 @@ def test_gpu_autocast(cuda, dtype):
     assert_close(host(y), host(expected), "float16" if dtype == torch.float16 else "bfloat16")
 
 
+@pytest.mark.gpu
 def test_gpu_compile_with_inductor(cuda):
     model = _two_layers(device=cuda)
     x = torch.randn(16, 32, device=cuda)
     compiled = torch.compile(model, fullgraph=True)
     for got, expected in zip(_forward_backward(compiled, x), _forward_backward(model, x)):
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+def test_gpu_tf32_layer(cuda):
+    """tf32=True reaches the kernels: float32 on TF32 tensor cores, ~1e-3 relative error (bound 5e-3)."""
+    rng = np.random.default_rng(17)
+    layout = random_layout(rng, 4, 4, 0.5)
+    layer = bt.BlockSparseLinear(128, 128, layout, block_size=32, bias=False, tf32=True, device=cuda)
+    x = random_data(rng, (64, 128), "float32")
+    y = layer(tensor(x, cuda))
+    error = np.linalg.norm(host(y) - ref_fprop(layout, host(layer.weight), 32, x, 1))
+    assert error <= 5e-3 * np.linalg.norm(ref_fprop(layout, host(layer.weight), 32, x, 1))
