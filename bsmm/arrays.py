@@ -16,7 +16,11 @@ from typing import Any, Callable
 
 import numpy as np
 
-__all__ = ["Operand", "as_operand", "check_same_place", "overlaps"]
+__all__ = ["Operand", "as_operand", "check_same_place", "empty_aligned", "overlaps"]
+
+#: Byte alignment of CPU results: TensorFlow (and Eigen) kernels abort on less when a
+#: result reaches them through DLPack; NumPy only promises 16.
+CPU_ALIGNMENT = 64
 
 # DLPack device types (dlpack.h): where the memory lives.
 _DLPACK_CPU, _DLPACK_CUDA, _DLPACK_CUDA_HOST, _DLPACK_CUDA_MANAGED = 1, 2, 3, 13
@@ -89,6 +93,21 @@ def _cupy_ndarray():
     """cupy.ndarray if CuPy is imported already (else None: then no array can be one)."""
     cupy = sys.modules.get("cupy")
     return getattr(cupy, "ndarray", None)
+
+
+def empty_aligned(shape: tuple, dtype) -> np.ndarray:
+    """An uninitialized C-contiguous NumPy array whose data starts on a CPU_ALIGNMENT boundary.
+
+    Examples
+    --------
+    >>> empty_aligned((3, 5), np.float16).ctypes.data % CPU_ALIGNMENT
+    0
+    """
+    dtype = np.dtype(dtype)
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    raw = np.empty(nbytes + CPU_ALIGNMENT, dtype=np.uint8)
+    start = -raw.ctypes.data % CPU_ALIGNMENT
+    return raw[start:start + nbytes].view(dtype).reshape(shape)
 
 
 def overlaps(a, b) -> bool:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import cpu_backend, initializers
-from .arrays import Operand, as_operand, check_same_place, overlaps
+from .arrays import Operand, as_operand, check_same_place, empty_aligned, overlaps
 from .block_index import BlockIndex, block_index
 from .config import settings
 from .dtypes import canonical_dtype
@@ -312,8 +312,9 @@ class BlocksparseMatMul:
     def _output(self, out, like: Operand, shape: tuple, dtype, inputs: tuple = ()):
         """The array a pass writes: a new one, or the checked ``out`` (which may not overlap ``inputs``)."""
         if out is None:
-            xp = np if like.backend == "cpu" else _array_module(like.array)
-            return xp.empty(shape, dtype=dtype)
+            if like.backend == "cpu":
+                return empty_aligned(shape, dtype)  # safe to hand to any framework through DLPack
+            return _array_module(like.array).empty(shape, dtype=dtype)
         out_op = as_operand(out, "out")
         check_same_place({"inputs": like, "out": out_op})
         array = out_op.array

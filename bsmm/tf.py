@@ -56,6 +56,7 @@ except ImportError as error:
     raise ImportError("bsmm.tf needs Keras 3, which TensorFlow >= 2.16 installs: pip install keras") from error
 
 from . import initializers
+from .arrays import empty_aligned
 from .dtypes import SUPPORTED_DTYPES
 from .matmul import BlocksparseMatMul
 
@@ -72,8 +73,6 @@ _NUMPY_DTYPES: dict[tf.DType, np.dtype] = {
 }
 _BFLOAT16 = SUPPORTED_DTYPES["bfloat16"]  # ml_dtypes.bfloat16
 
-# TensorFlow's CPU allocator aligns to 64 bytes and its Eigen kernels assume it.
-_ALIGNMENT = 64
 # DLPack device types (dlpack.h) of GPU memory.
 _DLPACK_CUDA_TYPES = (2, 13)
 
@@ -221,7 +220,7 @@ def _run(op: BlocksparseMatMul, pass_name: str, a: tf.Tensor, b: tf.Tensor) -> t
     run = getattr(op, pass_name)
     if device_type in _DLPACK_CUDA_TYPES:
         return _run_cuda(run, a, b, shape, device_id)
-    out = _aligned_empty(shape, _NUMPY_DTYPES[a.dtype])
+    out = empty_aligned(shape, _NUMPY_DTYPES[a.dtype])  # Eigen kernels assume 64 bytes
     run(_shared(a, np.from_dlpack), _shared(b, np.from_dlpack), out=out)
     return _adopt(out, a.dtype)
 
@@ -250,14 +249,6 @@ def _shared(tensor: tf.Tensor, from_dlpack):
     if tensor.dtype == tf.bfloat16:
         return from_dlpack(tf.bitcast(tensor, tf.int16)).view(_BFLOAT16)
     return from_dlpack(tensor)
-
-
-def _aligned_empty(shape: tuple, dtype: np.dtype) -> np.ndarray:
-    """An uninitialized C-contiguous array whose data starts on a 64-byte boundary."""
-    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-    raw = np.empty(nbytes + _ALIGNMENT, dtype=np.uint8)
-    start = -raw.ctypes.data % _ALIGNMENT
-    return raw[start:start + nbytes].view(dtype).reshape(shape)
 
 
 def _adopt(array: np.ndarray, dtype: tf.DType) -> tf.Tensor:

@@ -191,8 +191,6 @@ def test_cpu_passes_share_memory_with_tensorflow(mode, dtype):
     assert_close(y.numpy(), ref_fprop(LAYOUT, w.numpy(), BS, x.numpy(), 1), dtype)
 
 
-@pytest.mark.xfail(strict=True, reason="BlocksparseMatMul allocates CPU results with np.empty (16-byte aligned) "
-                   "and bsmm.arrays hands them to TensorFlow, whose kernels abort on unaligned memory")
 def test_operator_called_on_tf_tensors_returns_tensors_tensorflow_can_use():
     """BlocksparseMatMul itself (not bsmm.tf) on CPU tensors: the result goes back through DLPack
     and must be safe for TensorFlow's kernels. Run in a child process, as the failure is an abort."""
