@@ -1,7 +1,8 @@
 """JAX adapter: block-sparse ``x·W`` as a differentiable JAX function.
 
-:func:`blocksparse_matmul` works under ``jax.jit``, ``jax.grad`` (reverse mode,
-through ``jax.custom_vjp``) and ``jax.vmap``; :class:`BlockSparseDense` is a
+:func:`blocksparse_matmul` works under ``jax.jit``, ``jax.grad`` (reverse mode
+of any order, through ``jax.custom_vjp``), ``jax.vmap``, ``lax.scan`` and
+``jax.checkpoint``; :class:`BlockSparseDense` is a
 small layer over a params pytree. Import it explicitly (``import bsmm.jax``);
 ``import bsmm`` alone does not import JAX.
 
@@ -13,11 +14,15 @@ on a GPU, XLA's stream:
 
 - CPU: the buffers are wrapped as NumPy arrays (no copy in, and the CPU backend
   writes the result straight into XLA's output buffer, no copy out). The
-  ``jax.pure_callback`` alternative was measured to copy the inputs and copies
-  the returned result, so it is not used.
+  ``jax.pure_callback`` alternative copies the returned result into XLA's
+  buffer and, measured with JAX 0.10, hands the callback copies of the inputs.
 - CUDA: the buffers are wrapped as CuPy arrays by pointer (no copy), XLA's
   stream becomes CuPy's current stream and the kernels are launched on it, so
   the pass is ordered with the rest of the XLA program and never leaves jit.
+  bsmm's own device memory (kernel tables, a per-stream workspace, allocated at
+  a pass's first use) comes from CuPy's pool, outside the share of GPU memory
+  that XLA preallocates; lower ``XLA_PYTHON_CLIENT_MEM_FRACTION`` if CuPy runs
+  out.
 
 Which backend runs is decided per call from the DLPack device type of the
 buffers XLA passes (``__dlpack_device__``), i.e. where XLA actually placed the
@@ -76,29 +81,46 @@ from .matmul import BlocksparseMatMul
 
 __all__ = ["BlockSparseDense", "blocksparse_matmul"]
 
-# -- the three passes as one differentiable function ------------------------------------------------
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _matmul(x, w, op):
-    return run_pass(op, "fprop", x, w)
+# -- the passes as differentiable functions -----------------------------------------------------------
+# Every pass is bilinear in its operands (a, b) and the cotangents of each are again
+# passes: with g the cotangent of the result,
+#   fprop(x, w):   dx = bprop(g, w)    dw = updat(x, g)
+#   bprop(dy, w):  ddy = fprop(g, w)   dw = updat(g, dy)
+#   updat(x, dy):  dx = bprop(dy, g)   ddy = fprop(x, g)   (g is block data)
+# (for both feature axes), so defining each pass's VJP through the others gives
+# reverse mode of any order: gradient penalties, Hessian-vector products by grad of grad.
+_COTANGENTS = {  # pass -> (pass, operands) for the cotangent of a, then of b
+    "fprop": (("bprop", lambda a, b, g: (g, b)), ("updat", lambda a, b, g: (a, g))),
+    "bprop": (("fprop", lambda a, b, g: (g, b)), ("updat", lambda a, b, g: (g, a))),
+    "updat": (("bprop", lambda a, b, g: (b, g)), ("fprop", lambda a, b, g: (a, g))),
+}
 
 
-def _matmul_fwd(x, w, op):
-    y = run_pass(op, "fprop", x.value, w.value)
-    # Keep what the backward pass needs: w for dx if x is differentiated, x for dW if w is.
-    # Data inputs (x not differentiated) thus skip bprop, frozen weights skip updat.
-    return y, (w.value if x.perturbed else None, x.value if w.perturbed else None)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _differentiable_pass(a, b, op, pass_name):
+    return run_pass(op, pass_name, a, b)
 
 
-def _matmul_bwd(op, residuals, dy):
-    w, x = residuals
-    if isinstance(dy, SymbolicZero):
+def _pass_fwd(a, b, op, pass_name):
+    # Through the differentiable function itself: under grad of grad the operands are
+    # tracers of the outer differentiation, which must see a custom_vjp here too.
+    out = _differentiable_pass(a.value, b.value, op, pass_name)
+    # The cotangent of a needs b and that of b needs a: keep only what will be used, so
+    # a data input (no gradient) skips its pass and frozen weights skip updat.
+    return out, (b.value if a.perturbed else None, a.value if b.perturbed else None)
+
+
+def _pass_bwd(op, pass_name, residuals, g):
+    b, a = residuals
+    if isinstance(g, SymbolicZero):
         return None, None
-    dx = None if w is None else run_pass(op, "bprop", dy, w)
-    dw = None if x is None else run_pass(op, "updat", x, dy)
-    return dx, dw
+    return tuple(
+        None if kept is None else _differentiable_pass(*operands(a, b, g), op, name)
+        for kept, (name, operands) in zip((b, a), _COTANGENTS[pass_name])
+    )
 
 
-_matmul.defvjp(_matmul_fwd, _matmul_bwd, symbolic_zeros=True)
+_differentiable_pass.defvjp(_pass_fwd, _pass_bwd, symbolic_zeros=True)
 
 
 def _check_inputs(x, w, op) -> None:
@@ -162,9 +184,10 @@ def blocksparse_matmul(x, w, op: BlocksparseMatMul):
 
     Notes
     -----
-    Reverse mode only (``jax.grad``, ``jax.vjp``), as for any ``jax.custom_vjp``;
-    the backward pass skips ``bprop`` when ``x`` is not differentiated and
-    ``updat`` when ``w`` is not. There is no float64.
+    Reverse mode of any order (``jax.grad``, ``jax.vjp``, ``jax.jacrev``, grad of
+    grad); no forward mode (``jax.jvp``, ``jax.jacfwd``, ``jax.hessian``), as for
+    any ``jax.custom_vjp``. The backward pass skips ``bprop`` when ``x`` is not
+    differentiated and ``updat`` when ``w`` is not. There is no float64.
 
     Examples
     --------
@@ -179,8 +202,8 @@ def blocksparse_matmul(x, w, op: BlocksparseMatMul):
     """
     _check_inputs(x, w, op)
     if op.feature_axis == 1:
-        return _matmul(x.reshape(-1, op.C), w, op).reshape(x.shape[:-1] + (op.K,))
-    return _matmul(x.reshape(op.C, -1), w, op).reshape((op.K,) + x.shape[1:])
+        return _differentiable_pass(x.reshape(-1, op.C), w, op, "fprop").reshape(x.shape[:-1] + (op.K,))
+    return _differentiable_pass(x.reshape(op.C, -1), w, op, "fprop").reshape((op.K,) + x.shape[1:])
 
 
 # -- a layer over a params pytree -------------------------------------------------------------------
