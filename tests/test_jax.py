@@ -81,7 +81,8 @@ def dense_w(op, w):
     """Dense (C, K) ``W`` from block data with JAX ops (differentiable, no bsmm code)."""
     rows, cols = np.nonzero(op.layout)
     cb, kb = op.layout.shape
-    blocked = jnp.zeros((cb, BS, kb, BS), w.dtype).at[rows, :, cols, :].set(w)
+    bs = op.block_size
+    blocked = jnp.zeros((cb, bs, kb, bs), w.dtype).at[rows, :, cols, :].set(w)
     return blocked.reshape(op.C, op.K)
 
 
