@@ -81,6 +81,7 @@ from .matmul import BlocksparseMatMul
 
 __all__ = ["BlockSparseDense", "blocksparse_matmul"]
 
+
 # -- the passes as differentiable functions -----------------------------------------------------------
 # Every pass is bilinear in its operands (a, b) and the cotangents of each are again
 # passes: with g the cotangent of the result,
