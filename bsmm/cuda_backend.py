@@ -42,12 +42,14 @@ def _batch_class(n: int) -> str:
     return "large"
 
 
-def tile_for(math_mode: str, pass_name: str, block_size: int, n: int, arch_key: str | None = None) -> tuple:
+def tile_for(math_mode: str, pass_name: str, block_size: int, n: int, arch_key: str | None = None,
+             columns: bool = False) -> tuple | None:
     """[BM, BN, BK, WARPS_M, WARPS_N, STAGES] from the launch table in ``bsmm.toml``.
 
-    ``arch_key`` ("sm90", "sm80", ...) selects a device's override section over the defaults.
+    ``columns=True``: the column-group tile [..., COLS] of fprop/bprop, or None where the
+    table has none. ``arch_key`` ("sm90", "sm80", ...) selects a device's override section.
     """
-    group = "updat" if pass_name == "updat" else "sparse"
+    group = "columns" if columns else "updat" if pass_name == "updat" else "sparse"
     batches = (_batch_class(n), "any")  # updat tables may give small-batch tiles before "any"
     tables = settings()["kernels"]
     for section in (tables.get(arch_key or "", {}), tables["default"]):
@@ -55,6 +57,8 @@ def tile_for(math_mode: str, pass_name: str, block_size: int, n: int, arch_key: 
         entry = next((entries[b] for b in batches if b in entries), None)
         if entry is not None:
             return tuple(int(v) for v in entry)
+    if columns:
+        return None
     raise NotImplementedError(f"no {math_mode} kernel tile for {pass_name} at block size {block_size}")
 
 
@@ -146,15 +150,61 @@ def _unit_table(parts: np.ndarray) -> np.ndarray:
     return np.stack([first_slot, parts], axis=1).astype(np.int32)
 
 
+def _block_steps(index: BlockIndex, by_column: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Step table of fprop (units = block columns) or bprop (block rows), one block a step.
+
+    Returns (entries (steps, 2) = (weight block, activation feature block), steps per unit).
+    """
+    ptr = index.colptr if by_column else index.indptr
+    entries = index.col_order if by_column else np.arange(index.nnzb)
+    operand_blocks = index.rows[entries] if by_column else index.indices
+    return np.stack([entries, operand_blocks], axis=1), np.diff(ptr).astype(np.int64)
+
+
+def _group_steps(index: BlockIndex, by_column: bool, cols: int) -> tuple[np.ndarray, np.ndarray]:
+    """Step table of column groups: units are ``cols`` adjacent block columns (fprop) or rows
+    (bprop); a unit steps over the union of its blocks' rows (columns), in increasing order.
+
+    Returns (entries (steps, 1 + cols) = (activation feature block, weight block of each
+    column of the group or -1), steps per unit).
+    """
+    unit_axis, step_axis = (index.indices, index.rows) if by_column else (index.rows, index.indices)
+    n_step_blocks = index.n_block_rows if by_column else index.n_block_cols
+    n_out_blocks = index.n_block_cols if by_column else index.n_block_rows
+    n_units = -(-n_out_blocks // cols)
+    keys = (unit_axis // cols).astype(np.int64) * n_step_blocks + step_axis
+    unique_keys, step_of_block = np.unique(keys, return_inverse=True)
+    entries = np.full((len(unique_keys), 1 + cols), -1, dtype=np.int64)
+    entries[:, 0] = unique_keys % n_step_blocks
+    entries[step_of_block, 1 + unit_axis % cols] = np.arange(index.nnzb)
+    counts = np.bincount(unique_keys // n_step_blocks, minlength=n_units).astype(np.int64)
+    return entries, counts
+
+
+def _column_groups(index: BlockIndex, pass_name: str, mode: str, n: int, aligned: bool, arch_key: str):
+    """(tile, cols, step table, steps per unit) of a column-group launch where one pays, else None."""
+    if pass_name == "updat" or not aligned:
+        return None
+    tile = tile_for(mode, pass_name, index.block_size, n, arch_key, columns=True)
+    if tile is None:
+        return None
+    table, counts = _group_steps(index, pass_name == "fprop", tile[6])
+    if index.nnzb < settings()["kernels"]["group_min_blocks_per_step"] * max(1, len(table)):
+        return None  # too sparse: most steps would feed one block, as without groups
+    return tile[:6], tile[6], table, counts
+
+
 def _build_plan(index: BlockIndex, pass_name: str, n: int, dtype: str, feature_axis: int, tf32: bool,
                 aligned: bool, device) -> Plan:
     bs = index.block_size
     mode = math_mode(dtype, pass_name, bs, tf32)
-    tile = tile_for(mode, pass_name, bs, n, arch_key=f"sm{device.compute_capability}")
+    arch_key = f"sm{device.compute_capability}"
+    groups = _column_groups(index, pass_name, mode, n, aligned, arch_key)
+    tile, cols = (groups[0], groups[1]) if groups else (tile_for(mode, pass_name, bs, n, arch_key), 1)
     bm, bn, bk = tile[:3]
     # A batch no deeper than one step: stream many weight blocks through each thread block.
     grouped = pass_name == "updat" and aligned and 0 < n <= bk
-    variant = Variant(dtype, bs, tile, mode, pass_name, feature_axis, aligned, grouped)
+    variant = Variant(dtype, bs, tile, mode, pass_name, feature_axis, aligned, grouped, cols)
     kernel = load_kernel(variant, device.id)
     cfg = settings()["kernels"]
     target_ctas = cfg["waves"] * device.attributes["MultiProcessorCount"]
@@ -181,15 +231,11 @@ def _build_plan(index: BlockIndex, pass_name: str, n: int, dtype: str, feature_a
         table = np.stack([index.rows, index.indices], axis=1)
         grid_yz = (bs // bm, bs // bn)
     else:
-        by_column = pass_name == "fprop"
-        ptr = index.colptr if by_column else index.indptr
-        entries = index.col_order if by_column else np.arange(index.nnzb)
-        operand_blocks = index.rows[entries] if by_column else index.indices
-        table = np.stack([entries, operand_blocks], axis=1)
-        counts = np.diff(ptr).astype(np.int64)
+        table, counts = groups[2:] if groups else _block_steps(index, pass_name == "fprop")
+        ptr = np.concatenate([[0], np.cumsum(counts)])
         n_units = len(counts)
-        tiles_per_unit = math.ceil(max(n, 1) / bm) * (bs // bn)
-        total = max(1, index.nnzb)
+        tiles_per_unit = math.ceil(max(n, 1) / bm) * max(1, bs // bn)
+        total = max(1, int(ptr[-1]))
         # Balance: no part much longer than twice the average unit, and enough parts to fill the GPU.
         fill = math.ceil(total * tiles_per_unit / target_ctas)
         part_length = max(cfg["min_part_blocks"], min(math.ceil(2 * total / n_units), fill))
@@ -197,7 +243,7 @@ def _build_plan(index: BlockIndex, pass_name: str, n: int, dtype: str, feature_a
         parts, unit_of, part_index = _parts(counts, part_length)
         begin = ptr[unit_of] + part_index * part_length
         end = np.minimum(begin + part_length, ptr[unit_of + 1])
-        grid_yz = (math.ceil(max(n, 1) / bm), bs // bn)
+        grid_yz = (math.ceil(max(n, 1) / bm), max(1, bs // bn))
 
     if not grouped:
         segments = np.stack([unit_of, begin, end, part_index], axis=1)
@@ -303,7 +349,8 @@ def _sparse_pass(pass_name: str, index: BlockIndex, act, w, out, feature_axis: i
     dtype = DTYPE_NAMES[act.dtype]
     plan = plan_for(index, pass_name, n, dtype, feature_axis, tf32, _aligned(feature_axis, n, act, w, out))
     ld_act, ld_out = (features_in, features_out) if feature_axis == 1 else (n, n)
-    sizes = (n, ld_act, 0, ld_out)
+    # Column groups read the number of output blocks from the otherwise unused ld_other.
+    sizes = (n, ld_act, features_out // index.block_size, ld_out)
     plan.launch(_current_stream().ptr, act.data.ptr, w.data.ptr, out.data.ptr, sizes, 0)
     return FastCall(plan, act, w, out, sizes)
 

@@ -47,6 +47,7 @@ class Variant:
     feature_axis: int
     aligned: bool  # 16-byte vector copies are legal for every operand
     grouped: bool = False  # updat only: a thread block streams a group of blocks, whole batch per step
+    cols: int = 1  # fprop/bprop: block columns (rows) per output tile, stepping over their union
 
     @property
     def threads(self) -> int:
@@ -70,7 +71,7 @@ class Variant:
         return (
             f"bsmm::bsmm_matmul<{C_TYPES[self.dtype]}, {self.block_size}, {bm}, {bn}, {bk}, {wm}, {wn}, {stages}, "
             f"{MATH_MODES[self.math]}, {PASS_IDS[self.pass_name]}, {int(self.feature_axis == 1)}, {int(self.aligned)}, "
-            f"{int(self.grouped)}>"
+            f"{int(self.grouped)}, {self.cols}>"
         )
 
 

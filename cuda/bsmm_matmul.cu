@@ -28,7 +28,7 @@ enum Pass { FPROP = 0, BPROP = 1, UPDAT = 2 };
 enum Math { SIMT = 0, TENSOR16 = 1, TF32 = 2 };
 
 template <typename T, int BS, int BM_, int BN_, int BK_, int WARPS_M_, int WARPS_N_, int STAGES_, int MATH_, int PASS_,
-          int AXIS1_, int ALIGNED_, int GROUPED_>
+          int AXIS1_, int ALIGNED_, int GROUPED_, int COLS_>
 struct Kernel {
     static constexpr int BM = BM_, BN = BN_, BK = BK_, WARPS_M = WARPS_M_, WARPS_N = WARPS_N_, STAGES = STAGES_;
     static constexpr int MATH = MATH_, PASS = PASS_;
@@ -36,6 +36,11 @@ struct Kernel {
     // updat with the whole batch in one step: a thread block streams a group of weight blocks
     // through the pipeline, one block per step, instead of owning a single block.
     static constexpr bool GROUPED = GROUPED_ != 0;
+    // fprop/bprop: an output tile spans COLS adjacent block columns (rows for bprop) and steps
+    // over the union of their blocks' rows (columns), one block row per step: the activation
+    // tile of a step is loaded once for every block of that row in the group. Warp column j
+    // owns block column j and skips the steps where that block is absent.
+    static constexpr int COLS = COLS_;
     static constexpr int NT = WARPS_M * WARPS_N * 32;
     static constexpr int VEC = 16 / sizeof(T);  // elements per 16-byte copy
     // Which operand dimension is contiguous in shared memory (as it is in global memory).
@@ -55,7 +60,10 @@ struct Kernel {
     static constexpr int ACC = MATH == SIMT ? TM * TN : MI * NJ * 4;
 
     static_assert(BK % VEC == 0 && BM % VEC == 0 && BN % VEC == 0, "tiles must be whole 16-byte chunks");
-    static_assert(BN <= BS && BS % BN == 0, "an output tile stays inside one block column");
+    static_assert(COLS > 1 || (BN <= BS && BS % BN == 0), "an output tile stays inside one block column");
+    static_assert(COLS == 1 || (BN == COLS * BS && BK == BS && WARPS_N == COLS && ALIGNED_ && MATH_ != SIMT &&
+                                PASS_ != UPDAT),
+                  "column groups: one block per warp column, one block row per step, aligned tensor-core copies");
     static_assert(MATH != TENSOR16 || (BK % 16 == 0 && WTM % 16 == 0 && WTN % 8 == 0), "m16n8k16 tiling");
     static_assert(MATH != TF32 || (BK % 8 == 0 && WTM % 16 == 0 && WTN % 8 == 0), "m16n8k8 tiling");
     static_assert(MATH != SIMT || (TY * TX == NT && TM * TY == BM && TN * TX == BN), "SIMT tiling");
@@ -246,10 +254,66 @@ struct FastLoader {
 };
 
 
+// Column groups (K::COLS > 1): step s of the staged table holds (activation feature block,
+// weight block of each of the COLS block columns or -1). The activation tile takes the
+// ChunkPlan path; a weight chunk is a fixed offset inside its block plus that block's base,
+// and is not copied at all where the block is absent (that warp column skips the step).
+template <class K, typename T, int BS>
+struct GroupLoader {
+    static constexpr int ROW = K::COLS + 1;  // ints per step in the staged table
+    static constexpr int B_CHUNKS = K::B_ROWS * K::B_COLS / K::VEC;
+    static constexpr int B_PER_THREAD = (B_CHUNKS + K::NT - 1) / K::NT;
+    ChunkPlan<K, K::A_ROWS, K::A_COLS, K::A_PITCH> a;
+    int b_offset[B_PER_THREAD];  // element offset of the chunk inside its weight block
+    int b_block[B_PER_THREAD];   // which block of the group the chunk belongs to
+    const T* act;
+    const T* w;
+    const int* steps;
+    long long ld_act;
+    int m0;
+
+    __device__ __forceinline__ void init(const Operands<K, T, BS>& o, const int* staged, int tid) {
+        act = o.act;
+        w = o.other;
+        steps = staged;
+        ld_act = o.ld_act;
+        m0 = o.m0;
+        a.init(tid, ld_act, K::A_KMAJOR, o.n_rows - o.m0);
+#pragma unroll
+        for (int i = 0; i < B_PER_THREAD; ++i) {
+            const int c = tid + i * K::NT;
+            const int row = c / (K::B_COLS / K::VEC), col = (c % (K::B_COLS / K::VEC)) * K::VEC;
+            // bprop (K-major): tile row = output column n, col = k; fprop: tile row = k, col = n.
+            b_block[i] = K::B_KMAJOR ? row / BS : col / BS;
+            b_offset[i] = K::B_KMAJOR ? (row % BS) * BS + col : row * BS + col % BS;
+        }
+    }
+
+    __device__ __forceinline__ void operator()(int step, T* sa, T* sb) const {
+        const int tid = threadIdx.x;
+        const int* entry = steps + step * ROW;
+        const long long feature = (long long)entry[0] * BS;
+        const T* a_base = K::A_KMAJOR ? act + (long long)m0 * ld_act + feature : act + feature * ld_act + m0;
+        a.template copy<BSMM_ACT_L1 != 0>(sa, a_base, K::BK, tid);
+#pragma unroll
+        for (int i = 0; i < B_PER_THREAD; ++i) {
+            const int c = tid + i * K::NT;
+            if (B_CHUNKS % K::NT == 0 || c < B_CHUNKS) {
+                const int id = entry[1 + b_block[i]];
+                const int row = c / (K::B_COLS / K::VEC), col = (c % (K::B_COLS / K::VEC)) * K::VEC;
+                if (id >= 0) cp_async16(sb + row * K::B_PITCH + col, w + (long long)id * BS * BS + b_offset[i], 16);
+            }
+        }
+    }
+};
+
+
 // The main loop: a STAGES-deep cp.async pipeline feeding tensor-core or SIMT math.
 // load(step, a_stage, b_stage) issues the copies of one step's A and B tiles.
-template <class K, typename T, class Load, class After>
-__device__ __forceinline__ void main_loop(Load&& load, int n_steps, T* smem, float (&acc)[K::ACC], After&& after) {
+// skip(step): this warp has nothing to multiply in that step (column groups).
+template <class K, typename T, class Load, class After, class Skip>
+__device__ __forceinline__ void main_loop(Load&& load, int n_steps, T* smem, float (&acc)[K::ACC], After&& after,
+                                          Skip&& skip) {
     const int tid = threadIdx.x;
     T* sA = smem;
     T* sB = smem + K::STAGES * K::A_STAGE;
@@ -274,6 +338,7 @@ __device__ __forceinline__ void main_loop(Load&& load, int n_steps, T* smem, flo
         // The stage refilled here was read in the previous iteration, which every thread has finished.
         if (step + K::STAGES - 1 < n_steps) load_stage(step + K::STAGES - 1);
         cp_async_commit();
+        if (skip(step)) continue;
         T* a = sA + (step % K::STAGES) * K::A_STAGE;
         T* b = sB + (step % K::STAGES) * K::B_STAGE;
         if constexpr (K::MATH == TENSOR16) {
@@ -359,6 +424,11 @@ __device__ __forceinline__ void main_loop(Load&& load, int n_steps, T* smem, flo
     cp_async_wait<0>();
 }
 
+template <class K, typename T, class Load, class After>
+__device__ __forceinline__ void main_loop(Load&& load, int n_steps, T* smem, float (&acc)[K::ACC], After&& after) {
+    main_loop<K, T>(load, n_steps, smem, acc, after, [](int) { return false; });
+}
+
 template <class K, typename T, class Load>
 __device__ __forceinline__ void main_loop(Load&& load, int n_steps, T* smem, float (&acc)[K::ACC]) {
     main_loop<K, T>(load, n_steps, smem, acc, [](int, float (&)[K::ACC]) {});
@@ -415,19 +485,20 @@ __device__ __forceinline__ void store_block_tile(T* block_out, const float (&acc
 // output block column/row and [begin, end) indexes the step table; for updat a unit
 // is a weight block and [begin, end) are batch rows. units[u] = (first workspace slot, parts).
 template <typename T, int BS, int BM, int BN, int BK, int WARPS_M, int WARPS_N, int STAGES, int MATH, int PASS, int AXIS1,
-          int ALIGNED, int GROUPED>
+          int ALIGNED, int GROUPED, int COLS>
 __global__ void __launch_bounds__(WARPS_M* WARPS_N * 32)
     bsmm_matmul(const T* __restrict__ act, const T* __restrict__ other, T* __restrict__ out,
                 const int4* __restrict__ segments, const int2* __restrict__ units, const int2* __restrict__ table,
                 float* __restrict__ workspace, int* __restrict__ counters, int n_rows, int ld_act, int ld_other,
                 int ld_out, int accumulate) {
-    using K = Kernel<T, BS, BM, BN, BK, WARPS_M, WARPS_N, STAGES, MATH, PASS, AXIS1, ALIGNED, GROUPED>;
+    using K = Kernel<T, BS, BM, BN, BK, WARPS_M, WARPS_N, STAGES, MATH, PASS, AXIS1, ALIGNED, GROUPED, COLS>;
     extern __shared__ __align__(16) unsigned char smem_raw[];
     T* smem = reinterpret_cast<T*>(smem_raw);
     __shared__ int last_part;
     // A part's entries of the step table, read once: the loaders would otherwise wait on a
     // dependent global load before every copy they issue.
-    __shared__ int2 part_table[PASS == UPDAT && !GROUPED ? 1 : BSMM_MAX_PART];
+    __shared__ int2 part_table[(PASS == UPDAT && !GROUPED) || COLS > 1 ? 1 : BSMM_MAX_PART];
+    __shared__ int group_steps[COLS > 1 ? BSMM_MAX_PART * (COLS + 1) : 1];
 
     const int4 seg = segments[blockIdx.x];
     if constexpr (GROUPED) {
@@ -477,6 +548,13 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N * 32)
     if (PASS == UPDAT) {
         ops.block = table[unit];
         n_steps = (seg.z - seg.y + BK - 1) / BK;
+    } else if constexpr (COLS > 1) {
+        // The table holds COLS + 1 ints a step (see GroupLoader).
+        ops.block = make_int2(0, 0);
+        n_steps = seg.z - seg.y;
+        const int* steps = reinterpret_cast<const int*>(table) + (long long)seg.y * (COLS + 1);
+        for (int i = threadIdx.x; i < n_steps * (COLS + 1); i += K::NT) group_steps[i] = steps[i];
+        __syncthreads();
     } else {
         ops.block = make_int2(0, 0);
         n_steps = ((seg.z - seg.y) * BS + BK - 1) / BK;
@@ -485,7 +563,13 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N * 32)
     }
 
     float acc[K::ACC];
-    if constexpr (ALIGNED && (PASS == UPDAT || BK <= BS)) {
+    if constexpr (COLS > 1) {
+        GroupLoader<K, T, BS> loader;
+        loader.init(ops, group_steps, threadIdx.x);
+        const int warp_col = (threadIdx.x / 32) / K::WARPS_M;
+        main_loop<K, T>(loader, n_steps, smem, acc, [](int, float (&)[K::ACC]) {},
+                        [&](int step) { return group_steps[step * (COLS + 1) + 1 + warp_col] < 0; });
+    } else if constexpr (ALIGNED && (PASS == UPDAT || BK <= BS)) {
         FastLoader<K, T, BS> loader;
         loader.init(ops, threadIdx.x);
         main_loop<K, T>(loader, n_steps, smem, acc);
@@ -531,10 +615,13 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N * 32)
         store_block_tile<K, T, BS>(out + (long long)unit * BS * BS, acc, ops.m0, ops.n0, accumulate);
         return;
     }
+    // Column groups: the last group may reach past the output; ld_other (unused by fprop and
+    // bprop otherwise) carries how many output blocks exist.
     for_each_acc<K>([&](int i, int m, int n) {
         const int row = ops.m0 + m;
         if (row >= n_rows) return;
-        const long long feature = (long long)unit * BS + ops.n0 + n;
+        const long long feature = (long long)unit * (COLS > 1 ? BN : BS) + ops.n0 + n;
+        if (COLS > 1 && feature >= (long long)ld_other * BS) return;
         T* dst = AXIS1 ? out + (long long)row * ld_out + feature : out + feature * ld_out + row;
         *dst = Elem<T>::from_float(acc[i]);
     });

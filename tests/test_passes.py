@@ -417,6 +417,39 @@ def test_long_block_columns_cut_into_parts(xp, dtype, min_part_blocks, monkeypat
         "no column was cut into parts: the reduction path went untested"
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("bs, tile", [(16, [32, 128, 16, 1, 8, 4, 8]), (32, [32, 128, 32, 1, 4, 4, 4])])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_column_groups(xp, bs, tile, dtype, monkeypatch):
+    """GPU: output tiles spanning several block columns (rows), forced for every batch size and
+    density; partial last group, empty and dense columns, long columns cut into parts."""
+    if xp is np:
+        pytest.skip("the CPU backend has no column groups")
+    from bsmm import cuda_backend
+
+    kernels = bsmm.config.settings()["kernels"]
+    monkeypatch.setitem(kernels, "group_min_blocks_per_step", 0)
+    monkeypatch.setitem(kernels, "min_part_blocks", 2)
+    monkeypatch.setitem(kernels["default"]["tensor16"], "columns", {str(bs): {"any": tile}})
+    monkeypatch.setattr(cuda_backend, "_PLANS", type(cuda_backend._PLANS)())
+    rng = np.random.default_rng([bs, len(dtype)])
+    layout = random_layout(rng, 11, tile[6] * 2 + 3, 0.3)  # the last group is partial
+    layout[:, 1] = 0
+    layout[:, 2] = 1
+    layout[3, :] = 1
+    for axis in (1, 0):
+        for n in (1, 7, 70):
+            case = make_case(rng, layout, bs, n, dtype, axis)
+            for pass_name in ("fprop", "bprop"):
+                args = device_inputs(xp, case, pass_name)
+                out = poisoned(xp, reference(case, pass_name).shape, case.x.dtype)
+                call(case.op, pass_name, args, out=out)
+                assert_close(to_numpy(out), reference(case, pass_name), dtype, f"{pass_name} N={n} axis={axis}")
+    aligned_plans = [p for p in cuda_backend._PLANS[case.op.index].values() if p.variant.aligned]
+    assert aligned_plans and all(p.variant.cols == tile[6] for p in aligned_plans), \
+        "an aligned plan did not use column groups"
+
+
 # -- a bigger case: many chunks on many threads ----------------------------------------------
 @pytest.mark.parametrize("feature_axis", [1, 0])
 def test_many_chunks_equal_one_chunk_bitwise(xp, feature_axis, monkeypatch):

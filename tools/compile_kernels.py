@@ -28,11 +28,15 @@ def all_variants() -> list[Variant]:
                     mode = math_mode(dtype, pass_name, bs, tf32)
                     for n in (16, 32, 64, 4096):
                         tile = tile_for(mode, pass_name, bs, n)
+                        columns = tile_for(mode, pass_name, bs, n, columns=True)
                         for axis in (0, 1):
                             for aligned in (True, False):
                                 variants.add(Variant(dtype, bs, tile, mode, pass_name, axis, aligned))
                             if pass_name == "updat":  # small batches stream blocks (aligned copies only)
                                 variants.add(Variant(dtype, bs, tile, mode, pass_name, axis, True, True))
+                            elif columns:  # column groups (aligned copies only)
+                                variants.add(Variant(dtype, bs, columns[:6], mode, pass_name, axis, True, False,
+                                                     columns[6]))
     return sorted(variants, key=repr)
 
 

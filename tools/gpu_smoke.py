@@ -48,6 +48,8 @@ def main() -> int:
     # Cut block columns as short as the plans allow, so that the sweep's small layouts
     # exercise the ordered reduction of parts (the default only cuts columns of 32+ blocks).
     bsmm.config.settings()["kernels"]["min_part_blocks"] = 1
+    # And use column groups wherever the table has a tile for them, whatever the density.
+    bsmm.config.settings()["kernels"]["group_min_blocks_per_step"] = 0
     failures = checked = 0
     worst = {}
     start = time.perf_counter()

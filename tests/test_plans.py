@@ -1,0 +1,50 @@
+"""Host-side launch tables of the GPU backend (pure NumPy: runs without a GPU)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import bsmm
+
+cuda_backend = pytest.importorskip("bsmm.cuda_backend", reason="CuPy is not installed")
+
+
+def brute_force_group_steps(layout, by_column: bool, cols: int):
+    """Union-of-rows step table built by walking the layout one cell at a time."""
+    rows, columns = np.nonzero(layout)
+    ids = -np.ones(layout.shape, dtype=np.int64)
+    ids[rows, columns] = np.arange(len(rows))
+    by_step = ids if by_column else ids.T  # (step blocks, output blocks)
+    n_units = -(-by_step.shape[1] // cols)
+    padded = np.full((by_step.shape[0], n_units * cols), -1)
+    padded[:, :by_step.shape[1]] = by_step
+    entries, counts = [], []
+    for unit in range(n_units):
+        group = padded[:, unit * cols:(unit + 1) * cols]
+        present = [r for r in range(by_step.shape[0]) if (group[r] >= 0).any()]
+        entries += [[r, *group[r]] for r in present]
+        counts.append(len(present))
+    return np.array(entries, dtype=np.int64).reshape(-1, cols + 1), np.array(counts)
+
+
+@pytest.mark.parametrize("cb, kb, cols, density", [(7, 10, 4, 0.3), (12, 8, 8, 0.5), (5, 5, 4, 0.0), (9, 16, 4, 1.0)])
+@pytest.mark.parametrize("by_column", [True, False], ids=["fprop", "bprop"])
+def test_group_steps_are_the_union_of_rows_in_order(cb, kb, cols, density, by_column):
+    layout = (np.random.default_rng([cb, kb]).random((cb, kb)) < density).astype(np.uint8)
+    index = bsmm.block_index(layout, 16)
+    entries, counts = cuda_backend._group_steps(index, by_column, cols)
+    expected_entries, expected_counts = brute_force_group_steps(layout, by_column, cols)
+    np.testing.assert_array_equal(entries, expected_entries)
+    np.testing.assert_array_equal(counts, expected_counts)
+
+
+@pytest.mark.parametrize("density, expected_cols", [(0.5, 4), (0.05, 1)])
+def test_column_groups_only_where_steps_feed_several_blocks(density, expected_cols):
+    layout = (np.random.default_rng(3).random((64, 64)) < density).astype(np.uint8)
+    index = bsmm.block_index(layout, 32)
+    groups = cuda_backend._column_groups(index, "fprop", "tensor16", 4096, True, "sm90")
+    assert (groups[1] if groups else 1) == expected_cols
+    assert cuda_backend._column_groups(index, "fprop", "tensor16", 4096, False, "sm90") is None  # unaligned
+    assert cuda_backend._column_groups(index, "updat", "tensor16", 4096, True, "sm90") is None
+    assert cuda_backend._column_groups(index, "fprop", "tensor16", 32, True, "sm90") is None  # no n32 tile
