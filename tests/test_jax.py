@@ -20,6 +20,10 @@ import pytest
 
 pytest.importorskip("jax", reason="JAX is not installed: bsmm.jax tests skipped")
 import jax
+
+# Dense references must be exact float32: XLA would otherwise run float32 dots on TF32 tensor
+# cores on the GPU (~1e-3 relative error), while bsmm's float32 passes are exact.
+jax.config.update("jax_default_matmul_precision", "highest")
 import jax.extend.core
 import jax.numpy as jnp
 from jax.test_util import check_grads
@@ -543,7 +547,9 @@ def test_gpu_jitted_passes_allocate_only_their_outputs():
         after = dev.memory_stats()
         out_bytes = sum(o.nbytes for o in jax.tree.leaves(outputs))
         grown = after["bytes_in_use"] - before["bytes_in_use"]
-        assert out_bytes <= grown <= out_bytes + 4096, f"{grown} bytes allocated for {out_bytes} of outputs"
+        # Slack for XLA's own bookkeeping around the callbacks (44 KB measured on the H100 for the
+        # backward jit); a copy of the smallest input here would be 5 MB.
+        assert out_bytes <= grown <= out_bytes + 65536, f"{grown} bytes allocated for {out_bytes} of outputs"
         # The backward jit may keep the (unused) forward output alive while it runs.
         slack = 0 if run is forward else 8192 * op.K * 4
         assert after["peak_bytes_in_use"] <= max(before["peak_bytes_in_use"],

@@ -562,11 +562,13 @@ def test_gpu_each_pass_allocates_only_its_output(cuda):
     layer = bt.BlockSparseLinear(256, 128, random_layout(np.random.default_rng(16), 8, 4, 0.5), block_size=32,
                                  device=cuda)
     x = torch.randn(96, 256, device=cuda)
+    results = []  # kept alive: freeing one pass's result would show in the next pass's figures
     for name, call in _pass_calls(layer, x).items():
-        call()  # first use builds the launch plan (CuPy's memory, not PyTorch's)
+        results.append(call())  # first use builds the launch plan (CuPy's memory, not PyTorch's)
         torch.cuda.synchronize()
         before = torch.cuda.memory_stats()
         result = call()
+        results.append(result)
         after = torch.cuda.memory_stats()
         allocations = after["allocation.all.allocated"] - before["allocation.all.allocated"]
         grown = after["allocated_bytes.all.current"] - before["allocated_bytes.all.current"]
@@ -603,7 +605,7 @@ def test_gpu_kernels_write_the_output_tensor_on_torch_stream(cuda, monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_gpu_autocast(cuda, dtype):
-    layer = bt.BlockSparseLinear(64, 32, np.array([[1, 0], [1, 1]]), block_size=32, device=cuda)
+    layer = bt.BlockSparseLinear(64, 64, np.array([[1, 0], [1, 1]]), block_size=32, device=cuda)
     x = torch.randn(16, 64, device=cuda, requires_grad=True)
     with torch.autocast("cuda", dtype=dtype):
         y = layer(x)
