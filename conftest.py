@@ -1,0 +1,17 @@
+"""Doctest collection of the package: adapter modules whose framework is missing are skipped.
+
+``bsmm/torch.py`` and friends import their framework on import (``import bsmm`` does not);
+where it is not installed their doctests cannot run, and importing them raises ImportError.
+"""
+
+import importlib.util
+
+_ADAPTERS = {
+    "bsmm/torch.py": "torch",
+    "bsmm/torch_ops.py": "torch",
+    "bsmm/jax.py": "jax",
+    "bsmm/jax_passes.py": "jax",
+    "bsmm/tf.py": "tensorflow",
+}
+
+collect_ignore = [path for path, module in _ADAPTERS.items() if importlib.util.find_spec(module) is None]
