@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One call on the lent GPU: compile every kernel variant into the cache, a fast correctness
 # sweep, the GPU test suite, and the benchmark. Full logs go to $OUT; a short table is printed last.
-#   tools/gpu_check.sh [smoke|tests|bench|all] [bench args...]
+#   tools/gpu_check.sh [smoke|tests|bench|all|note] [bench args...]
+# note: compile, GPU tests, memcheck of the column-group and part-reduction tests, bench.
 set -uo pipefail
 OUT=${OUT:-/tmp/bsmm-out}
 mkdir -p "$OUT"
@@ -22,12 +23,18 @@ if [[ $stage == smoke || $stage == all ]]; then
   echo "smoke: $(grep checked "$OUT/smoke.log") [$(( $(date +%s) - t0 ))s]"
   grep worst "$OUT/smoke.log"
 fi
-if [[ $stage == tests || $stage == all ]]; then
+if [[ $stage == tests || $stage == all || $stage == note ]]; then
   t0=$(date +%s)
   python3 -m pytest -q -m gpu tests -x -p no:cacheprovider >"$OUT/pytest_gpu.log" 2>&1 || status=1
   echo "gpu tests: $(tail -1 "$OUT/pytest_gpu.log") [$(( $(date +%s) - t0 ))s]"
 fi
-if [[ $stage == bench || $stage == all ]]; then
+if [[ $stage == note ]]; then
+  t0=$(date +%s)
+  compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -q -m gpu tests/test_passes.py \
+    -k "column_groups or long_block" -p no:cacheprovider >"$OUT/memcheck.log" 2>&1 || status=1
+  echo "memcheck: $(grep -E "ERROR SUMMARY" "$OUT/memcheck.log" | sort | uniq -c | tr -s ' ') $(tail -1 "$OUT/memcheck.log") [$(( $(date +%s) - t0 ))s]"
+fi
+if [[ $stage == bench || $stage == all || $stage == note ]]; then
   t0=$(date +%s)
   python3 -m bsmm bench --backend gpu --json "$OUT/bench.json" -v "$@" >"$OUT/bench.md" 2>"$OUT/bench.log" || status=1
   echo "bench [$(( $(date +%s) - t0 ))s]:"
