@@ -9,9 +9,10 @@ and spread over a thread pool (NumPy's BLAS calls and SciPy's sparse products
 release the GIL). Each output segment is written by exactly one chunk in a
 fixed order, so results are bitwise reproducible whatever the thread timing.
 
-Arithmetic is float32 for every input dtype; results are rounded to the
-output dtype once, at the end. This is also the reference the GPU kernels are
-checked against (through a float64 dense product in the tests).
+Arithmetic is float32 for float32, float16 and bfloat16 inputs; results are
+rounded to the output dtype once, at the end. This is also the reference the
+GPU kernels are checked against (through a float64 dense product in the tests).
+float64 inputs (a CPU-only dtype) are computed and summed in float64 throughout.
 """
 
 from __future__ import annotations
@@ -29,6 +30,12 @@ from .config import settings
 __all__ = ["fprop", "bprop", "updat"]
 
 _F32 = np.dtype(np.float32)
+_F64 = np.dtype(np.float64)
+
+
+def _compute_dtype(dtype: np.dtype) -> np.dtype:
+    """The dtype of the arithmetic for inputs of ``dtype``: float64 stays float64, the rest is float32."""
+    return _F64 if dtype == _F64 else _F32
 
 
 @functools.cache
@@ -55,13 +62,13 @@ def _chunk_bounds(segptr: np.ndarray, bytes_per_block: int) -> list[tuple[int, i
 
 
 def _activation_blocks(array: np.ndarray, n_blocks: int, block_size: int, feature_axis: int) -> np.ndarray:
-    """Activations as float32 blocks: (n_blocks, N, bs) for axis 1, (n_blocks, bs, N) for axis 0."""
+    """Activations as blocks of the compute dtype: (n_blocks, N, bs) for axis 1, (n_blocks, bs, N) for axis 0."""
     if feature_axis == 1:
         n = array.shape[0]
         blocked = array.reshape(n, n_blocks, block_size).transpose(1, 0, 2)
     else:
         blocked = array.reshape(n_blocks, block_size, array.shape[1])
-    return np.ascontiguousarray(blocked, dtype=_F32)
+    return np.ascontiguousarray(blocked, dtype=_compute_dtype(array.dtype))
 
 
 def _output_blocks(out: np.ndarray, n_blocks: int, block_size: int, feature_axis: int) -> np.ndarray:
@@ -90,6 +97,7 @@ def _segmented_pass(
     # Which side W's block goes on, and whether transposed: y_k = x_c W_ck (axis 1),
     # y_k = W_ck^T x_c (axis 0), dx_c = dy_k W_ck^T (axis 1), dx_c = W_ck dy_k (axis 0).
     transpose_w = by_column == (feature_axis == 0)
+    compute = _compute_dtype(activations.dtype)
     operands = _activation_blocks(activations, n_in, bs, feature_axis)
     targets = _output_blocks(out, n_out, bs, feature_axis)
     n = activations.shape[1 - feature_axis]
@@ -102,19 +110,19 @@ def _segmented_pass(
             targets[first_segment:end_segment] = 0
             return
         blocks = slice(start, stop) if order is None else order[start:stop]
-        w_blocks = w[blocks].astype(_F32, copy=False)
+        w_blocks = w[blocks].astype(compute, copy=False)
         if transpose_w:
             w_blocks = w_blocks.transpose(0, 2, 1)
         act = np.take(operands, operand_ids[blocks], axis=0)
         products = act @ w_blocks if feature_axis == 1 else w_blocks @ act
         n_segments = end_segment - first_segment
         segment_sums = scipy.sparse.csr_array(
-            (np.ones(stop - start, _F32), np.arange(stop - start), segptr[first_segment:end_segment + 1] - start),
+            (np.ones(stop - start, compute), np.arange(stop - start), segptr[first_segment:end_segment + 1] - start),
             shape=(n_segments, stop - start),
         ) @ products.reshape(stop - start, -1)
         targets[first_segment:end_segment] = segment_sums.reshape((n_segments,) + products.shape[1:])
 
-    _run_chunks(chunk, _chunk_bounds(segptr, 4 * (2 * n * bs + bs * bs)))
+    _run_chunks(chunk, _chunk_bounds(segptr, compute.itemsize * (2 * n * bs + bs * bs)))
     return out
 
 
@@ -122,7 +130,8 @@ def fprop(index: BlockIndex, x: np.ndarray, w: np.ndarray, out: np.ndarray, feat
           tf32: bool = False) -> np.ndarray:
     """y = x·W into ``out``: (N, K) for ``feature_axis=1`` ((K, N) for 0). Inputs are validated by the caller.
 
-    ``tf32`` is accepted for a uniform backend interface; the CPU always computes exact float32.
+    ``tf32`` is accepted for a uniform backend interface; the CPU always computes exact float32 (float64
+    for float64 inputs).
     """
     return _segmented_pass(index, x, w, out, feature_axis, by_column=True)
 
@@ -156,5 +165,6 @@ def updat(
         out[start:stop] = grad
 
     # Treat every block as its own segment so chunks split anywhere.
-    _run_chunks(chunk, _chunk_bounds(np.arange(index.nnzb + 1), 4 * (2 * n * bs + bs * bs)))
+    itemsize = x_blocks.dtype.itemsize
+    _run_chunks(chunk, _chunk_bounds(np.arange(index.nnzb + 1), itemsize * (2 * n * bs + bs * bs)))
     return out

@@ -1,54 +1,94 @@
-"""The one table of element types bsmm supports, on every backend."""
+"""The one table of element types bsmm supports: on every backend, and on the CPU only."""
 
 from __future__ import annotations
 
 import ml_dtypes
 import numpy as np
 
-__all__ = ["SUPPORTED_DTYPES", "DTYPE_NAMES", "canonical_dtype"]
+__all__ = ["SUPPORTED_DTYPES", "CPU_ONLY_DTYPES", "DTYPE_NAMES", "canonical_dtype"]
 
-#: name -> NumPy dtype. bfloat16 comes from ml_dtypes, the type NumPy-side code
-#: (JAX, TensorFlow) already uses for it.
+#: name -> NumPy dtype, on every backend. bfloat16 comes from ml_dtypes, the type
+#: NumPy-side code (JAX, TensorFlow) already uses for it.
 SUPPORTED_DTYPES: dict[str, np.dtype] = {
     "float32": np.dtype(np.float32),
     "float16": np.dtype(np.float16),
     "bfloat16": np.dtype(ml_dtypes.bfloat16),
 }
 
+#: name -> NumPy dtype run by the CPU backend only: float64, computed and accumulated
+#: in float64, for gradient checks by finite differences (no GPU kernel exists for it).
+CPU_ONLY_DTYPES: dict[str, np.dtype] = {
+    "float64": np.dtype(np.float64),
+}
 
-#: dtype -> name, for hot paths (``str(dtype)`` is slow in NumPy).
+#: dtype -> name of :data:`SUPPORTED_DTYPES`, for hot paths (``str(dtype)`` is slow in NumPy).
 DTYPE_NAMES: dict[np.dtype, str] = {dtype: name for name, dtype in SUPPORTED_DTYPES.items()}
 
+_ALL_DTYPES: dict[str, np.dtype] = {**SUPPORTED_DTYPES, **CPU_ONLY_DTYPES}
+_ALL_NAMES: dict[np.dtype, str] = {dtype: name for name, dtype in _ALL_DTYPES.items()}
 
-def canonical_dtype(dtype, argument: str) -> np.dtype:
-    """Return the supported NumPy dtype for ``dtype`` or raise naming ``argument``.
+
+def _known_name(dtype) -> str | None:
+    """The name in :data:`SUPPORTED_DTYPES` or :data:`CPU_ONLY_DTYPES` of ``dtype``, or None."""
+    try:
+        name = _ALL_NAMES.get(dtype)  # the common case: already a NumPy dtype
+    except TypeError:  # unhashable: certainly not a dtype
+        return None
+    if name is not None or dtype is None:  # np.dtype(None) would be float64
+        return name
+    try:
+        resolved = np.dtype(dtype)
+    except TypeError:
+        return None
+    for known, candidate in _ALL_DTYPES.items():
+        if resolved == candidate:
+            return known
+    return None
+
+
+def canonical_dtype(dtype, argument: str, backend: str | None = None) -> np.dtype:
+    """Return the NumPy dtype for ``dtype`` or raise naming ``argument``.
 
     Accepts a NumPy dtype or type, a name such as ``"bfloat16"``, or any object
     with a ``dtype`` attribute that NumPy understands.
 
+    Parameters
+    ----------
+    dtype : dtype-like
+    argument : str
+        The name the error message gives the value.
+    backend : {None, "cpu", "cuda"}
+        Where the data will be computed on: ``"cpu"`` also accepts
+        :data:`CPU_ONLY_DTYPES`; None (the backend is not known, e.g. for stored
+        block data or initializers) accepts :data:`SUPPORTED_DTYPES` only.
+
     Raises
     ------
     TypeError
-        If the dtype is not one of :data:`SUPPORTED_DTYPES`.
+        If the dtype is not supported there; for float64 on the GPU the message
+        says that float64 runs on the CPU backend only.
 
     Examples
     --------
     >>> canonical_dtype("float16", "x")
     dtype('float16')
+    >>> canonical_dtype(np.float64, "x", backend="cpu")
+    dtype('float64')
+    >>> canonical_dtype(np.float64, "x", backend="cuda")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    TypeError: x has dtype float64, which runs only on the CPU backend (...); on the GPU supported dtypes are ...
     """
-    try:
-        name = DTYPE_NAMES.get(dtype)  # the common case: already a supported dtype
-    except TypeError:  # unhashable: certainly not a dtype
-        name = None
-    if name is not None:
+    name = _known_name(dtype)
+    if name in SUPPORTED_DTYPES:
         return SUPPORTED_DTYPES[name]
-    try:
-        resolved = np.dtype(dtype)
-    except TypeError:
-        resolved = None
-    for supported in SUPPORTED_DTYPES.values():
-        if resolved == supported:
-            return supported
-    raise TypeError(
-        f"{argument} has dtype {dtype}; supported dtypes are {', '.join(SUPPORTED_DTYPES)}"
-    )
+    if name in CPU_ONLY_DTYPES:
+        if backend == "cpu":
+            return CPU_ONLY_DTYPES[name]
+        if backend is not None:
+            raise TypeError(
+                f"{argument} has dtype {name}, which runs only on the CPU backend (NumPy arrays, CPU tensors); "
+                f"on the GPU supported dtypes are {', '.join(SUPPORTED_DTYPES)}"
+            )
+    where = "" if backend is None else f", and {', '.join(CPU_ONLY_DTYPES)} on the CPU backend"
+    raise TypeError(f"{argument} has dtype {dtype}; supported dtypes are {', '.join(SUPPORTED_DTYPES)}{where}")

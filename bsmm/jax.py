@@ -130,7 +130,12 @@ def _check_inputs(x, w, op) -> None:
     for name, value in (("x", x), ("w", w)):
         if not (hasattr(value, "shape") and hasattr(value, "dtype")):
             raise TypeError(f"{name} must be a JAX or NumPy array; got {type(value).__name__}")
-    dtype = canonical_dtype(x.dtype, "x")
+    dtype = canonical_dtype(x.dtype, "x", _backend(x))
+    if dtype == np.float64 and jax.dtypes.canonicalize_dtype(np.float64) != np.float64:
+        raise TypeError(
+            "x has dtype float64, which JAX turns into float32 unless 64-bit types are on: "
+            "jax.config.update('jax_enable_x64', True), or pass float32"
+        )
     if op.feature_axis == 1 and (x.ndim < 1 or x.shape[-1] != op.C):
         raise ValueError(f"x must have shape (..., {op.C}) (features last, feature_axis=1); got {tuple(x.shape)}")
     if op.feature_axis == 0 and (x.ndim not in (1, 2) or x.shape[0] != op.C):
@@ -150,6 +155,19 @@ def _check_inputs(x, w, op) -> None:
         )
 
 
+def _backend(value) -> str:
+    """Where a pass on ``value`` runs, as far as known before XLA places it.
+
+    A concrete JAX array tells; a tracer or a NumPy array does not, so it counts as
+    "cpu" (float64 accepted), and a float64 pass XLA places on a GPU is refused when
+    it runs, by the pass itself.
+    """
+    if isinstance(value, jax.Array) and not isinstance(value, jax.core.Tracer):
+        if any(device.platform != "cpu" for device in value.devices()):
+            return "cuda"
+    return "cpu"
+
+
 def _committed_devices(value):
     """The devices of a concrete JAX array that was explicitly placed (JAX moves the others)."""
     if isinstance(value, jax.Array) and not isinstance(value, jax.core.Tracer) and value.committed:
@@ -163,7 +181,8 @@ def blocksparse_matmul(x, w, op: BlocksparseMatMul):
     Parameters
     ----------
     x : (..., C) array with ``op.feature_axis == 1``; (C, N) or (C,) with ``feature_axis == 0``
-        float32, float16 or bfloat16. Leading axes (feature_axis 1) are rows.
+        float32, float16 or bfloat16; float64 on the CPU (with ``jax_enable_x64``).
+        Leading axes (feature_axis 1) are rows.
     w : (nnzb, bs, bs) array of x's dtype
         Block data in the layout's storage order (``op.w_shape``).
     op : bsmm.BlocksparseMatMul
@@ -173,13 +192,13 @@ def blocksparse_matmul(x, w, op: BlocksparseMatMul):
     Returns
     -------
     y : (..., K), or (K, N) / (K,), x's dtype
-        Accumulated in float32, rounded once to the dtype.
+        Accumulated in float32 (float64 for float64), rounded once to the dtype.
 
     Raises
     ------
     TypeError
-        If ``op`` is not a BlocksparseMatMul, ``x`` has an unsupported dtype, or
-        ``w``'s dtype differs from ``x``'s.
+        If ``op`` is not a BlocksparseMatMul, ``x`` has an unsupported dtype (float64
+        on a GPU, or without ``jax_enable_x64``), or ``w``'s dtype differs from ``x``'s.
     ValueError
         If ``x`` or ``w`` has the wrong shape.
 
@@ -188,7 +207,8 @@ def blocksparse_matmul(x, w, op: BlocksparseMatMul):
     Reverse mode of any order (``jax.grad``, ``jax.vjp``, ``jax.jacrev``, grad of
     grad); no forward mode (``jax.jvp``, ``jax.jacfwd``, ``jax.hessian``), as for
     any ``jax.custom_vjp``. The backward pass skips ``bprop`` when ``x`` is not
-    differentiated and ``updat`` when ``w`` is not. There is no float64.
+    differentiated and ``updat`` when ``w`` is not. float64 runs on the CPU backend
+    only, computed in float64 (for ``jax.test_util.check_grads``).
 
     Examples
     --------

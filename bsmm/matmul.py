@@ -75,6 +75,10 @@ class BlocksparseMatMul:
     Block data ``w`` has shape :attr:`w_shape` = (nnzb, bs, bs), blocks in
     row-major order over the layout (see :mod:`bsmm.block_index`).
 
+    Dtypes: float32, float16 and bfloat16 on every backend (accumulated in
+    float32); float64 on the CPU backend only, computed in float64 (for gradient
+    checks), while GPU arrays of float64 raise ``TypeError``.
+
     Examples
     --------
     >>> import numpy as np, bsmm
@@ -205,7 +209,7 @@ class BlocksparseMatMul:
                 return result
         x_op, w_op = as_operand(x, "x"), as_operand(w, "w")
         n = self._check_activation(x_op, "x", self.C)
-        dtype = canonical_dtype(x_op.array.dtype, "x")
+        dtype = canonical_dtype(x_op.array.dtype, "x", x_op.backend)
         self._check_weights(w_op, "w", dtype)
         check_same_place({"x": x_op, "w": w_op})
         result = self._output(out, x_op, self._activation_shape(n, self.K), dtype, (x_op, w_op))
@@ -233,7 +237,7 @@ class BlocksparseMatMul:
                 return result
         dy_op, w_op = as_operand(dy, "dy"), as_operand(w, "w")
         n = self._check_activation(dy_op, "dy", self.K)
-        dtype = canonical_dtype(dy_op.array.dtype, "dy")
+        dtype = canonical_dtype(dy_op.array.dtype, "dy", dy_op.backend)
         self._check_weights(w_op, "w", dtype)
         check_same_place({"dy": dy_op, "w": w_op})
         result = self._output(out, dy_op, self._activation_shape(n, self.C), dtype, (dy_op, w_op))
@@ -266,7 +270,7 @@ class BlocksparseMatMul:
         x_op, dy_op = as_operand(x, "x"), as_operand(dy, "dy")
         n = self._check_activation(x_op, "x", self.C)
         n_dy = self._check_activation(dy_op, "dy", self.K)
-        dtype = canonical_dtype(x_op.array.dtype, "x")
+        dtype = canonical_dtype(x_op.array.dtype, "x", x_op.backend)
         if dy_op.array.dtype != dtype:
             raise TypeError(f"dy has dtype {dy_op.array.dtype} but x has {dtype}; pass one dtype")
         if n_dy != n:
@@ -303,7 +307,7 @@ class BlocksparseMatMul:
         if tuple(array.shape) != self.w_shape:
             raise ValueError(f"{argument} must have shape w_shape {self.w_shape}; got {tuple(array.shape)}")
         if dtype is None:
-            canonical_dtype(array.dtype, argument)
+            canonical_dtype(array.dtype, argument, operand.backend)
         elif array.dtype != dtype:
             raise TypeError(f"{argument} has dtype {array.dtype} but the activations have {dtype}; pass one dtype")
         if not array.flags.c_contiguous:

@@ -57,7 +57,7 @@ except ImportError as error:
 
 from . import initializers
 from .arrays import empty_aligned
-from .dtypes import SUPPORTED_DTYPES
+from .dtypes import CPU_ONLY_DTYPES, SUPPORTED_DTYPES
 from .matmul import BlocksparseMatMul
 
 if int(keras.__version__.split(".", 1)[0]) < 3:
@@ -70,6 +70,7 @@ _NUMPY_DTYPES: dict[tf.DType, np.dtype] = {
     tf.float32: SUPPORTED_DTYPES["float32"],
     tf.float16: SUPPORTED_DTYPES["float16"],
     tf.bfloat16: SUPPORTED_DTYPES["bfloat16"],
+    tf.float64: CPU_ONLY_DTYPES["float64"],  # CPU tensors only
 }
 _BFLOAT16 = SUPPORTED_DTYPES["bfloat16"]  # ml_dtypes.bfloat16
 
@@ -84,7 +85,8 @@ def blocksparse_matmul(x, w, op: BlocksparseMatMul, name: str | None = None) -> 
     Parameters
     ----------
     x : (N, C) tensor, or (C, N) with ``op.feature_axis == 0``
-        float32, float16 or bfloat16; anything ``tf.convert_to_tensor`` takes.
+        float32, float16 or bfloat16, or float64 on the CPU (computed in float64);
+        anything ``tf.convert_to_tensor`` takes.
     w : (nnzb, bs, bs) tensor (or variable) of x's dtype
         Block data in the layout's row-major block order (``op.w_shape``).
     op : bsmm.BlocksparseMatMul
@@ -103,7 +105,7 @@ def blocksparse_matmul(x, w, op: BlocksparseMatMul, name: str | None = None) -> 
     ------
     TypeError
         If ``op`` is not a BlocksparseMatMul, an input cannot become a tensor,
-        a dtype is not supported, or ``x`` and ``w`` differ in dtype.
+        a dtype is not supported (float64: eagerly, on a GPU), or ``x`` and ``w`` differ in dtype.
     ValueError
         If a static shape does not fit the layout, or (eagerly) ``x`` and ``w``
         lie on different devices. Shapes only known when the graph runs are
@@ -162,7 +164,8 @@ def _as_tensor(value, argument: str) -> tf.Tensor:
         ) from error
     if tensor.dtype not in _NUMPY_DTYPES:
         raise TypeError(
-            f"{argument} has dtype {tensor.dtype.name}; supported dtypes are {', '.join(SUPPORTED_DTYPES)}"
+            f"{argument} has dtype {tensor.dtype.name}; supported dtypes are {', '.join(SUPPORTED_DTYPES)}, "
+            f"and {', '.join(CPU_ONLY_DTYPES)} on the CPU"
         )
     return tensor
 
@@ -180,9 +183,17 @@ def _check_activation(tensor: tf.Tensor, argument: str, features: int, feature_a
 
 
 def _check_same_device(x: tf.Tensor, w: tf.Tensor) -> None:
-    # In graphs TensorFlow places the op and copies inputs itself; eagerly the memory is read where it is.
-    if tf.executing_eagerly() and tuple(w.__dlpack_device__()) != tuple(x.__dlpack_device__()):
+    # In graphs TensorFlow places the op and copies inputs itself; eagerly the memory is read where it is
+    # (and a float64 pass placed on a GPU in a graph is refused by bsmm when it runs).
+    if not tf.executing_eagerly():
+        return
+    if tuple(w.__dlpack_device__()) != tuple(x.__dlpack_device__()):
         raise ValueError(f"w is on {w.device} but x is on {x.device}; move them to one device (tf.device)")
+    if x.dtype == tf.float64 and int(x.__dlpack_device__()[0]) in _DLPACK_CUDA_TYPES:
+        raise TypeError(
+            f"x has dtype float64, which bsmm runs only on the CPU; on {x.device} supported dtypes are "
+            f"{', '.join(SUPPORTED_DTYPES)}"
+        )
 
 
 # -- one pass ------------------------------------------------------------------------------------

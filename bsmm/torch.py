@@ -15,7 +15,8 @@
 - CPU tensors run the CPU backend, CUDA tensors the GPU kernels on PyTorch's
   current stream; tensors are shared through DLPack, never copied, and each pass
   allocates only its output (through PyTorch's allocator).
-- Dtypes float32, float16, bfloat16; under ``torch.autocast`` the input and the
+- Dtypes float32, float16, bfloat16, and float64 on the CPU only (computed in float64, so
+  ``torch.autograd.gradcheck`` runs at its default tolerances); under ``torch.autocast`` the input and the
   weight are cast to the autocast dtype first, as ``nn.Linear`` does (those casts
   are copies, as in any autocast region; the pass itself still copies nothing).
 - The layout reaches the operators as a content-derived string key resolved in a
@@ -34,7 +35,7 @@ import weakref
 import numpy as np
 
 # First, for its clear ImportError when PyTorch is missing.
-from .torch_ops import SUPPORTED_DTYPES, Registration, lookup, matmul, register
+from .torch_ops import SUPPORTED_DTYPES, Registration, check_dtype, lookup, matmul, register
 
 import torch  # noqa: E402  (after the guarded import above)
 
@@ -52,7 +53,7 @@ def _autocast(x: torch.Tensor, w: torch.Tensor):
     if torch.is_autocast_enabled(device_type):
         dtype = torch.get_autocast_dtype(device_type)
         if dtype in SUPPORTED_DTYPES:
-            # float64 is left alone, as autocast does, and refused by the operator with a clear error.
+            # float64 is left alone, as autocast does: computed in float64 on the CPU, refused on a GPU.
             cast = (torch.float32, torch.float16, torch.bfloat16)
             return (x.to(dtype) if x.dtype in cast else x), (w.to(dtype) if w.dtype in cast else w)
     return x, w
@@ -100,7 +101,7 @@ def blocksparse_matmul(x: torch.Tensor, w: torch.Tensor, op: BlocksparseMatMul) 
     Parameters
     ----------
     x : (..., C) tensor, or (C, ...) with ``op.feature_axis == 0``
-        float32, float16 or bfloat16, contiguous, on the CPU or a CUDA device.
+        float32, float16 or bfloat16, contiguous, on the CPU or a CUDA device; float64 on the CPU.
     w : (nnzb, bs, bs) tensor, ``op.w_shape``
         Block data, x's dtype and device.
     op : bsmm.BlocksparseMatMul
@@ -170,7 +171,8 @@ class BlockSparseLinear(torch.nn.Module):
     tf32 : bool
         On the GPU, float32 products on TF32 tensor cores.
     device, dtype
-        Of the parameters (and of the ``layout`` buffer's device); dtype float32, float16 or bfloat16.
+        Of the parameters (and of the ``layout`` buffer's device); dtype float32, float16 or bfloat16,
+        or float64 on the CPU.
 
     Attributes
     ----------
@@ -210,8 +212,7 @@ class BlockSparseLinear(torch.nn.Module):
                  feature_axis: int = 1, tf32: bool = False, device=None, dtype=None):
         super().__init__()
         dtype = torch.get_default_dtype() if dtype is None else dtype
-        if dtype not in SUPPORTED_DTYPES:
-            raise TypeError(f"dtype must be one of {', '.join(SUPPORTED_DTYPES.values())}; got {dtype}")
+        check_dtype(dtype, torch.empty(0, device=device).device, "dtype")
         self.op = BlocksparseMatMul(_layout_array(layout), block_size, feature_axis, tf32)
         for argument, value, blocks in (("in_features", in_features, 0), ("out_features", out_features, 1)):
             expected = self.op.layout.shape[blocks] * self.op.block_size

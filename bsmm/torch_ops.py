@@ -27,6 +27,8 @@ itself is, and unpickling registers it again.
 **Devices.** CPU tensors are shared with the CPU backend as NumPy arrays,
 CUDA tensors with the GPU kernels as CuPy arrays, both through DLPack without a
 copy (bfloat16 passes as an int16 view, which DLPack expresses for NumPy).
+float64 runs on the CPU only (computed in float64, for ``torch.autograd.gradcheck``);
+float64 CUDA tensors are refused with a ``TypeError``.
 On CUDA the kernels run on PyTorch's current stream of the tensors' device.
 The only memory a pass takes from PyTorch is its output, from ``torch.empty``
 (so the caching allocator owns it).
@@ -51,8 +53,10 @@ from .matmul import BlocksparseMatMul
 
 __all__ = ["Registration", "register", "lookup", "matmul", "matmul_bprop", "matmul_updat"]
 
-#: torch dtypes bsmm runs, by the names bsmm.dtypes uses.
+#: torch dtypes bsmm runs on every device, by the names bsmm.dtypes uses.
 SUPPORTED_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+#: torch dtypes bsmm runs on the CPU only (float64: for gradcheck).
+CPU_ONLY_DTYPES = {torch.float64: "float64"}
 
 
 # -- the layout registry ---------------------------------------------------------------------------------
@@ -132,11 +136,20 @@ def lookup(key: str) -> BlockIndex:
 
 
 # -- checks, on real and on fake tensors -------------------------------------------------------------------
-def _check_dtype(tensor: torch.Tensor, argument: str) -> None:
-    if tensor.dtype not in SUPPORTED_DTYPES:
+def check_dtype(dtype: torch.dtype, device: torch.device, argument: str) -> None:
+    """Raise naming ``argument`` unless bsmm runs ``dtype`` on ``device`` (float64: the CPU only)."""
+    if dtype in SUPPORTED_DTYPES or (dtype in CPU_ONLY_DTYPES and device.type == "cpu"):
+        return
+    supported = ", ".join(SUPPORTED_DTYPES.values())
+    if dtype in CPU_ONLY_DTYPES:
         raise TypeError(
-            f"{argument} has dtype {tensor.dtype}; supported dtypes are {', '.join(SUPPORTED_DTYPES.values())}"
+            f"{argument} has dtype {dtype}, which bsmm runs only on the CPU; on {device} supported dtypes are "
+            f"{supported}"
         )
+    raise TypeError(
+        f"{argument} has dtype {dtype}; supported dtypes are {supported}, and "
+        f"{', '.join(CPU_ONLY_DTYPES.values())} on the CPU"
+    )
 
 
 def _check_like(tensor: torch.Tensor, argument: str, reference: torch.Tensor, reference_name: str) -> None:
@@ -186,7 +199,7 @@ def _product_shape(a, w, key, feature_axis, pass_name: str) -> tuple:
     index = lookup(key)
     name, features_in, features_out = ("x", index.C, index.K) if pass_name == "fprop" else ("dy", index.K, index.C)
     _check_feature_axis(feature_axis)
-    _check_dtype(a, name)
+    check_dtype(a.dtype, a.device, name)
     _check_like(w, "w", a, name)
     n = _check_activation(a, name, features_in, feature_axis)
     _check_weights(w, "w", index)
@@ -196,7 +209,7 @@ def _product_shape(a, w, key, feature_axis, pass_name: str) -> tuple:
 def _updat_shape(x, dy, key, feature_axis) -> tuple:
     index = lookup(key)
     _check_feature_axis(feature_axis)
-    _check_dtype(x, "x")
+    check_dtype(x.dtype, x.device, "x")
     _check_like(dy, "dy", x, "x")
     n = _check_activation(x, "x", index.C, feature_axis)
     n_dy = _check_activation(dy, "dy", index.K, feature_axis)

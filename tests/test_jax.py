@@ -217,7 +217,8 @@ def test_gradients_match_dense_jax_autodiff(device, axis, n):
 
 @AXES
 def test_check_grads_reverse_mode(device, axis):
-    """jax.test_util.check_grads (order 1, reverse mode) in float32: bsmm has no float64.
+    """jax.test_util.check_grads (order 1, reverse mode) in float32, on every device (float64
+    runs on the CPU only: test_check_grads_float64).
 
     The product is bilinear, so central differences are exact up to rounding for any
     step; eps=0.5 keeps float32 rounding (~1e-6 relative) far below atol=rtol=1e-3,
@@ -226,6 +227,64 @@ def test_check_grads_reverse_mode(device, axis):
     op, x, _, w = make_case(30, axis, 6)
     check_grads(lambda x, w: bjax.blocksparse_matmul(x, w, op), (put(x, device), put(w, device)),
                 order=1, modes=["rev"], eps=0.5, atol=1e-3, rtol=1e-3)
+
+
+@pytest.fixture
+def x64():
+    """64-bit types on for one test (float64 arrays stay float64), restored after it."""
+    previous = jax.config.read("jax_enable_x64")
+    jax.config.update("jax_enable_x64", True)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_enable_x64", previous)
+
+
+@AXES
+@pytest.mark.parametrize("n", [1, 7])
+@pytest.mark.parametrize("kind", ["random", "empty"])
+def test_float64_passes_match_reference(x64, axis, n, kind):
+    """float64 on the CPU is computed in float64: y, dx and dw within 1e-12 of the float64 reference."""
+    layout = np.zeros((4, 3), np.uint8) if kind == "empty" else None
+    op, x, dy, w = make_case(36 + n, axis, n, np.float64, layout=layout)
+    cpu = jax.devices("cpu")[0]
+    y, vjp = jax.vjp(lambda x, w: bjax.blocksparse_matmul(x, w, op), put(x, cpu), put(w, cpu))
+    dx, dw = vjp(put(dy, cpu))
+    for name, actual, expected in (("y", y, ref_fprop(op.layout, w, BS, x, axis)),
+                                   ("dx", dx, ref_bprop(op.layout, w, BS, dy, axis)),
+                                   ("dw", dw, ref_updat(op.layout, BS, x, dy, axis))):
+        assert actual.dtype == jnp.float64, name
+        error = np.linalg.norm(host(actual) - expected) / max(np.linalg.norm(expected), 1e-300)
+        assert error <= 1e-12, f"{name}: relative error {error:.3g}"
+
+
+@AXES
+def test_check_grads_float64(x64, axis):
+    """jax.test_util.check_grads in float64 at its default tolerances, reverse mode to order 2,
+    over x and w of blocksparse_matmul and over x, w and b of BlockSparseDense."""
+    op, x, _, w = make_case(37, axis, 3, np.float64, cb=3, kb=2, density=0.7)
+    cpu = jax.devices("cpu")[0]
+    check_grads(lambda x, w: bjax.blocksparse_matmul(x, w, op), (put(x, cpu), put(w, cpu)),
+                order=2, modes=["rev"])
+    layer = bjax.BlockSparseDense(op.C, op.K, op.layout, block_size=BS, feature_axis=axis)
+    rng = np.random.default_rng(38)
+    params = {"w": put(rng.standard_normal(op.w_shape), cpu), "b": put(rng.standard_normal(op.K), cpu)}
+    check_grads(lambda x, params: layer.apply(params, x), (put(x, cpu), params), order=2, modes=["rev"])
+
+
+def test_float64_needs_x64():
+    """Without jax_enable_x64, JAX would silently run float64 NumPy input in float32: refused."""
+    op, x, _, w = make_case(39, 1, 3, np.float64)
+    with pytest.raises(TypeError, match=r"x has dtype float64, which JAX turns into float32 unless 64-bit"):
+        bjax.blocksparse_matmul(x, w, op)
+
+
+@pytest.mark.gpu
+def test_float64_is_refused_on_the_gpu(x64):
+    gpu = _gpu_or_skip()
+    op, x, _, w = make_case(40, 1, 3, np.float64)
+    with pytest.raises(TypeError, match="x has dtype float64, which runs only on the CPU backend"):
+        bjax.blocksparse_matmul(put(x, gpu), put(w, gpu), op)
 
 
 @AXES

@@ -138,7 +138,7 @@ def test_gradients_match_dense_tf_matmul(axis, mode):
 
 @pytest.mark.parametrize("axis", [1, 0], ids=["axis1", "axis0"])
 def test_compute_gradient(axis):
-    """tf.test.compute_gradient in float32 (bsmm has no float64): the Jacobians built from our
+    """tf.test.compute_gradient in float32 (float64: test_compute_gradient_float64): the Jacobians built from our
     gradient agree with central differences to 2e-3 of the largest entry (float32 differences
     of step 1e-3 are good to ~1e-4 here), and with the dense model's Jacobians to 1e-5."""
     rng = np.random.default_rng(30 + axis)
@@ -150,6 +150,57 @@ def test_compute_gradient(axis):
     for ours, finite_difference, reference in zip(theoretical, numerical, dense):
         assert np.abs(ours - finite_difference).max() <= 2e-3 * np.abs(finite_difference).max()
         assert_close(ours, reference, "float32", "Jacobian")
+
+
+@pytest.mark.parametrize("axis", [1, 0], ids=["axis1", "axis0"])
+@pytest.mark.parametrize("mode", MODES)
+def test_float64_matches_reference(axis, mode):
+    """float64 CPU tensors are computed in float64: y, dx, dw within 1e-12 of the float64 reference."""
+    rng = np.random.default_rng(32 + axis)
+    op = bsmm.BlocksparseMatMul(LAYOUT, block_size=BS, feature_axis=axis)
+    x, dy, w = (rng.standard_normal(shape) for shape in (shape_of(op.C, 7, axis), shape_of(op.K, 7, axis),
+                                                          op.w_shape))
+
+    def forward_and_backward(x, w, dy):
+        with tf.GradientTape() as tape:
+            tape.watch([x, w])
+            y = btf.blocksparse_matmul(x, w, op)
+        return (y, *tape.gradient(y, [x, w], output_gradients=dy))
+
+    results = in_mode(mode, forward_and_backward)(*(tf.constant(a) for a in (x, w, dy)))
+    expected = (ref_fprop(LAYOUT, w, BS, x, axis), ref_bprop(LAYOUT, w, BS, dy, axis),
+                ref_updat(LAYOUT, BS, x, dy, axis))
+    for name, result, reference in zip(("y", "dx", "dw"), results, expected):
+        assert result.dtype == tf.float64, name
+        error = np.linalg.norm(result.numpy() - reference) / np.linalg.norm(reference)
+        assert error <= 1e-12, f"{name}: relative error {error:.3g}"
+
+
+@pytest.mark.parametrize("axis", [1, 0], ids=["axis1", "axis0"])
+def test_compute_gradient_float64(axis):
+    """tf.test.compute_gradient in float64 over x and w of blocksparse_matmul, and over x, kernel and
+    bias of a float64 BlockSparseDense: our Jacobians equal the central differences to 1e-8 (the op is
+    bilinear, so float64 differences are exact up to ~1e-12)."""
+    rng = np.random.default_rng(34 + axis)
+    op = bsmm.BlocksparseMatMul(random_layout(rng, 3, 2, 0.7), block_size=BS, feature_axis=axis)
+    x = tf.constant(rng.standard_normal(shape_of(op.C, 3, axis)))
+    w = tf.constant(rng.standard_normal(op.w_shape))
+    layer = btf.BlockSparseDense(op.K, op.layout, block_size=BS, feature_axis=axis, dtype="float64",
+                                 bias_initializer="random_normal")
+    layer.build(x.shape)
+    assert layer.kernel.dtype == layer.bias.dtype == "float64"
+
+    def through_layer(x, kernel, bias):
+        # The layer's call with tensors in place of its variables, so gradients reach them.
+        return layer.stateless_call([kernel, bias], [], x)[0]
+
+    parameters = [tf.constant(layer.kernel.numpy()), tf.constant(layer.bias.numpy())]
+    for function, arguments in ((lambda x, w: btf.blocksparse_matmul(x, w, op), [x, w]),
+                                (through_layer, [x, *parameters])):
+        theoretical, numerical = tf.test.compute_gradient(function, arguments)
+        for ours, finite_difference in zip(theoretical, numerical):
+            assert ours.dtype == np.float64 and np.abs(ours).max() > 0
+            assert np.abs(ours - finite_difference).max() <= 1e-8
 
 
 # -- zero copy and graphs --------------------------------------------------------------------------
@@ -252,10 +303,12 @@ def good():
     "change, error, match",
     [
         (lambda op, x, w: (x, w, LAYOUT), TypeError, "op must be a bsmm.BlocksparseMatMul; got ndarray"),
-        (lambda op, x, w: (tf.cast(x, tf.float64), w, op), TypeError,
-         "x has dtype float64; supported dtypes are float32, float16, bfloat16"),
+        (lambda op, x, w: (tf.cast(x, tf.int32), w, op), TypeError,
+         "x has dtype int32; supported dtypes are float32, float16, bfloat16, and float64 on the CPU"),
         (lambda op, x, w: (x, tf.cast(w, tf.int32), op), TypeError,
          "w has dtype int32; supported dtypes are float32, float16, bfloat16"),
+        (lambda op, x, w: (tf.cast(x, tf.float64), w, op), TypeError,
+         "w has dtype float32 but x has float64; pass one dtype"),
         (lambda op, x, w: (x, tf.cast(w, tf.float16), op), TypeError,
          "w has dtype float16 but x has float32; pass one dtype"),
         (lambda op, x, w: (object(), w, op), TypeError, "x must be a tf.Tensor or convertible to one; got object"),
@@ -265,7 +318,8 @@ def good():
          r"x must have shape \(N, 24\) with feature_axis=1; got \(2, 5, 24\)"),
         (lambda op, x, w: (x, w[1:], op), ValueError, r"w must have shape w_shape \(7, 8, 8\); got \(6, 8, 8\)"),
     ],
-    ids=["op", "x-float64", "w-int32", "mixed-dtypes", "x-object", "x-features", "x-rank", "w-shape"],
+    ids=["op", "x-int32", "w-int32", "x-float64-w-float32", "mixed-dtypes", "x-object", "x-features", "x-rank",
+         "w-shape"],
 )
 @pytest.mark.parametrize("mode", MODES)
 def test_bad_inputs_are_refused_naming_the_argument(good, change, error, match, mode):

@@ -14,7 +14,6 @@ import io
 import pickle
 import subprocess
 import sys
-import warnings
 
 import numpy as np
 import pytest
@@ -182,19 +181,69 @@ def test_weight_gradient_lands_only_on_present_blocks(device):
     assert_close(host(dense.grad)[mask], full[mask], "float32")
 
 
-def test_gradcheck_in_float32():
-    """torch.autograd.gradcheck on float32 (bsmm has no float64): central differences with eps=1e-2
-    are exact for a bilinear map up to rounding, so atol=rtol=1e-2 (float32 rounding / eps ≈ 1e-5)."""
+def _float64(array, requires_grad=False) -> torch.Tensor:
+    return torch.tensor(np.asarray(array), dtype=torch.float64, requires_grad=requires_grad)
+
+
+@pytest.mark.parametrize("axis", [1, 0])
+@pytest.mark.parametrize("kind,n", [("random", 3), ("random", 1), ("empty", 2)])
+def test_operators_in_float64_match_dense(axis, kind, n):
+    """float64 CPU tensors are computed in float64: the three operators agree with the float64
+    reference to 1e-12 relative (float32 arithmetic would be ~1e-7 off)."""
+    rng = np.random.default_rng(11)
+    layout = make_layout(kind, rng)
+    op = bsmm.BlocksparseMatMul(layout, BS, axis)
+    registration = bt.register(op.index)
+    key = registration.key
+    x, dy = rng.standard_normal(shape_of(n, op.C, axis)), rng.standard_normal(shape_of(n, op.K, axis))
+    w = rng.standard_normal(op.w_shape)
+    results = {
+        "fprop": (torch_ops.matmul(_float64(x), _float64(w), key, axis, False), ref_fprop(layout, w, BS, x, axis)),
+        "bprop": (torch_ops.matmul_bprop(_float64(dy), _float64(w), key, axis, False),
+                  ref_bprop(layout, w, BS, dy, axis)),
+        "updat": (torch_ops.matmul_updat(_float64(x), _float64(dy), key, axis, False),
+                  ref_updat(layout, BS, x, dy, axis)),
+    }
+    for name, (result, expected) in results.items():
+        assert result.dtype == torch.float64, name
+        error = np.linalg.norm(result.numpy() - expected) / max(np.linalg.norm(expected), 1e-300)
+        assert error <= 1e-12, f"{name}: relative error {error:.3g}"
+
+
+@pytest.mark.parametrize("axis", [1, 0])
+def test_gradcheck_blocksparse_matmul_float64(axis):
+    """torch.autograd.gradcheck and gradgradcheck in float64 at their default tolerances
+    (eps 1e-6, atol 1e-5, rtol 1e-3) over x and w, with a batch dimension."""
     rng = np.random.default_rng(5)
-    op = bsmm.BlocksparseMatMul(random_layout(rng, 3, 2, 0.7), BS)
-    x = tensor(random_data(rng, (3, op.C), "float32"), requires_grad=True)
-    w = tensor(random_data(rng, op.w_shape, "float32"), requires_grad=True)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*not a double precision.*")
-        assert torch.autograd.gradcheck(lambda a, b: bt.blocksparse_matmul(a, b, op), (x, w), eps=1e-2,
-                                        atol=1e-2, rtol=1e-2)
-        assert torch.autograd.gradgradcheck(lambda a, b: bt.blocksparse_matmul(a, b, op), (x, w), eps=1e-2,
-                                            atol=1e-2, rtol=1e-2)
+    op = bsmm.BlocksparseMatMul(random_layout(rng, 3, 2, 0.7), BS, axis)
+    x = _float64(rng.standard_normal((2, 3, op.C) if axis == 1 else (op.C, 3)), requires_grad=True)
+    w = _float64(rng.standard_normal(op.w_shape), requires_grad=True)
+
+    def function(a, b):
+        return bt.blocksparse_matmul(a, b, op)
+
+    assert torch.autograd.gradcheck(function, (x, w))
+    assert torch.autograd.gradgradcheck(function, (x, w))
+
+
+@pytest.mark.parametrize("axis", [1, 0])
+def test_gradcheck_block_sparse_linear_float64(axis):
+    """gradcheck and gradgradcheck (default tolerances) of a float64 BlockSparseLinear over its
+    input, weight and bias, through torch.func.functional_call."""
+    rng = np.random.default_rng(12)
+    torch.manual_seed(12)
+    layer = bt.BlockSparseLinear(3 * BS, 2 * BS, random_layout(rng, 3, 2, 0.7), block_size=BS,
+                                 feature_axis=axis, dtype=torch.float64)
+    assert layer.weight.dtype == layer.bias.dtype == torch.float64
+    x = _float64(rng.standard_normal(shape_of(3, layer.in_features, axis)), requires_grad=True)
+    w = layer.weight.detach().clone().requires_grad_()
+    b = layer.bias.detach().clone().requires_grad_()
+
+    def function(x, w, b):
+        return torch.func.functional_call(layer, {"weight": w, "bias": b}, (x,))
+
+    assert torch.autograd.gradcheck(function, (x, w, b))
+    assert torch.autograd.gradgradcheck(function, (x, w, b))
 
 
 @pytest.mark.parametrize("axis", [1, 0])
@@ -453,8 +502,9 @@ def test_errors_name_the_argument(small):
     layer, x = small
     op, w = layer.op, layer.weight.detach()
     cases = [
-        (TypeError, "x has dtype torch.float64; supported dtypes are float32, float16, bfloat16",
-         lambda: layer(x.double())),
+        (TypeError, "x has dtype torch.int32; supported dtypes are float32, float16, bfloat16, and float64 on the CPU",
+         lambda: layer(x.int())),
+        (TypeError, "w has dtype torch.float32 but x has torch.float64; pass one dtype", lambda: layer(x.double())),
         (TypeError, "w has dtype torch.float16 but x has torch.float32; pass one dtype",
          lambda: bt.blocksparse_matmul(x, w.half(), op)),
         (ValueError, r"x must have shape \(\.\.\., 24\) with feature_axis=1; got \(5, 23\)", lambda: layer(x[:, :23])),
@@ -484,12 +534,26 @@ def test_constructor_errors():
         bt.BlockSparseLinear(15, 24, layout, block_size=BS)
     with pytest.raises(ValueError, match=r"out_features must be layout.shape\[1\] \* block_size = 3 \* 8 = 24"):
         bt.BlockSparseLinear(16, 16, layout, block_size=BS)
-    with pytest.raises(TypeError, match="dtype must be one of float32, float16, bfloat16; got torch.float64"):
-        bt.BlockSparseLinear(16, 24, layout, block_size=BS, dtype=torch.float64)
+    with pytest.raises(TypeError, match="dtype has dtype torch.int32; supported dtypes are float32, float16, bfloat16"):
+        bt.BlockSparseLinear(16, 24, layout, block_size=BS, dtype=torch.int32)
     with pytest.raises(ValueError, match="block_size must be one of"):
         bt.BlockSparseLinear(16, 24, layout, block_size=12)
     with pytest.raises(ValueError, match="feature_axis must be 0 or 1"):
         bt.BlockSparseLinear(16, 24, layout, block_size=BS, feature_axis=2)
+
+
+@pytest.mark.gpu
+def test_float64_is_refused_on_cuda(cuda):
+    """float64 runs on the CPU only: CUDA tensors and a CUDA layer of float64 are refused by name."""
+    with pytest.raises(TypeError, match="dtype has dtype torch.float64, which bsmm runs only on the CPU; on cuda"):
+        bt.BlockSparseLinear(16, 16, np.ones((2, 2)), block_size=BS, device=cuda, dtype=torch.float64)
+    layer = bt.BlockSparseLinear(16, 16, np.ones((2, 2)), block_size=BS, device=cuda)
+    x, w = torch.randn(3, 16, device=cuda, dtype=torch.float64), layer.weight.detach().double()
+    with pytest.raises(TypeError, match="x has dtype torch.float64, which bsmm runs only on the CPU; on cuda:0 "
+                                        "supported dtypes are float32, float16, bfloat16"):
+        bt.blocksparse_matmul(x, w, layer.op)
+    with pytest.raises(TypeError, match="dy has dtype torch.float64, which bsmm runs only on the CPU"):
+        torch_ops.matmul_bprop(torch.randn(3, 16, device=cuda, dtype=torch.float64), w, layer._key, 1, False)
 
 
 @pytest.mark.gpu
