@@ -85,6 +85,7 @@ def _segmented_pass(
     out: np.ndarray,
     feature_axis: int,
     by_column: bool,
+    accumulate: bool = False,
 ) -> np.ndarray:
     """Shared body of fprop (``by_column``) and bprop: out[s] = sum over segment s of block products."""
     bs = index.block_size
@@ -107,7 +108,8 @@ def _segmented_pass(
     def chunk(first_segment: int, end_segment: int) -> None:
         start, stop = int(segptr[first_segment]), int(segptr[end_segment])
         if start == stop:  # only empty segments: nothing contributes
-            targets[first_segment:end_segment] = 0
+            if not accumulate:
+                targets[first_segment:end_segment] = 0
             return
         blocks = slice(start, stop) if order is None else order[start:stop]
         w_blocks = w[blocks].astype(compute, copy=False)
@@ -120,26 +122,29 @@ def _segmented_pass(
             (np.ones(stop - start, compute), np.arange(stop - start), segptr[first_segment:end_segment + 1] - start),
             shape=(n_segments, stop - start),
         ) @ products.reshape(stop - start, -1)
-        targets[first_segment:end_segment] = segment_sums.reshape((n_segments,) + products.shape[1:])
+        sums = segment_sums.reshape((n_segments,) + products.shape[1:])
+        if accumulate:  # in the compute dtype, rounded once
+            sums += targets[first_segment:end_segment].astype(compute)
+        targets[first_segment:end_segment] = sums
 
     _run_chunks(chunk, _chunk_bounds(segptr, compute.itemsize * (2 * n * bs + bs * bs)))
     return out
 
 
 def fprop(index: BlockIndex, x: np.ndarray, w: np.ndarray, out: np.ndarray, feature_axis: int,
-          tf32: bool = False) -> np.ndarray:
+          tf32: bool = False, accumulate: bool = False) -> np.ndarray:
     """y = x·W into ``out``: (N, K) for ``feature_axis=1`` ((K, N) for 0). Inputs are validated by the caller.
 
     ``tf32`` is accepted for a uniform backend interface; the CPU always computes exact float32 (float64
     for float64 inputs).
     """
-    return _segmented_pass(index, x, w, out, feature_axis, by_column=True)
+    return _segmented_pass(index, x, w, out, feature_axis, by_column=True, accumulate=accumulate)
 
 
 def bprop(index: BlockIndex, dy: np.ndarray, w: np.ndarray, out: np.ndarray, feature_axis: int,
-          tf32: bool = False) -> np.ndarray:
-    """dx = dy·Wᵀ into ``out``: (N, C) for ``feature_axis=1`` ((C, N) for 0)."""
-    return _segmented_pass(index, dy, w, out, feature_axis, by_column=False)
+          tf32: bool = False, accumulate: bool = False) -> np.ndarray:
+    """dx = dy·Wᵀ into ``out``: (N, C) for ``feature_axis=1`` ((C, N) for 0), added to it if ``accumulate``."""
+    return _segmented_pass(index, dy, w, out, feature_axis, by_column=False, accumulate=accumulate)
 
 
 def updat(

@@ -26,7 +26,7 @@ from .config import settings
 from .dtypes import DTYPE_NAMES
 from .kernels import MAX_PART_BLOCKS, Variant, load_kernel
 
-__all__ = ["FastCall", "fprop", "bprop", "updat", "plan_for", "tile_for"]
+__all__ = ["FastCall", "fprop", "bprop", "updat", "strided_pass", "plan_for", "tile_for"]
 
 _VEC_BYTES = 16
 # Bound once: the per-call path looks these up on every launch.
@@ -342,7 +342,7 @@ class FastCall:
 
 
 def _sparse_pass(pass_name: str, index: BlockIndex, act, w, out, feature_axis: int, tf32: bool,
-                 features_in: int, features_out: int) -> FastCall | None:
+                 features_in: int, features_out: int, accumulate: bool) -> FastCall | None:
     n = act.shape[1 - feature_axis]
     if n == 0 or out.size == 0:
         return None
@@ -351,18 +351,20 @@ def _sparse_pass(pass_name: str, index: BlockIndex, act, w, out, feature_axis: i
     ld_act, ld_out = (features_in, features_out) if feature_axis == 1 else (n, n)
     # Column groups read the number of output blocks from the otherwise unused ld_other.
     sizes = (n, ld_act, features_out // index.block_size, ld_out)
-    plan.launch(_current_stream().ptr, act.data.ptr, w.data.ptr, out.data.ptr, sizes, 0)
+    plan.launch(_current_stream().ptr, act.data.ptr, w.data.ptr, out.data.ptr, sizes, int(accumulate))
     return FastCall(plan, act, w, out, sizes)
 
 
-def fprop(index: BlockIndex, x, w, out, feature_axis: int, tf32: bool = False) -> FastCall | None:
-    """y = x·W into ``out`` (CuPy arrays, validated by the caller); returns the call to repeat it."""
-    return _sparse_pass("fprop", index, x, w, out, feature_axis, tf32, index.C, index.K)
+def fprop(index: BlockIndex, x, w, out, feature_axis: int, tf32: bool = False,
+          accumulate: bool = False) -> FastCall | None:
+    """y = x·W into ``out`` (CuPy arrays, validated by the caller), added if ``accumulate``; returns the call."""
+    return _sparse_pass("fprop", index, x, w, out, feature_axis, tf32, index.C, index.K, accumulate)
 
 
-def bprop(index: BlockIndex, dy, w, out, feature_axis: int, tf32: bool = False) -> FastCall | None:
-    """dx = dy·Wᵀ into ``out``; returns the call to repeat it."""
-    return _sparse_pass("bprop", index, dy, w, out, feature_axis, tf32, index.K, index.C)
+def bprop(index: BlockIndex, dy, w, out, feature_axis: int, tf32: bool = False,
+          accumulate: bool = False) -> FastCall | None:
+    """dx = dy·Wᵀ into ``out``, added if ``accumulate``; returns the call to repeat it."""
+    return _sparse_pass("bprop", index, dy, w, out, feature_axis, tf32, index.K, index.C, accumulate)
 
 
 def updat(index: BlockIndex, x, dy, out, feature_axis: int, accumulate: bool, tf32: bool = False) -> FastCall | None:
@@ -376,3 +378,47 @@ def updat(index: BlockIndex, x, dy, out, feature_axis: int, accumulate: bool, tf
     sizes = (n, ld_x, ld_dy, 0)
     plan.launch(_current_stream().ptr, x.data.ptr, dy.data.ptr, out.data.ptr, sizes, int(accumulate))
     return FastCall(plan, x, dy, out, sizes)
+
+
+def _elements_after(array) -> int:
+    """Elements of ``array``'s dtype from its first element to the end of its allocation."""
+    memory = array.data.mem
+    return (memory.ptr + memory.size - array.data.ptr) // array.dtype.itemsize
+
+
+def strided_pass(pass_name: str, index: BlockIndex, act, other, out, rows: int, row_strides: tuple,
+                 accumulate: bool = False, tf32: bool = False) -> None:
+    """One pass over ``rows`` feature rows (feature axis 1) whose starts are ``row_strides`` apart.
+
+    The building block of implicit GEMMs (:mod:`bsmm.conv`): rows of an operand may
+    overlap (a convolution's shifted windows over one padded input) or leave gaps
+    (strides), so no im2col copy is made. ``act``, ``other`` and ``out`` are CuPy
+    arrays of one dtype used only for their first element; ``row_strides`` gives the
+    distance in elements between consecutive rows of the two row-major operands:
+    (activation, output) for fprop and bprop, (x, dy) for updat, whose ``out`` is the
+    (nnzb, bs, bs) weight gradient. ``accumulate`` adds into ``out``. Within one
+    launch the output rows must not overlap each other. Every row read or written
+    is checked to lie inside its array's allocation; nothing else is validated.
+    """
+    if rows == 0:
+        return
+    stride_a, stride_b = (int(v) for v in row_strides)
+    features = {"fprop": (index.C, index.K), "bprop": (index.K, index.C), "updat": (index.C, index.K)}[pass_name]
+    operands = (act, out) if pass_name != "updat" else (act, other)
+    for name, array, stride, width in zip(("first", "second"), operands, (stride_a, stride_b), features):
+        if stride < width or (rows - 1) * stride + width > _elements_after(array):
+            raise ValueError(f"strided_pass: the {name} row-major operand's {rows} rows of {width} features, "
+                             f"{stride} apart, reach past its allocation or overlap within a row")
+    weights = out if pass_name == "updat" else other
+    if weights.size < index.nnzb * index.block_size**2:
+        raise ValueError("strided_pass: the weight operand is smaller than nnzb x bs x bs")
+    item = act.dtype.itemsize
+    aligned = all(a.data.ptr % _VEC_BYTES == 0 for a in (act, other, out)) and all(
+        (s * item) % _VEC_BYTES == 0 for s in (stride_a, stride_b))
+    dtype = DTYPE_NAMES[act.dtype]
+    plan = plan_for(index, pass_name, rows, dtype, 1, tf32, aligned)
+    if pass_name == "updat":
+        sizes = (rows, stride_a, stride_b, 0)
+    else:
+        sizes = (rows, stride_a, features[1] // index.block_size, stride_b)
+    plan.launch(_current_stream().ptr, act.data.ptr, other.data.ptr, out.data.ptr, sizes, int(accumulate))

@@ -185,11 +185,11 @@ class BlocksparseMatMul:
         return initializers.orthogonal(self.layout, self.block_size, gain=gain, dtype=dtype, seed=seed)
 
     # -- the three passes ---------------------------------------------------------------
-    def __call__(self, x, w, out=None):
+    def __call__(self, x, w, out=None, accumulate: bool = False):
         """Same as :meth:`fprop`."""
-        return self.fprop(x, w, out=out)
+        return self.fprop(x, w, out=out, accumulate=accumulate)
 
-    def fprop(self, x, w, out=None):
+    def fprop(self, x, w, out=None, accumulate: bool = False):
         """y = x·W.
 
         Parameters
@@ -197,27 +197,17 @@ class BlocksparseMatMul:
         x : (N, C) array, or (C, N) with ``feature_axis=0``
         w : (nnzb, bs, bs) array of x's dtype
         out : (N, K) (or (K, N)) array, optional; written in place and returned
+        accumulate : bool
+            Add x·W to ``out`` (needs ``out``), rounding once: e.g. an LSTM's
+            gates x·Wx + h·Wh without a separate sum.
 
         Returns
         -------
         y : (N, K) or (K, N), x's dtype and library
         """
-        if x.__class__ is _gpu_array_type:
-            call = self._gpu_calls.get(("fprop", x.shape, x.dtype, self.feature_axis, self.tf32))
-            result = call(x, w, out) if call is not None else None
-            if result is not None:
-                return result
-        x_op, w_op = as_operand(x, "x"), as_operand(w, "w")
-        n = self._check_activation(x_op, "x", self.C)
-        dtype = canonical_dtype(x_op.array.dtype, "x", x_op.backend)
-        self._check_weights(w_op, "w", dtype)
-        check_same_place({"x": x_op, "w": w_op})
-        result = self._output(out, x_op, self._activation_shape(n, self.K), dtype, (x_op, w_op))
-        call = self._backend(x_op).fprop(self.index, x_op.array, w_op.array, result, self.feature_axis, self.tf32)
-        self._remember("fprop", x_op, call)
-        return out if out is not None else x_op.wrap(result)
+        return self._activation_pass("fprop", x, "x", w, out, accumulate, self.C, self.K)
 
-    def bprop(self, dy, w, out=None):
+    def bprop(self, dy, w, out=None, accumulate: bool = False):
         """dx = dy·Wᵀ.
 
         Parameters
@@ -225,25 +215,36 @@ class BlocksparseMatMul:
         dy : (N, K) array, or (K, N) with ``feature_axis=0``
         w : (nnzb, bs, bs) array of dy's dtype
         out : (N, C) (or (C, N)) array, optional
+        accumulate : bool
+            Add dy·Wᵀ to ``out`` (needs ``out``).
 
         Returns
         -------
         dx : (N, C) or (C, N), dy's dtype and library
         """
-        if dy.__class__ is _gpu_array_type:
-            call = self._gpu_calls.get(("bprop", dy.shape, dy.dtype, self.feature_axis, self.tf32))
-            result = call(dy, w, out) if call is not None else None
+        return self._activation_pass("bprop", dy, "dy", w, out, accumulate, self.K, self.C)
+
+    def _activation_pass(self, pass_name: str, act, act_name: str, w, out, accumulate: bool,
+                         features_in: int, features_out: int):
+        """fprop and bprop: ``act`` (features_in wide) times W or Wᵀ into features_out."""
+        if act.__class__ is _gpu_array_type and (out is not None or not accumulate):
+            call = self._gpu_calls.get((pass_name, act.shape, act.dtype, self.feature_axis, self.tf32))
+            result = call(act, w, out, accumulate) if call is not None else None
             if result is not None:
                 return result
-        dy_op, w_op = as_operand(dy, "dy"), as_operand(w, "w")
-        n = self._check_activation(dy_op, "dy", self.K)
-        dtype = canonical_dtype(dy_op.array.dtype, "dy", dy_op.backend)
+        act_op, w_op = as_operand(act, act_name), as_operand(w, "w")
+        n = self._check_activation(act_op, act_name, features_in)
+        dtype = canonical_dtype(act_op.array.dtype, act_name, act_op.backend)
         self._check_weights(w_op, "w", dtype)
-        check_same_place({"dy": dy_op, "w": w_op})
-        result = self._output(out, dy_op, self._activation_shape(n, self.C), dtype, (dy_op, w_op))
-        call = self._backend(dy_op).bprop(self.index, dy_op.array, w_op.array, result, self.feature_axis, self.tf32)
-        self._remember("bprop", dy_op, call)
-        return out if out is not None else dy_op.wrap(result)
+        check_same_place({act_name: act_op, "w": w_op})
+        if accumulate and out is None:
+            raise ValueError("accumulate=True needs out=, the buffer to add the product to")
+        result = self._output(out, act_op, self._activation_shape(n, features_out), dtype, (act_op, w_op))
+        call = getattr(self._backend(act_op), pass_name)(
+            self.index, act_op.array, w_op.array, result, self.feature_axis, self.tf32, accumulate=bool(accumulate)
+        )
+        self._remember(pass_name, act_op, call)
+        return out if out is not None else act_op.wrap(result)
 
     def updat(self, x, dy, out=None, accumulate: bool = False):
         """dW = xᵀ·dy on the present blocks only.

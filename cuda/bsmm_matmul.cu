@@ -623,7 +623,8 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N * 32)
         const long long feature = (long long)unit * (COLS > 1 ? BN : BS) + ops.n0 + n;
         if (COLS > 1 && feature >= (long long)ld_other * BS) return;
         T* dst = AXIS1 ? out + (long long)row * ld_out + feature : out + feature * ld_out + row;
-        *dst = Elem<T>::from_float(acc[i]);
+        // accumulate: added in float and rounded once (convolutions sum their kernel offsets here).
+        *dst = Elem<T>::from_float(accumulate ? acc[i] + Elem<T>::to_float(*dst) : acc[i]);
     });
 }
 

@@ -241,6 +241,38 @@ def test_updat_with_no_rows(xp, feature_axis):
     assert not to_numpy(out).any()
 
 
+# -- fprop / bprop accumulate -------------------------------------------------------------------
+@pytest.mark.parametrize("n", [1, 7, 129])
+@pytest.mark.parametrize("feature_axis", [1, 0])
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("bs", [8, 32, 64])
+@pytest.mark.parametrize("pass_name", ["fprop", "bprop"])
+def test_activation_passes_accumulate_into_out(xp, pass_name, bs, dtype, feature_axis, n):
+    """accumulate=True: out = Y0 + result, also for empty block columns/rows (out unchanged there)."""
+    rng = np.random.default_rng([bs, feature_axis, DTYPES[dtype].num, n, len(pass_name)])
+    layout = make_layout(rng, "skewed", 5, 4)
+    layout[:, 1] = 0  # an empty block column: fprop adds nothing there
+    layout[2, :] = 0  # an empty block row: bprop adds nothing there
+    case = make_case(rng, layout, bs, n, dtype, feature_axis)
+    expected = reference(case, pass_name)
+    start = random_data(rng, expected.shape, dtype)
+    out = to_xp(xp, start)
+    returned = call(case.op, pass_name, device_inputs(xp, case, pass_name), out=out, accumulate=True)
+    assert returned is out
+    assert_close(to_numpy(out), as_float64(start) + expected, dtype, f"{pass_name} Y0 + result")
+    # A second, repeated call (the GPU's fast path) adds again.
+    call(case.op, pass_name, device_inputs(xp, case, pass_name), out=out, accumulate=True)
+    assert_close(to_numpy(out), as_float64(start) + 2 * expected, dtype, f"{pass_name} Y0 + 2 result")
+
+
+@pytest.mark.parametrize("pass_name", ["fprop", "bprop"])
+def test_activation_pass_accumulate_needs_out(xp, pass_name):
+    rng = np.random.default_rng(3)
+    case = make_case(rng, random_layout(rng, 3, 4, 0.6), 8, 5, "float32", 1)
+    with pytest.raises(ValueError, match="accumulate=True needs out="):
+        call(case.op, pass_name, device_inputs(xp, case, pass_name), accumulate=True)
+
+
 # -- NaN / Inf: absent blocks are structural zeros ---------------------------------------------
 def _nan_layout() -> np.ndarray:
     """Block row 1 has blocks in columns 0 and 3; block row 2 is empty; column 2 holds only row 3."""

@@ -479,9 +479,9 @@ def test_cpu_passes_share_memory_with_the_tensors(monkeypatch):
     seen = []
     real = bsmm.cpu_backend.fprop
 
-    def spy(index, x, w, out, *args):
+    def spy(index, x, w, out, *args, **kwargs):
         seen.append([a.__array_interface__["data"][0] for a in (x, w, out)])
-        return real(index, x, w, out, *args)
+        return real(index, x, w, out, *args, **kwargs)
 
     monkeypatch.setattr(bsmm.cpu_backend, "fprop", spy)
     for dtype in (torch.float32, torch.bfloat16):
@@ -650,9 +650,9 @@ def test_gpu_kernels_write_the_output_tensor_on_torch_stream(cuda, monkeypatch):
     seen = []
     real = bsmm.cuda_backend.fprop
 
-    def spy(index, x, w, out, *args):
+    def spy(index, x, w, out, *args, **kwargs):
         seen.append((x.data.ptr, w.data.ptr, out.data.ptr, cupy.cuda.get_current_stream().ptr))
-        return real(index, x, w, out, *args)
+        return real(index, x, w, out, *args, **kwargs)
 
     monkeypatch.setattr(bsmm.cuda_backend, "fprop", spy)
     layer = bt.BlockSparseLinear(64, 64, np.ones((2, 2)), block_size=32, bias=False, device=cuda)
