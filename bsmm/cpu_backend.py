@@ -25,9 +25,11 @@ import numpy as np
 import scipy.sparse
 
 from .block_index import BlockIndex
+from .arrays import empty_aligned
 from .config import settings
+from .strided import check_strided_operands, row_widths
 
-__all__ = ["fprop", "bprop", "updat"]
+__all__ = ["fprop", "bprop", "updat", "strided_pass"]
 
 _F32 = np.dtype(np.float32)
 _F64 = np.dtype(np.float64)
@@ -173,3 +175,34 @@ def updat(
     itemsize = x_blocks.dtype.itemsize
     _run_chunks(chunk, _chunk_bounds(np.arange(index.nnzb + 1), itemsize * (2 * n * bs + bs * bs)))
     return out
+
+
+def _rows_view(flat: np.ndarray, rows: int, width: int, stride: int) -> np.ndarray:
+    """``rows`` rows of ``width`` elements, ``stride`` apart, over the flat buffer (no copy)."""
+    item = flat.dtype.itemsize
+    return np.lib.stride_tricks.as_strided(flat, shape=(rows, width), strides=(stride * item, item),
+                                           writeable=flat.flags.writeable)
+
+
+def strided_pass(pass_name: str, index: BlockIndex, act: np.ndarray, other: np.ndarray, out: np.ndarray,
+                 rows: int, row_strides: tuple, accumulate: bool = False, tf32: bool = False) -> None:
+    """The CPU twin of :func:`bsmm.cuda_backend.strided_pass` (same contract, see :mod:`bsmm.strided`).
+
+    Overlapping rows are gathered into a contiguous copy first: the CPU backend is the
+    reference, and the copy keeps the segmented products below unchanged.
+    """
+    check_strided_operands(pass_name, index, act, other, out, rows, row_strides)
+    width_a, width_b = row_widths(pass_name, index)
+    a = np.ascontiguousarray(_rows_view(act, rows, width_a, row_strides[0]))
+    bs = index.block_size
+    if pass_name == "updat":
+        b = np.ascontiguousarray(_rows_view(other, rows, width_b, row_strides[1]))
+        updat(index, a, b, out.reshape(index.nnzb, bs, bs), 1, accumulate)
+        return
+    w = other.reshape(index.nnzb, bs, bs)
+    target = _rows_view(out, rows, width_b, row_strides[1])
+    result = empty_aligned((rows, width_b), out.dtype)
+    if accumulate:
+        result[...] = target
+    (fprop if pass_name == "fprop" else bprop)(index, a, w, result, 1, accumulate=accumulate)
+    target[...] = result

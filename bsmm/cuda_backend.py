@@ -25,6 +25,7 @@ from .block_index import BlockIndex
 from .config import settings
 from .dtypes import DTYPE_NAMES
 from .kernels import MAX_PART_BLOCKS, Variant, load_kernel
+from .strided import check_strided_operands
 
 __all__ = ["FastCall", "fprop", "bprop", "updat", "strided_pass", "plan_for", "tile_for"]
 
@@ -380,45 +381,32 @@ def updat(index: BlockIndex, x, dy, out, feature_axis: int, accumulate: bool, tf
     return FastCall(plan, x, dy, out, sizes)
 
 
-def _elements_after(array) -> int:
-    """Elements of ``array``'s dtype from its first element to the end of its allocation."""
-    memory = array.data.mem
-    return (memory.ptr + memory.size - array.data.ptr) // array.dtype.itemsize
-
-
 def strided_pass(pass_name: str, index: BlockIndex, act, other, out, rows: int, row_strides: tuple,
                  accumulate: bool = False, tf32: bool = False) -> None:
     """One pass over ``rows`` feature rows (feature axis 1) whose starts are ``row_strides`` apart.
 
-    The building block of implicit GEMMs (:mod:`bsmm.conv`): rows of an operand may
-    overlap (a convolution's shifted windows over one padded input) or leave gaps
-    (strides), so no im2col copy is made. ``act``, ``other`` and ``out`` are CuPy
-    arrays of one dtype used only for their first element; ``row_strides`` gives the
-    distance in elements between consecutive rows of the two row-major operands:
-    (activation, output) for fprop and bprop, (x, dy) for updat, whose ``out`` is the
-    (nnzb, bs, bs) weight gradient. ``accumulate`` adds into ``out``. Within one
-    launch the output rows must not overlap each other. Every row read or written
-    is checked to lie inside its array's allocation; nothing else is validated.
+    The building block of implicit GEMMs (:mod:`bsmm.conv`): each kernel offset of a
+    convolution is one call whose rows start at a shifted position of one padded input
+    and may leave gaps (strides), so no im2col copy is made. ``act``, ``other`` and ``out`` are flat 1-D
+    CuPy arrays of one dtype whose element 0 starts the first row; ``row_strides``
+    gives the distance in elements between consecutive rows of the two row-major
+    operands: (activation, output) for fprop and bprop, (x, dy) for updat. The weight
+    operand (``other``, or ``out`` for updat) holds nnzb·bs·bs elements in storage
+    order. ``accumulate`` adds into ``out``. Rows must lie inside their flat arrays
+    (checked); the output rows of one call must not overlap each other (not checked).
+    Same contract as :func:`bsmm.cpu_backend.strided_pass`.
     """
+    check_strided_operands(pass_name, index, act, other, out, rows, row_strides)
     if rows == 0:
         return
     stride_a, stride_b = (int(v) for v in row_strides)
-    features = {"fprop": (index.C, index.K), "bprop": (index.K, index.C), "updat": (index.C, index.K)}[pass_name]
-    operands = (act, out) if pass_name != "updat" else (act, other)
-    for name, array, stride, width in zip(("first", "second"), operands, (stride_a, stride_b), features):
-        if stride < width or (rows - 1) * stride + width > _elements_after(array):
-            raise ValueError(f"strided_pass: the {name} row-major operand's {rows} rows of {width} features, "
-                             f"{stride} apart, reach past its allocation or overlap within a row")
-    weights = out if pass_name == "updat" else other
-    if weights.size < index.nnzb * index.block_size**2:
-        raise ValueError("strided_pass: the weight operand is smaller than nnzb x bs x bs")
     item = act.dtype.itemsize
     aligned = all(a.data.ptr % _VEC_BYTES == 0 for a in (act, other, out)) and all(
         (s * item) % _VEC_BYTES == 0 for s in (stride_a, stride_b))
-    dtype = DTYPE_NAMES[act.dtype]
-    plan = plan_for(index, pass_name, rows, dtype, 1, tf32, aligned)
+    plan = plan_for(index, pass_name, rows, DTYPE_NAMES[act.dtype], 1, tf32, aligned)
     if pass_name == "updat":
         sizes = (rows, stride_a, stride_b, 0)
     else:
-        sizes = (rows, stride_a, features[1] // index.block_size, stride_b)
+        features_out = index.K if pass_name == "fprop" else index.C
+        sizes = (rows, stride_a, features_out // index.block_size, stride_b)
     plan.launch(_current_stream().ptr, act.data.ptr, other.data.ptr, out.data.ptr, sizes, int(accumulate))

@@ -1,0 +1,89 @@
+"""``strided_pass``: the three passes over rows a fixed stride apart in flat buffers.
+
+Rows that start inside a buffer (a convolution's shifted window), tight rows and
+gapped rows (stride > width, as strided convolutions read) are checked against the float64 dense reference on the rows as the kernel sees them,
+with NaN in the gaps of the output to show any stray write.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import numpy as np
+import pytest
+
+import bsmm
+from conftest import to_numpy, to_xp
+from reference import DTYPES, as_float64, assert_close, random_data, random_layout, ref_bprop, ref_fprop, ref_updat
+
+
+def _backend(xp):
+    return importlib.import_module("bsmm.cpu_backend" if xp is np else "bsmm.cuda_backend")
+
+
+def _rows(flat: np.ndarray, rows: int, width: int, stride: int) -> np.ndarray:
+    return np.stack([flat[r * stride:r * stride + width] for r in range(rows)]) if rows else np.zeros((0, width))
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("bs", [8, 32])
+@pytest.mark.parametrize("rows", [1, 7, 70])
+@pytest.mark.parametrize("spacing", ["tight", "gapped", "shifted"])
+def test_strided_passes_match_reference(xp, dtype, bs, rows, spacing):
+    rng = np.random.default_rng([bs, rows, DTYPES[dtype].num, len(spacing)])
+    layout = random_layout(rng, 3, 2, 0.6)
+    layout[0, 0] = 1
+    op = bsmm.BlocksparseMatMul(layout, block_size=bs)
+    C, K = op.C, op.K
+    backend = _backend(xp)
+    w = random_data(rng, op.w_shape, dtype)
+    for pass_name, width_in, width_out in (("fprop", C, K), ("bprop", K, C)):
+        # "shifted": the input starts one block into its buffer (a convolution's offset window)
+        extra = 3 * bs if spacing == "gapped" else 0
+        s_in, s_out = width_in + extra, width_out + extra
+        act = random_data(rng, ((rows - 1) * s_in + width_in + bs,), dtype)
+        act = act[bs:] if spacing == "shifted" else act[:-bs]
+        start = random_data(rng, ((rows - 1) * s_out + width_out,), dtype)
+        for accumulate in (False, True):
+            out = start.copy()
+            if not accumulate:
+                for r in range(rows):
+                    out[r * s_out:r * s_out + width_out] = np.nan
+            out_x = to_xp(xp, out)
+            backend.strided_pass(pass_name, op.index, to_xp(xp, act), to_xp(xp, w.ravel()), out_x, rows,
+                                 (s_in, s_out), accumulate=accumulate)
+            got = to_numpy(out_x)
+            a = _rows(act, rows, width_in, s_in)
+            ref = ref_fprop(layout, w, bs, a, 1) if pass_name == "fprop" else ref_bprop(layout, w, bs, a, 1)
+            if accumulate:
+                ref = ref + as_float64(_rows(start, rows, width_out, s_out))
+            assert_close(_rows(got, rows, width_out, s_out), ref, dtype, f"{pass_name} accumulate={accumulate}")
+            gaps = np.ones(got.size, bool)
+            for r in range(rows):
+                gaps[r * s_out:r * s_out + width_out] = False
+            assert got[gaps].tobytes() == start[gaps].tobytes(), "wrote between rows"
+    # updat over overlapping x rows (stride one block): dW = Σ_r x_rᵀ dy_r
+    s_x = C if spacing == "tight" else (C + 2 * bs if spacing == "gapped" else C)
+    x = random_data(rng, ((rows - 1) * s_x + C + (bs if spacing == "shifted" else 0),), dtype)
+    dy = random_data(rng, (rows * K,), dtype)
+    x_start = x[bs:] if spacing == "shifted" else x  # a row start inside the buffer
+    out = to_xp(xp, np.full(op.w_shape, np.nan, dtype).ravel())
+    backend.strided_pass("updat", op.index, to_xp(xp, x_start), to_xp(xp, dy), out, rows, (s_x, K))
+    ref = ref_updat(layout, bs, _rows(x_start, rows, C, s_x), _rows(dy, rows, K, K), 1)
+    assert_close(to_numpy(out).reshape(op.w_shape), ref, dtype, "updat")
+
+
+def test_strided_pass_refuses_rows_past_the_buffer(xp):
+    op = bsmm.BlocksparseMatMul(np.ones((2, 2), np.uint8), block_size=8)
+    backend = _backend(xp)
+    act = to_xp(xp, np.ones(3 * 16, np.float32))
+    w = to_xp(xp, np.ones(4 * 64, np.float32))
+    out = to_xp(xp, np.ones(3 * 16, np.float32))
+    with pytest.raises(ValueError, match="act holds 48 elements"):
+        backend.strided_pass("fprop", op.index, act, w, out, 4, (16, 16))
+    with pytest.raises(ValueError, match="would overlap"):
+        backend.strided_pass("fprop", op.index, act, w, out, 3, (16, 8))
+    with pytest.raises(ValueError, match="must hold nnzb"):
+        backend.strided_pass("fprop", op.index, act, w[:10], out, 3, (16, 16))
+    with pytest.raises(ValueError, match="flat 1-D"):
+        backend.strided_pass("fprop", op.index, act.reshape(3, 16), w, out, 3, (16, 16))
