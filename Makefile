@@ -11,7 +11,7 @@ STAMP := $(VENV)/.installed
 $(STAMP): setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[test,nvrtc,frameworks]'
+	$(PY) -m pip install --quiet -e '.[test,nvrtc,frameworks,notebooks]'
 	touch $(STAMP)
 
 demo: $(STAMP)
