@@ -14,6 +14,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import math
+import os
 import struct
 import threading
 import weakref
@@ -44,11 +45,11 @@ def _batch_class(n: int) -> str:
 
 
 def tile_for(math_mode: str, pass_name: str, block_size: int, n: int, arch_key: str | None = None,
-             columns: bool = False) -> tuple | None:
+             columns: bool = False, optional: bool = False) -> tuple | None:
     """[BM, BN, BK, WARPS_M, WARPS_N, STAGES] from the launch table in ``bsmm.toml``.
 
     ``columns=True``: the column-group tile [..., COLS] of fprop/bprop, or None where the
-    table has none. ``arch_key`` ("sm90", "sm80", ...) selects a device's override section.
+    table has none (so does any mode with ``optional=True``). ``arch_key`` ("sm90", "sm80", ...) selects a device's override section.
     """
     group = "columns" if columns else "updat" if pass_name == "updat" else "sparse"
     batches = (_batch_class(n), "any")  # updat tables may give small-batch tiles before "any"
@@ -58,7 +59,7 @@ def tile_for(math_mode: str, pass_name: str, block_size: int, n: int, arch_key: 
         entry = next((entries[b] for b in batches if b in entries), None)
         if entry is not None:
             return tuple(int(v) for v in entry)
-    if columns:
+    if columns or optional:
         return None
     raise NotImplementedError(f"no {math_mode} kernel tile for {pass_name} at block size {block_size}")
 
@@ -202,6 +203,9 @@ def _build_plan(index: BlockIndex, pass_name: str, n: int, dtype: str, feature_a
     arch_key = f"sm{device.compute_capability}"
     groups = _column_groups(index, pass_name, mode, n, aligned, arch_key)
     tile, cols = (groups[0], groups[1]) if groups else (tile_for(mode, pass_name, bs, n, arch_key), 1)
+    wgmma = _wgmma_tile(mode, pass_name, bs, n, feature_axis, aligned, arch_key) if not groups else None
+    if wgmma is not None:
+        mode, tile = "wgmma16", wgmma
     bm, bn, bk = tile[:3]
     # A batch no deeper than one step: stream many weight blocks through each thread block.
     grouped = pass_name == "updat" and aligned and 0 < n <= bk
@@ -264,6 +268,20 @@ def _build_plan(index: BlockIndex, pass_name: str, n: int, dtype: str, feature_a
             workspace_floats=split_parts * tiles_per_unit * bm * bn,
             counter_count=len(parts) * tiles_per_unit,
         )
+
+
+def _wgmma_tile(mode: str, pass_name: str, block_size: int, n: int, feature_axis: int, aligned: bool,
+               arch_key: str) -> tuple | None:
+    """The sm_90a warpgroup-MMA tile for this fprop/bprop, or None where the mma.sync kernels run.
+
+    Only half precision, feature axis 1 and aligned operands (the swizzled stages are filled
+    by 16-byte copies), and only where ``bsmm.toml`` lists a tile (large blocks, large N).
+    ``BSMM_WGMMA=0`` turns it off, to compare both on one GPU.
+    """
+    if (mode != "tensor16" or pass_name == "updat" or feature_axis != 1 or not aligned or arch_key != "sm90"
+            or os.environ.get("BSMM_WGMMA", "1") == "0"):
+        return None
+    return tile_for("wgmma16", pass_name, block_size, n, arch_key, optional=True)
 
 
 _PLANS: "weakref.WeakKeyDictionary[BlockIndex, dict]" = weakref.WeakKeyDictionary()

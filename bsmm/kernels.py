@@ -26,7 +26,9 @@ from .config import CUDA_DIR
 __all__ = ["Variant", "compile_variant", "load_kernel", "arch_for", "cuda_include_dirs", "compile_options"]
 
 SOURCE_FILE = "bsmm_matmul.cu"
-MATH_MODES = {"simt": 0, "tensor16": 1, "tf32": 2}
+MATH_MODES = {"simt": 0, "tensor16": 1, "tf32": 2, "wgmma16": 3}
+#: Math modes whose instructions exist only on one architecture (compiled for it alone).
+ARCH_ONLY_MODES = {"wgmma16": "sm_90a"}
 PASS_IDS = {"fprop": 0, "bprop": 1, "updat": 2}
 #: Longest part of a block column (row) one thread block takes; its step-table slice is staged in
 #: shared memory (8 bytes an entry). Passed to NVRTC, so host and kernel agree.
@@ -42,7 +44,7 @@ class Variant:
     dtype: str  # "float32", "float16", "bfloat16"
     block_size: int
     tile: tuple[int, int, int, int, int, int]  # BM, BN, BK, WARPS_M, WARPS_N, STAGES
-    math: str  # "simt", "tensor16", "tf32"
+    math: str  # "simt", "tensor16", "tf32", "wgmma16" (sm_90a)
     pass_name: str  # "fprop", "bprop", "updat"
     feature_axis: int
     aligned: bool  # 16-byte vector copies are legal for every operand
@@ -58,6 +60,8 @@ class Variant:
         """Dynamic shared memory: the cp.async pipeline's stages (mirrors Kernel::SMEM_BYTES)."""
         bm, bn, bk, _, _, stages = self.tile
         item = ELEMENT_BYTES[self.dtype]
+        if self.math == "wgmma16":  # swizzled, unpadded stages + 1 KiB to align them
+            return stages * (bm * bk + bk * bn) * item + 1024
         vec = 16 // item
         a_kmajor = (self.feature_axis == 0) if self.pass_name == "updat" else (self.feature_axis == 1)
         b_kmajor = (self.feature_axis == 0) if self.pass_name == "updat" else (self.pass_name == "bprop")

@@ -14,6 +14,7 @@
 // them (features, N); the loaders and the epilogue read either through address
 // functions, so the same main loop serves both.
 #include "bsmm_common.cuh"
+#include "bsmm_wgmma.cuh"
 
 // Activation tiles of fprop/bprop go through L1: thread blocks on one SM walk their block
 // columns (rows) in the same order and share them (workload S, fp16, 50 %: 93 -> 80 us per
@@ -25,7 +26,8 @@
 namespace bsmm {
 
 enum Pass { FPROP = 0, BPROP = 1, UPDAT = 2 };
-enum Math { SIMT = 0, TENSOR16 = 1, TF32 = 2 };
+// WGMMA: float16/bfloat16 fprop/bprop on sm_90a warpgroup MMA (bsmm_wgmma.cuh).
+enum Math { SIMT = 0, TENSOR16 = 1, TF32 = 2, WGMMA = 3 };
 
 template <typename T, int BS, int BM_, int BN_, int BK_, int WARPS_M_, int WARPS_N_, int STAGES_, int MATH_, int PASS_,
           int AXIS1_, int ALIGNED_, int GROUPED_, int COLS_>
@@ -48,16 +50,19 @@ struct Kernel {
     static constexpr bool B_KMAJOR = PASS == UPDAT ? !AXIS1 : PASS == BPROP;
     static constexpr int A_ROWS = A_KMAJOR ? BM : BK, A_COLS = A_KMAJOR ? BK : BM;
     static constexpr int B_ROWS = B_KMAJOR ? BN : BK, B_COLS = B_KMAJOR ? BK : BN;
-    static constexpr int A_PITCH = A_COLS + VEC, B_PITCH = B_COLS + VEC;  // one 16-byte pad: no bank conflicts
+    // One 16-byte pad a row avoids bank conflicts; wgmma tiles are swizzled instead.
+    static constexpr int PAD = MATH == WGMMA ? 0 : VEC;
+    static constexpr int A_PITCH = A_COLS + PAD, B_PITCH = B_COLS + PAD;
     static constexpr int A_STAGE = A_ROWS * A_PITCH, B_STAGE = B_ROWS * B_PITCH;
-    static constexpr int SMEM_BYTES = STAGES * (A_STAGE + B_STAGE) * sizeof(T);
+    // wgmma: 1 KiB to align the stages to the swizzle atom.
+    static constexpr int SMEM_BYTES = STAGES * (A_STAGE + B_STAGE) * sizeof(T) + (MATH == WGMMA ? 1024 : 0);
 
     // Tensor-core warp tiling.
     static constexpr int WTM = BM / WARPS_M, WTN = BN / WARPS_N;
     static constexpr int MI = WTM / 16, NJ = WTN / 8;
     // SIMT thread tiling: TX threads along N, TY along M; thread (ty, tx) owns rows ty + i·TY, cols tx + j·TX.
     static constexpr int TX = BN < 16 ? BN : 16, TY = NT / TX, TM = BM / TY, TN = BN / TX;
-    static constexpr int ACC = MATH == SIMT ? TM * TN : MI * NJ * 4;
+    static constexpr int ACC = MATH == SIMT ? TM * TN : MATH == WGMMA ? (BN / 64) * 32 : MI * NJ * 4;
 
     static_assert(BK % VEC == 0 && BM % VEC == 0 && BN % VEC == 0, "tiles must be whole 16-byte chunks");
     static_assert(COLS > 1 || (BN <= BS && BS % BN == 0), "an output tile stays inside one block column");
@@ -68,6 +73,18 @@ struct Kernel {
     static_assert(MATH != TF32 || (BK % 8 == 0 && WTM % 16 == 0 && WTN % 8 == 0), "m16n8k8 tiling");
     static_assert(MATH != SIMT || (TY * TX == NT && TM * TY == BM && TN * TX == BN), "SIMT tiling");
     static_assert(!GROUPED || (PASS == UPDAT && ALIGNED), "grouping is an updat mode of the aligned copy path");
+    // wgmma: a warpgroup (4 warps) owns 64 rows and all BN columns, as BN / 64 m64n64k16 tiles.
+    static_assert(MATH != WGMMA || (sizeof(T) == 2 && BK == 64 && BK <= BS && BM % 64 == 0 && BN % 64 == 0 &&
+                                    WARPS_N == 1 && WARPS_M * 16 == BM && AXIS1_ && ALIGNED_ && PASS_ != UPDAT &&
+                                    COLS_ == 1),
+                  "wgmma: 16-bit, aligned fprop/bprop with feature axis 1, BK = 64, 64-row warpgroups");
+
+    // Where element (row, col) of a ROWS x COLS tile (COLS contiguous) lives in its stage.
+    template <int ROWS, int PITCH>
+    __device__ __forceinline__ static int smem_offset(int row, int col) {
+        if constexpr (MATH == WGMMA) return swizzled_offset<ROWS>(row, col);
+        return row * PITCH + col;
+    }
 
     __device__ __forceinline__ static T* a_at(T* s, int m, int k) { return A_KMAJOR ? s + m * A_PITCH + k : s + k * A_PITCH + m; }
     __device__ __forceinline__ static T* b_at(T* s, int k, int n) { return B_KMAJOR ? s + n * B_PITCH + k : s + k * B_PITCH + n; }
@@ -198,10 +215,11 @@ struct ChunkPlan {
             if (CHUNKS % K::NT == 0 || c < CHUNKS) {
                 const int row = c / (COLS / K::VEC), col = (c % (COLS / K::VEC)) * K::VEC;
                 const bool valid = k[i] < k_limit;
+                T* d = dst + K::template smem_offset<ROWS, PITCH>(row, col);
                 if (VIA_L1)
-                    cp_async16_l1(dst + row * PITCH + col, valid ? base + offset[i] : base, valid ? 16 : 0);
+                    cp_async16_l1(d, valid ? base + offset[i] : base, valid ? 16 : 0);
                 else
-                    cp_async16(dst + row * PITCH + col, valid ? base + offset[i] : base, valid ? 16 : 0);
+                    cp_async16(d, valid ? base + offset[i] : base, valid ? 16 : 0);
             }
         }
     }
@@ -424,6 +442,63 @@ __device__ __forceinline__ void main_loop(Load&& load, int n_steps, T* smem, flo
     cp_async_wait<0>();
 }
 
+// The sm_90a main loop: cp.async fills swizzled stages, each warpgroup multiplies its 64 rows
+// with asynchronous wgmma and keeps one step's group in flight while the next is issued.
+// The copies therefore run STAGES - 2 steps ahead (not STAGES - 1): the stage read one step
+// ago may still be in use by the tensor cores until the wait after the next issue.
+template <class K, typename T, class Load>
+__device__ __forceinline__ void main_loop_wgmma(Load&& load, int n_steps, T* smem, float (&acc)[K::ACC]) {
+    static_assert(K::STAGES >= 3, "wgmma pipeline: one stage in flight, one being read, one filling");
+    constexpr int AHEAD = K::STAGES - 2;
+    T* sA = smem;
+    T* sB = smem + K::STAGES * K::A_STAGE;
+#pragma unroll
+    for (int i = 0; i < K::ACC; ++i) acc[i] = 0.f;
+    auto load_stage = [&](int step) {
+        const int stage = step % K::STAGES;
+        load(step, sA + stage * K::A_STAGE, sB + stage * K::B_STAGE);
+    };
+#pragma unroll
+    for (int s = 0; s < AHEAD; ++s) {
+        if (s < n_steps) load_stage(s);
+        cp_async_commit();
+    }
+    const int group_row = (threadIdx.x / 128) * 64;  // this warpgroup's first tile row
+    for (int step = 0; step < n_steps; ++step) {
+        cp_async_wait<AHEAD - 1>();
+        fence_proxy_async();
+        __syncthreads();
+        if (step + AHEAD < n_steps) load_stage(step + AHEAD);
+        cp_async_commit();
+        const T* a = sA + (step % K::STAGES) * K::A_STAGE + group_row * K::BK;
+        const T* b = sB + (step % K::STAGES) * K::B_STAGE;
+        wgmma_fence();
+        fence_registers(acc);
+#pragma unroll
+        for (int kk = 0; kk < K::BK; kk += 16) {
+            // A: K-major rows of 128 bytes, atoms 1024 bytes apart along M.
+            const unsigned long long a_desc = wgmma_descriptor(a + kk, 16, 1024);
+#pragma unroll
+            for (int nc = 0; nc < K::BN / 64; ++nc) {
+                float(&d)[32] = *reinterpret_cast<float(*)[32]>(&acc[nc * 32]);
+                if constexpr (K::B_KMAJOR) {  // bprop: rows along N (64 per chunk), K contiguous
+                    Wgmma64<T, false>::run(d, a_desc, wgmma_descriptor(b + nc * 64 * 64 + kk, 16, 1024));
+                } else {  // fprop: rows along K, N contiguous, one 64-column panel per chunk.
+                    // A 64-wide panel holds a single atom along N, so only the K stride (1024
+                    // bytes between 8-row atoms) matters; both offsets carry it.
+                    Wgmma64<T, true>::run(d, a_desc, wgmma_descriptor(b + nc * K::BK * 64 + kk * 64, 1024, 1024));
+                }
+            }
+        }
+        wgmma_commit();
+        fence_registers(acc);
+        wgmma_wait<1>();
+    }
+    wgmma_wait<0>();
+    fence_registers(acc);
+    cp_async_wait<0>();
+}
+
 template <class K, typename T, class Load, class After>
 __device__ __forceinline__ void main_loop(Load&& load, int n_steps, T* smem, float (&acc)[K::ACC], After&& after) {
     main_loop<K, T>(load, n_steps, smem, acc, after, [](int) { return false; });
@@ -444,6 +519,16 @@ __device__ __forceinline__ void for_each_acc(F f) {
         for (int i = 0; i < K::TM; ++i)
 #pragma unroll
             for (int j = 0; j < K::TN; ++j) f(i * K::TN + j, ty + i * K::TY, tx + j * K::TX);
+    } else if constexpr (K::MATH == WGMMA) {
+        // Per 64 x 64 chunk, warp w of the warpgroup holds rows 16w + lane/4 (+8) and, for each
+        // 8-column group j, columns 8j + 2(lane % 4) (+1): the m16n8 layout repeated along N.
+        const int row0 = (tid / 128) * 64 + ((tid / 32) % 4) * 16 + (tid % 32) / 4, col0 = (tid % 4) * 2;
+#pragma unroll
+        for (int nc = 0; nc < K::BN / 64; ++nc)
+#pragma unroll
+            for (int j = 0; j < 8; ++j)
+#pragma unroll
+                for (int r = 0; r < 4; ++r) f(nc * 32 + j * 4 + r, row0 + (r / 2) * 8, nc * 64 + j * 8 + col0 + r % 2);
     } else {
         const int warp = tid / 32, lane = tid % 32;
         const int wm0 = (warp % K::WARPS_M) * K::WTM, wn0 = (warp / K::WARPS_M) * K::WTN;
@@ -493,7 +578,9 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N * 32)
                 int ld_out, int accumulate) {
     using K = Kernel<T, BS, BM, BN, BK, WARPS_M, WARPS_N, STAGES, MATH, PASS, AXIS1, ALIGNED, GROUPED, COLS>;
     extern __shared__ __align__(16) unsigned char smem_raw[];
-    T* smem = reinterpret_cast<T*>(smem_raw);
+    // wgmma reads swizzle atoms that must start on 1024-byte boundaries (SMEM_BYTES has the slack).
+    T* smem = reinterpret_cast<T*>(MATH == WGMMA ? (reinterpret_cast<size_t>(smem_raw) + 1023) & ~size_t(1023)
+                                                 : reinterpret_cast<size_t>(smem_raw));
     __shared__ int last_part;
     // A part's entries of the step table, read once: the loaders would otherwise wait on a
     // dependent global load before every copy they issue.
@@ -569,6 +656,10 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N * 32)
         const int warp_col = (threadIdx.x / 32) / K::WARPS_M;
         main_loop<K, T>(loader, n_steps, smem, acc, [](int, float (&)[K::ACC]) {},
                         [&](int step) { return group_steps[step * (COLS + 1) + 1 + warp_col] < 0; });
+    } else if constexpr (MATH == WGMMA) {
+        FastLoader<K, T, BS> loader;
+        loader.init(ops, threadIdx.x);
+        main_loop_wgmma<K, T>(loader, n_steps, smem, acc);
     } else if constexpr (ALIGNED && (PASS == UPDAT || BK <= BS)) {
         FastLoader<K, T, BS> loader;
         loader.init(ops, threadIdx.x);

@@ -482,6 +482,45 @@ def test_column_groups(xp, bs, tile, dtype, monkeypatch):
         "an aligned plan did not use column groups"
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("min_part_blocks", [None, 1], ids=["default", "shortest"])
+@pytest.mark.parametrize("bs", [64, 128])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_wgmma_passes(xp, dtype, bs, min_part_blocks, monkeypatch):
+    """GPU, Hopper: fprop/bprop on warpgroup MMA (sm_90a) for N past one tile, N not a multiple
+    of the 128-row tile, empty and dense block columns/rows, columns cut into parts; NaN-poisoned
+    outputs, reference and bitwise repeat. Checks that the wgmma variant is the one that ran."""
+    if xp is np:
+        pytest.skip("wgmma is a GPU kernel")
+    from bsmm import cuda_backend
+
+    if xp.cuda.Device().compute_capability != "90":
+        pytest.skip("wgmma kernels run on compute capability 9.0 only")
+    monkeypatch.delenv("BSMM_WGMMA", raising=False)
+    if min_part_blocks is not None:
+        monkeypatch.setitem(bsmm.config.settings()["kernels"], "min_part_blocks", min_part_blocks)
+    monkeypatch.setattr(cuda_backend, "_PLANS", type(cuda_backend._PLANS)())
+    rng = np.random.default_rng([bs, len(dtype), min_part_blocks or 0])
+    layout = random_layout(rng, 9, 7, 0.4)
+    layout[:, 1] = 0
+    layout[:, 2] = 1
+    layout[4, :] = 0
+    for n in (65, 129, 1000):
+        case = make_case(rng, layout, bs, n, dtype, 1)
+        for pass_name in ("fprop", "bprop"):
+            args = device_inputs(xp, case, pass_name)
+            out = poisoned(xp, reference(case, pass_name).shape, case.x.dtype)
+            call(case.op, pass_name, args, out=out)
+            assert_close(to_numpy(out), reference(case, pass_name), dtype, f"{pass_name} N={n}")
+            again = to_numpy(call(case.op, pass_name, args))
+            assert again.tobytes() == to_numpy(out).tobytes(), f"{pass_name} N={n} not bitwise repeatable"
+    plans = cuda_backend._PLANS[case.op.index]
+    used = {key[0] for key, p in plans.items() if p.variant.math == "wgmma16"}
+    assert used == {"fprop", "bprop"}, f"wgmma ran for {used or 'no pass'}"
+    if min_part_blocks == 1:
+        assert any(p.workspace_floats > 0 for p in plans.values()), "no column was cut into parts"
+
+
 # -- a bigger case: many chunks on many threads ----------------------------------------------
 @pytest.mark.parametrize("feature_axis", [1, 0])
 def test_many_chunks_equal_one_chunk_bitwise(xp, feature_axis, monkeypatch):

@@ -14,7 +14,7 @@ import sys
 import time
 
 from bsmm.config import settings
-from bsmm.kernels import Variant, _cached_cubin, compile_variant
+from bsmm.kernels import ARCH_ONLY_MODES, Variant, _cached_cubin, compile_variant
 from bsmm.cuda_backend import math_mode, tile_for
 
 
@@ -29,6 +29,9 @@ def all_variants() -> list[Variant]:
                     for n in (16, 32, 64, 4096):
                         tile = tile_for(mode, pass_name, bs, n)
                         columns = tile_for(mode, pass_name, bs, n, columns=True)
+                        wgmma = tile_for("wgmma16", pass_name, bs, n, "sm90", optional=True)
+                        if mode == "tensor16" and pass_name != "updat" and wgmma:
+                            variants.add(Variant(dtype, bs, wgmma, "wgmma16", pass_name, 1, True))
                         for axis in (0, 1):
                             for aligned in (True, False):
                                 variants.add(Variant(dtype, bs, tile, mode, pass_name, axis, aligned))
@@ -73,7 +76,7 @@ def main() -> int:
     variants = all_variants()
     if args.limit:
         variants = variants[: args.limit]
-    jobs = [(v, a, args.populate_cache) for v in variants for a in archs]
+    jobs = [(v, a, args.populate_cache) for v in variants for a in archs if ARCH_ONLY_MODES.get(v.math, a) == a]
     failures, spills = 0, 0
     start = time.perf_counter()
     with concurrent.futures.ProcessPoolExecutor(args.jobs) as pool:

@@ -1,0 +1,110 @@
+// Hopper (sm_90a) warpgroup MMA: wgmma.mma_async on operands in shared memory.
+//
+// Tiles are stored in the 128-byte swizzled layout the tensor cores read through a matrix
+// descriptor: a panel of rows 64 elements (128 bytes) wide, eight rows (1024 bytes) to a
+// swizzle atom, the 16-byte chunk c of row r stored at chunk c ^ (r % 8). The same layout
+// serves a K-major operand (rows along M or N, K contiguous) and an MN-major one (rows along
+// K, N contiguous); panels of a wider MN-major tile follow each other.
+#pragma once
+#include "bsmm_common.cuh"
+
+namespace bsmm {
+
+// Element offset of (row, col) in a ROWS x COLS tile stored as 64-column swizzled panels.
+template <int ROWS>
+__device__ __forceinline__ int swizzled_offset(int row, int col) {
+    const int panel = col / 64, chunk = (col % 64) / 8;
+    return panel * ROWS * 64 + row * 64 + ((chunk ^ (row % 8)) * 8) + col % 8;
+}
+
+// Matrix descriptor of a swizzled operand starting at p: 128-byte swizzle (mode 1, bits 62-63);
+// lbo/sbo in bytes. Moving the start by 32 bytes steps 16 elements along K inside a
+// K-major row; the hardware applies the swizzle to the resulting addresses.
+__device__ __forceinline__ unsigned long long wgmma_descriptor(const void* p, unsigned lbo, unsigned sbo) {
+    const unsigned long long addr = smem_addr(p);
+    return ((addr & 0x3FFFF) >> 4) | ((unsigned long long)((lbo >> 4) & 0x3FFF) << 16) |
+           ((unsigned long long)((sbo >> 4) & 0x3FFF) << 32) | (1ull << 62);
+}
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory"); }
+// Shared memory written through the generic proxy (cp.async) and read next by the tensor cores.
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+// Keeps the compiler from moving accumulator accesses across an in-flight wgmma.
+template <int N>
+__device__ __forceinline__ void fence_registers(float (&r)[N]) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
+}
+
+// D[64 x 64] += A[64 x 16] · B[16 x 64], float32 accumulators; TRANS_B: B is N-major.
+template <typename T, bool TRANS_B>
+struct Wgmma64;
+template <>
+struct Wgmma64<__half, false> {
+    static __device__ __forceinline__ void run(float (&d)[32], unsigned long long a_desc, unsigned long long b_desc) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+        asm volatile(
+            "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+            "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
+            "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+            "%32, %33, p, 1, 1, 0, 0;\n}\n"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+            : "l"(a_desc), "l"(b_desc), "r"(1));
+#else
+        __trap();  // wgmma variants are built for sm_90a only
+#endif
+    }
+};
+template <>
+struct Wgmma64<__half, true> {
+    static __device__ __forceinline__ void run(float (&d)[32], unsigned long long a_desc, unsigned long long b_desc) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+        asm volatile(
+            "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+            "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
+            "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+            "%32, %33, p, 1, 1, 0, 1;\n}\n"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+            : "l"(a_desc), "l"(b_desc), "r"(1));
+#else
+        __trap();  // wgmma variants are built for sm_90a only
+#endif
+    }
+};
+template <>
+struct Wgmma64<__nv_bfloat16, false> {
+    static __device__ __forceinline__ void run(float (&d)[32], unsigned long long a_desc, unsigned long long b_desc) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+        asm volatile(
+            "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+            "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+            "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+            "%32, %33, p, 1, 1, 0, 0;\n}\n"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+            : "l"(a_desc), "l"(b_desc), "r"(1));
+#else
+        __trap();  // wgmma variants are built for sm_90a only
+#endif
+    }
+};
+template <>
+struct Wgmma64<__nv_bfloat16, true> {
+    static __device__ __forceinline__ void run(float (&d)[32], unsigned long long a_desc, unsigned long long b_desc) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+        asm volatile(
+            "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+            "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+            "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+            "%32, %33, p, 1, 1, 0, 1;\n}\n"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+            : "l"(a_desc), "l"(b_desc), "r"(1));
+#else
+        __trap();  // wgmma variants are built for sm_90a only
+#endif
+    }
+};
+
+}  // namespace bsmm
