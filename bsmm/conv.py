@@ -257,7 +257,7 @@ class BlocksparseConv:
         w_op = as_operand(w, "w")
         self._check_weights(w_op, canonical_dtype(w_op.array.dtype, "w", w_op.backend))
         xp = _array_module(w_op.array)
-        per_offset = w_op.array.reshape((-1,) + self.index.w_shape)
+        per_offset = w_op.array.reshape((math.prod(self.kernel_size),) + self.index.w_shape)
         dense = xp.stack([blocks_to_dense(self.index, blocks) for blocks in per_offset])
         return w_op.wrap(dense.reshape(self.kernel_size + (self.C, self.K)))
 
@@ -267,7 +267,7 @@ class BlocksparseConv:
         if tuple(getattr(dense, "shape", ())) != expected:
             raise ValueError(f"dense must have shape {expected}; got {getattr(dense, 'shape', None)}")
         xp = _array_module(dense)
-        per_offset = dense.reshape((-1, self.C, self.K))
+        per_offset = dense.reshape((math.prod(self.kernel_size), self.C, self.K))
         blocks = xp.stack([dense_to_blocks(self.index, matrix) for matrix in per_offset])
         return blocks.reshape(self.w_shape)
 
@@ -403,7 +403,7 @@ class BlocksparseConv:
 
     def _per_offset(self, weights):
         """Flat views of each kernel offset's block data."""
-        return weights.reshape(math.prod(self.kernel_size), -1)
+        return weights.reshape(math.prod(self.kernel_size), self.blocks * self.block_size**2)
 
     def _canvas(self, xp, x, geometry: ConvGeometry):
         """The flat canvas of ``x``: ``x`` itself where it already is one, else a zero-padded copy."""
