@@ -22,6 +22,10 @@
 #ifndef BSMM_ACT_L1
 #define BSMM_ACT_L1 1
 #endif
+// Which offset of an N-major wgmma descriptor strides along K (see main_loop_wgmma).
+#ifndef BSMM_MN_LBO_IS_K
+#define BSMM_MN_LBO_IS_K 0
+#endif
 
 namespace bsmm {
 
@@ -62,7 +66,9 @@ struct Kernel {
     static constexpr int MI = WTM / 16, NJ = WTN / 8;
     // SIMT thread tiling: TX threads along N, TY along M; thread (ty, tx) owns rows ty + i·TY, cols tx + j·TX.
     static constexpr int TX = BN < 16 ? BN : 16, TY = NT / TX, TM = BM / TY, TN = BN / TX;
-    static constexpr int ACC = MATH == SIMT ? TM * TN : MATH == WGMMA ? (BN / 64) * 32 : MI * NJ * 4;
+    static constexpr int ACC = MATH == SIMT ? TM * TN : MATH == WGMMA ? BN / 2 : MI * NJ * 4;
+    // wgmma instruction width along N (m64nWNk16): the widest that divides the tile.
+    static constexpr int WN = BN % 128 == 0 ? 128 : 64;
 
     static_assert(BK % VEC == 0 && BM % VEC == 0 && BN % VEC == 0, "tiles must be whole 16-byte chunks");
     static_assert(COLS > 1 || (BN <= BS && BS % BN == 0), "an output tile stays inside one block column");
@@ -479,14 +485,18 @@ __device__ __forceinline__ void main_loop_wgmma(Load&& load, int n_steps, T* sme
             // A: K-major rows of 128 bytes, atoms 1024 bytes apart along M.
             const unsigned long long a_desc = wgmma_descriptor(a + kk, 16, 1024);
 #pragma unroll
-            for (int nc = 0; nc < K::BN / 64; ++nc) {
-                float(&d)[32] = *reinterpret_cast<float(*)[32]>(&acc[nc * 32]);
-                if constexpr (K::B_KMAJOR) {  // bprop: rows along N (64 per chunk), K contiguous
-                    Wgmma64<T, false>::run(d, a_desc, wgmma_descriptor(b + nc * 64 * 64 + kk, 16, 1024));
-                } else {  // fprop: rows along K, N contiguous, one 64-column panel per chunk.
-                    // A 64-wide panel holds a single atom along N, so only the K stride (1024
-                    // bytes between 8-row atoms) matters; both offsets carry it.
-                    Wgmma64<T, true>::run(d, a_desc, wgmma_descriptor(b + nc * K::BK * 64 + kk * 64, 1024, 1024));
+            for (int nc = 0; nc < K::BN / K::WN; ++nc) {
+                float(&d)[K::WN / 2] = *reinterpret_cast<float(*)[K::WN / 2]>(&acc[nc * K::WN / 2]);
+                if constexpr (K::B_KMAJOR) {  // bprop: rows along N, K contiguous
+                    Wgmma<T, false, K::WN>::run(d, a_desc, wgmma_descriptor(b + nc * K::WN * 64 + kk, 16, 1024));
+                } else {  // fprop: rows along K, N contiguous, 64-column panels BK rows long
+                    // K stride: 1024 bytes between 8-row atoms; N stride: one panel. A 64-wide
+                    // instruction sees a single panel, so only the K stride matters there.
+                    constexpr unsigned PANEL = K::WN == 64 ? 1024 : K::BK * 64 * sizeof(T);
+                    Wgmma<T, true, K::WN>::run(d, a_desc,
+                                                 wgmma_descriptor(b + nc * (K::WN / 64) * K::BK * 64 + kk * 64,
+                                                                  BSMM_MN_LBO_IS_K ? 1024 : PANEL,
+                                                                  BSMM_MN_LBO_IS_K ? PANEL : 1024));
                 }
             }
         }
@@ -520,15 +530,16 @@ __device__ __forceinline__ void for_each_acc(F f) {
 #pragma unroll
             for (int j = 0; j < K::TN; ++j) f(i * K::TN + j, ty + i * K::TY, tx + j * K::TX);
     } else if constexpr (K::MATH == WGMMA) {
-        // Per 64 x 64 chunk, warp w of the warpgroup holds rows 16w + lane/4 (+8) and, for each
-        // 8-column group j, columns 8j + 2(lane % 4) (+1): the m16n8 layout repeated along N.
+        // Per 64 x WN instruction tile, warp w of the warpgroup holds rows 16w + lane/4 (+8) and,
+        // for each 8-column group j, columns 8j + 2(lane % 4) (+1): the m16n8 layout along N.
         const int row0 = (tid / 128) * 64 + ((tid / 32) % 4) * 16 + (tid % 32) / 4, col0 = (tid % 4) * 2;
 #pragma unroll
-        for (int nc = 0; nc < K::BN / 64; ++nc)
+        for (int nc = 0; nc < K::BN / K::WN; ++nc)
 #pragma unroll
-            for (int j = 0; j < 8; ++j)
+            for (int j = 0; j < K::WN / 8; ++j)
 #pragma unroll
-                for (int r = 0; r < 4; ++r) f(nc * 32 + j * 4 + r, row0 + (r / 2) * 8, nc * 64 + j * 8 + col0 + r % 2);
+                for (int r = 0; r < 4; ++r)
+                    f(nc * K::WN / 2 + j * 4 + r, row0 + (r / 2) * 8, nc * K::WN + j * 8 + col0 + r % 2);
     } else {
         const int warp = tid / 32, lane = tid % 32;
         const int wm0 = (warp % K::WARPS_M) * K::WTM, wn0 = (warp / K::WARPS_M) * K::WTN;
