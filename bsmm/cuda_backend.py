@@ -272,13 +272,13 @@ def _build_plan(index: BlockIndex, pass_name: str, n: int, dtype: str, feature_a
 
 def _wgmma_tile(mode: str, pass_name: str, block_size: int, n: int, feature_axis: int, aligned: bool,
                arch_key: str) -> tuple | None:
-    """The sm_90a warpgroup-MMA tile for this fprop/bprop, or None where the mma.sync kernels run.
+    """The sm_90a warpgroup-MMA tile for this pass, or None where the mma.sync kernels run.
 
     Only half precision, feature axis 1 and aligned operands (the swizzled stages are filled
-    by 16-byte copies), and only where ``bsmm.toml`` lists a tile (large blocks, large N).
+    by 16-byte copies), N past one 64-row step, and only where ``bsmm.toml`` lists a tile.
     ``BSMM_WGMMA=0`` turns it off, to compare both on one GPU.
     """
-    if (mode != "tensor16" or pass_name == "updat" or feature_axis != 1 or not aligned or arch_key != "sm90"
+    if (mode != "tensor16" or feature_axis != 1 or not aligned or n <= 64 or arch_key != "sm90"
             or os.environ.get("BSMM_WGMMA", "1") == "0"):
         return None
     return tile_for("wgmma16", pass_name, block_size, n, arch_key, optional=True)

@@ -80,10 +80,10 @@ struct Kernel {
     static_assert(MATH != SIMT || (TY * TX == NT && TM * TY == BM && TN * TX == BN), "SIMT tiling");
     static_assert(!GROUPED || (PASS == UPDAT && ALIGNED), "grouping is an updat mode of the aligned copy path");
     // wgmma: a warpgroup (4 warps) owns 64 rows and all BN columns, as BN / 64 m64n64k16 tiles.
-    static_assert(MATH != WGMMA || (sizeof(T) == 2 && BK == 64 && BK <= BS && BM % 64 == 0 && BN % 64 == 0 &&
-                                    WARPS_N == 1 && WARPS_M * 16 == BM && AXIS1_ && ALIGNED_ && PASS_ != UPDAT &&
-                                    COLS_ == 1),
-                  "wgmma: 16-bit, aligned fprop/bprop with feature axis 1, BK = 64, 64-row warpgroups");
+    static_assert(MATH != WGMMA || (sizeof(T) == 2 && BK == 64 && (PASS == UPDAT || BK <= BS) && BM % 64 == 0 &&
+                                    BN % 64 == 0 && WARPS_N == 1 && WARPS_M * 16 == BM && AXIS1_ && ALIGNED_ &&
+                                    !GROUPED_ && COLS_ == 1),
+                  "wgmma: 16-bit, aligned, feature axis 1, BK = 64, 64-row warpgroups");
 
     // Where element (row, col) of a ROWS x COLS tile (COLS contiguous) lives in its stage.
     template <int ROWS, int PITCH>
@@ -476,27 +476,30 @@ __device__ __forceinline__ void main_loop_wgmma(Load&& load, int n_steps, T* sme
         __syncthreads();
         if (step + AHEAD < n_steps) load_stage(step + AHEAD);
         cp_async_commit();
+        // This warpgroup's 64 rows of A: 64 K-major rows, or (updat, M-major) one 64-column panel.
         const T* a = sA + (step % K::STAGES) * K::A_STAGE + group_row * K::BK;
         const T* b = sB + (step % K::STAGES) * K::B_STAGE;
         wgmma_fence();
         fence_registers(acc);
 #pragma unroll
         for (int kk = 0; kk < K::BK; kk += 16) {
-            // A: K-major rows of 128 bytes, atoms 1024 bytes apart along M.
-            const unsigned long long a_desc = wgmma_descriptor(a + kk, 16, 1024);
+            // A: K-major rows of 128 bytes, atoms 1024 bytes apart along M; M-major (updat): rows
+            // along K, atoms 1024 bytes apart along K, a single atom along M.
+            const unsigned long long a_desc =
+                K::A_KMAJOR ? wgmma_descriptor(a + kk, 16, 1024) : wgmma_descriptor(a + kk * 64, 1024, 1024);
 #pragma unroll
             for (int nc = 0; nc < K::BN / K::WN; ++nc) {
                 float(&d)[K::WN / 2] = *reinterpret_cast<float(*)[K::WN / 2]>(&acc[nc * K::WN / 2]);
                 if constexpr (K::B_KMAJOR) {  // bprop: rows along N, K contiguous
-                    Wgmma<T, false, K::WN>::run(d, a_desc, wgmma_descriptor(b + nc * K::WN * 64 + kk, 16, 1024));
-                } else {  // fprop: rows along K, N contiguous, 64-column panels BK rows long
+                    Wgmma<T, false, false, K::WN>::run(d, a_desc, wgmma_descriptor(b + nc * K::WN * 64 + kk, 16, 1024));
+                } else {  // fprop, updat: rows along K, N contiguous, 64-column panels BK rows long
                     // K stride: 1024 bytes between 8-row atoms; N stride: one panel. A 64-wide
                     // instruction sees a single panel, so only the K stride matters there.
                     constexpr unsigned PANEL = K::WN == 64 ? 1024 : K::BK * 64 * sizeof(T);
-                    Wgmma<T, true, K::WN>::run(d, a_desc,
-                                                 wgmma_descriptor(b + nc * (K::WN / 64) * K::BK * 64 + kk * 64,
-                                                                  BSMM_MN_LBO_IS_K ? 1024 : PANEL,
-                                                                  BSMM_MN_LBO_IS_K ? PANEL : 1024));
+                    Wgmma<T, !K::A_KMAJOR, true, K::WN>::run(d, a_desc,
+                                                         wgmma_descriptor(b + nc * (K::WN / 64) * K::BK * 64 + kk * 64,
+                                                                          BSMM_MN_LBO_IS_K ? 1024 : PANEL,
+                                                                          BSMM_MN_LBO_IS_K ? PANEL : 1024));
                 }
             }
         }

@@ -487,9 +487,9 @@ def test_column_groups(xp, bs, tile, dtype, monkeypatch):
 @pytest.mark.parametrize("bs", [64, 128])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_wgmma_passes(xp, dtype, bs, min_part_blocks, monkeypatch):
-    """GPU, Hopper: fprop/bprop on warpgroup MMA (sm_90a) for N past one tile, N not a multiple
-    of the 128-row tile, empty and dense block columns/rows, columns cut into parts; NaN-poisoned
-    outputs, reference and bitwise repeat. Checks that the wgmma variant is the one that ran."""
+    """GPU, Hopper: the three passes on warpgroup MMA (sm_90a) for N past one tile, N not a
+    multiple of the tile, empty and dense block columns/rows, columns (batches) cut into parts;
+    NaN-poisoned outputs, reference, bitwise repeat, accumulate. Checks that wgmma ran."""
     if xp is np:
         pytest.skip("wgmma is a GPU kernel")
     from bsmm import cuda_backend
@@ -507,16 +507,20 @@ def test_wgmma_passes(xp, dtype, bs, min_part_blocks, monkeypatch):
     layout[4, :] = 0
     for n in (65, 129, 1000):
         case = make_case(rng, layout, bs, n, dtype, 1)
-        for pass_name in ("fprop", "bprop"):
+        for pass_name in PASSES:
             args = device_inputs(xp, case, pass_name)
             out = poisoned(xp, reference(case, pass_name).shape, case.x.dtype)
             call(case.op, pass_name, args, out=out)
             assert_close(to_numpy(out), reference(case, pass_name), dtype, f"{pass_name} N={n}")
             again = to_numpy(call(case.op, pass_name, args))
             assert again.tobytes() == to_numpy(out).tobytes(), f"{pass_name} N={n} not bitwise repeatable"
+            start = random_data(rng, again.shape, dtype)
+            summed = to_xp(xp, start)
+            call(case.op, pass_name, args, out=summed, accumulate=True)
+            assert_close(to_numpy(summed), as_float64(start) + reference(case, pass_name), dtype, f"{pass_name} +=")
     plans = cuda_backend._PLANS[case.op.index]
     used = {key[0] for key, p in plans.items() if p.variant.math == "wgmma16"}
-    assert used == {"fprop", "bprop"}, f"wgmma ran for {used or 'no pass'}"
+    assert used == set(PASSES), f"wgmma ran for {used or 'no pass'}"
     if min_part_blocks == 1:
         assert any(p.workspace_floats > 0 for p in plans.values()), "no column was cut into parts"
 

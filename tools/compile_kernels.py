@@ -30,7 +30,7 @@ def all_variants() -> list[Variant]:
                         tile = tile_for(mode, pass_name, bs, n)
                         columns = tile_for(mode, pass_name, bs, n, columns=True)
                         wgmma = tile_for("wgmma16", pass_name, bs, n, "sm90", optional=True)
-                        if mode == "tensor16" and pass_name != "updat" and wgmma:
+                        if mode == "tensor16" and wgmma and n > 64:
                             variants.add(Variant(dtype, bs, wgmma, "wgmma16", pass_name, 1, True))
                         for axis in (0, 1):
                             for aligned in (True, False):
