@@ -17,7 +17,7 @@ compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -q -m gpu
   -p no:cacheprovider >"$OUT/memcheck.log" 2>&1
 echo "memcheck rc=$?: $(grep -m1 'ERROR SUMMARY' "$OUT/memcheck.log") [$(( $(date +%s) - t0 ))s]"
 for bs in ${BLOCKS:-64 128}; do
-  for flag in 1 0; do
+  for flag in ${FLAGS:-1 0}; do
     BSMM_WGMMA=$flag python3 -m bsmm bench --backend gpu --workloads T --block-size "$bs" \
       --dtype "${DTYPES:-float16}" --json "$OUT/T_bs${bs}_wgmma${flag}.json" >"$OUT/T_bs${bs}_wgmma${flag}.md" 2>&1
     echo "== T block $bs, BSMM_WGMMA=$flag"
