@@ -427,3 +427,29 @@ def test_gpu_tf32(xp):
     x, w = to_xp(xp, case.x), to_xp(xp, case.w)
     error = np.linalg.norm(to_numpy(conv(x, w)) - case.y_ref) / np.linalg.norm(case.y_ref)
     assert 0 < error < 3e-3
+
+
+def test_bench_cpu_mode_runs(tmp_path, capsys, monkeypatch):
+    """``tools/bench_conv.py --cpu``: the NumPy smoke run checks itself and writes its JSON."""
+    import importlib.util
+    import json
+    import pathlib
+    import sys
+
+    path = pathlib.Path(__file__).parents[1] / "tools" / "bench_conv.py"
+    spec = importlib.util.spec_from_file_location("bench_conv", path)
+    bench = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "bench_conv", bench)  # dataclasses look their module up
+    spec.loader.exec_module(bench)
+    output = tmp_path / "conv.json"
+    assert bench.main(["--cpu", "--densities", "0.25", "--repeats", "1", "--json", str(output)]) == 0
+    rows = json.loads(output.read_text())["rows"]
+    assert [row["pass_name"] for row in rows] == ["fprop", "bprop", "updat"]
+    assert all(row["error"] < 1e-5 and row["sparse_s"] > 0 for row in rows)
+    assert "| efficiency |" in capsys.readouterr().out
+    # The GPU run's code on PyTorch's CPU convolution: data sharing, masking, the check, the rows.
+    pytest.importorskip("torch")
+    spec = dict(N=2, H=9, W=7, C=64, K=32, kernel=3, stride=2, padding=1)
+    rows = bench.bench_torch({"tiny": spec}, ["float32", "bfloat16"], [0.5], 16, 0, False,
+                             lambda fn: bench._median_seconds(fn, 1), device="cpu")
+    assert len(rows) == 6 and all(row.error < 2e-2 and row.shape == "tiny" for row in rows)
