@@ -30,6 +30,7 @@
 
 from __future__ import annotations
 
+import math
 import weakref
 
 import numpy as np
@@ -153,7 +154,78 @@ def _layout_array(layout) -> np.ndarray:
     return np.asarray(layout)
 
 
-class BlockSparseLinear(torch.nn.Module):
+class _BlockSparseLayer(torch.nn.Module):
+    """What the block-sparse layers share: the operator ``op`` (a BlocksparseMatMul or a
+    BlocksparseConv), its registration, the ``layout`` buffer, the weight and bias, their
+    fan-in initialization, and the refusal of a state_dict of another layout."""
+
+    def _build(self, make_op, sizes: tuple, bias: bool, device, dtype) -> None:
+        """Make ``self.op`` and the parameters; ``sizes``: (argument, value, layout axis) to check."""
+        dtype = torch.get_default_dtype() if dtype is None else dtype
+        check_dtype(dtype, torch.empty(0, device=device).device, "dtype")
+        self.op = make_op()
+        for argument, value, blocks in sizes:
+            expected = self.op.layout.shape[blocks] * self.op.block_size
+            if value != expected:
+                raise ValueError(
+                    f"{argument} must be layout.shape[{blocks}] * block_size = {self.op.layout.shape[blocks]} * "
+                    f"{self.op.block_size} = {expected}; got {value}"
+                )
+        # Pickles as its layout and re-registers on load (see bsmm.torch_ops).
+        self._registration = register(self.op.index)
+        self._key = self._registration.key
+        self.register_buffer("layout", torch.tensor(np.array(self.op.layout), device=device))
+        self.weight = torch.nn.Parameter(torch.empty(self.op.w_shape, device=device, dtype=dtype))
+        if bias:
+            self.bias = torch.nn.Parameter(torch.empty(self.op.K, device=device, dtype=dtype))
+        else:
+            self.register_parameter("bias", None)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Draw the weight and bias again (see Notes), with PyTorch's random generator."""
+        taps = math.prod(getattr(self.op, "kernel_size", ()))  # 1 for a product
+        fan_in = np.count_nonzero(self.op.layout, axis=0) * self.op.block_size * taps
+        bounds = np.where(fan_in > 0, 1.0 / np.sqrt(np.maximum(fan_in, 1)), 0.0)  # 0 for an empty block column
+        with torch.no_grad():
+            block_bounds = torch.tensor(bounds[self.op.index.indices], dtype=self.weight.dtype,
+                                        device=self.weight.device)
+            self.weight.uniform_(-1.0, 1.0).mul_(block_bounds.view(-1, 1, 1))
+            if self.bias is not None:
+                feature_bounds = np.repeat(bounds, self.op.block_size)
+                self.bias.uniform_(-1.0, 1.0).mul_(
+                    torch.tensor(feature_bounds, dtype=self.bias.dtype, device=self.bias.device)
+                )
+
+    def _dense_blocks(self) -> torch.Tensor:
+        """(CB, KB, *kernel_size, bs, bs): the weight's blocks in place, zeros elsewhere; differentiable."""
+        rows = torch.tensor(self.op.index.rows, dtype=torch.long, device=self.weight.device)
+        cols = torch.tensor(self.op.index.indices, dtype=torch.long, device=self.weight.device)
+        blocks = self.weight.movedim(-3, 0)  # (nnzb, *kernel_size, bs, bs)
+        return blocks.new_zeros(*self.op.layout.shape, *blocks.shape[1:]).index_put((rows, cols), blocks)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        saved = state_dict.get(prefix + "layout")
+        name = type(self).__name__
+        if saved is not None:
+            saved = saved.detach().cpu()
+            if tuple(saved.shape) != self.op.layout.shape or not np.array_equal(saved.numpy() != 0,
+                                                                              self.op.layout != 0):
+                error_msgs.append(
+                    f"{prefix}layout: the state_dict holds a layout of shape {tuple(saved.shape)} with "
+                    f"{int(torch.count_nonzero(saved))} blocks, this {name} has shape "
+                    f"{self.op.layout.shape} with {self.op.blocks} blocks"
+                    + ("" if tuple(saved.shape) != self.op.layout.shape else " in other places")
+                    + f"; build the layer with the saved layout, {name}(..., layout=state_dict"
+                    f"['{prefix}layout'])"
+                )
+                return
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+
+
+class BlockSparseLinear(_BlockSparseLayer):
     """y = x·W + b with a block-sparse ``W`` (in_features × out_features) of a fixed layout.
 
     Parameters
@@ -211,45 +283,10 @@ class BlockSparseLinear(torch.nn.Module):
     def __init__(self, in_features: int, out_features: int, layout, block_size: int = 32, bias: bool = True,
                  feature_axis: int = 1, tf32: bool = False, device=None, dtype=None):
         super().__init__()
-        dtype = torch.get_default_dtype() if dtype is None else dtype
-        check_dtype(dtype, torch.empty(0, device=device).device, "dtype")
-        self.op = BlocksparseMatMul(_layout_array(layout), block_size, feature_axis, tf32)
-        for argument, value, blocks in (("in_features", in_features, 0), ("out_features", out_features, 1)):
-            expected = self.op.layout.shape[blocks] * self.op.block_size
-            if value != expected:
-                raise ValueError(
-                    f"{argument} must be layout.shape[{blocks}] * block_size = {self.op.layout.shape[blocks]} * "
-                    f"{self.op.block_size} = {expected}; got {value}"
-                )
+        self._build(lambda: BlocksparseMatMul(_layout_array(layout), block_size, feature_axis, tf32),
+                    (("in_features", in_features, 0), ("out_features", out_features, 1)), bias, device, dtype)
         self.in_features, self.out_features = self.op.C, self.op.K
         self.feature_axis, self.tf32 = self.op.feature_axis, self.op.tf32
-        # Pickles as its layout and re-registers on load (see bsmm.torch_ops).
-        self._registration = register(self.op.index)
-        self._key = self._registration.key
-        self.register_buffer("layout", torch.tensor(np.array(self.op.layout), device=device))
-        self.weight = torch.nn.Parameter(torch.empty(self.op.w_shape, device=device, dtype=dtype))
-        if bias:
-            self.bias = torch.nn.Parameter(torch.empty(self.out_features, device=device, dtype=dtype))
-        else:
-            self.register_parameter("bias", None)
-        self.reset_parameters()
-
-    def _feature_bounds(self) -> np.ndarray:
-        """(KB,) 1/sqrt(fan-in) of each block column, 0 for an empty one."""
-        fan_in = np.count_nonzero(self.op.layout, axis=0) * self.op.block_size
-        return np.where(fan_in > 0, 1.0 / np.sqrt(np.maximum(fan_in, 1)), 0.0)
-
-    def reset_parameters(self) -> None:
-        """Draw the weight and bias again (see Notes), with PyTorch's random generator."""
-        bounds = self._feature_bounds()
-        with torch.no_grad():
-            block_bounds = torch.tensor(bounds[self.op.indices], dtype=self.weight.dtype, device=self.weight.device)
-            self.weight.uniform_(-1.0, 1.0).mul_(block_bounds.view(-1, 1, 1))
-            if self.bias is not None:
-                feature_bounds = np.repeat(bounds, self.op.block_size)
-                self.bias.uniform_(-1.0, 1.0).mul_(
-                    torch.tensor(feature_bounds, dtype=self.bias.dtype, device=self.bias.device)
-                )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x (..., C) -> (..., K), or (C, ...) -> (K, ...) with feature_axis=0."""
@@ -267,11 +304,7 @@ class BlockSparseLinear(torch.nn.Module):
 
         ``nn.Linear`` stores the transpose: ``nn.Linear.weight`` equals ``to_dense_weight().T``.
         """
-        bs = self.op.block_size
-        rows = torch.tensor(self.op.index.rows, dtype=torch.long, device=self.weight.device)
-        cols = torch.tensor(self.op.indices, dtype=torch.long, device=self.weight.device)
-        blocks = self.weight.new_zeros(*self.op.layout.shape, bs, bs).index_put((rows, cols), self.weight)
-        return blocks.permute(0, 2, 1, 3).reshape(self.in_features, self.out_features)
+        return self._dense_blocks().permute(0, 2, 1, 3).reshape(self.in_features, self.out_features)
 
     def extra_repr(self) -> str:
         text = (
@@ -281,22 +314,3 @@ class BlockSparseLinear(torch.nn.Module):
         if self.feature_axis != 1:
             text += f", feature_axis={self.feature_axis}"
         return text + (", tf32=True" if self.tf32 else "")
-
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                              error_msgs):
-        saved = state_dict.get(prefix + "layout")
-        if saved is not None:
-            saved = saved.detach().cpu()
-            if tuple(saved.shape) != self.op.layout.shape or not np.array_equal(saved.numpy() != 0,
-                                                                              self.op.layout != 0):
-                error_msgs.append(
-                    f"{prefix}layout: the state_dict holds a layout of shape {tuple(saved.shape)} with "
-                    f"{int(torch.count_nonzero(saved))} blocks, this BlockSparseLinear has shape "
-                    f"{self.op.layout.shape} with {self.op.blocks} blocks"
-                    + ("" if tuple(saved.shape) != self.op.layout.shape else " in other places")
-                    + f"; build the layer with the saved layout, BlockSparseLinear(..., layout=state_dict"
-                    f"['{prefix}layout'])"
-                )
-                return
-        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                                      error_msgs)

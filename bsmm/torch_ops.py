@@ -10,6 +10,10 @@ block-sparse:
 - ``matmul_updat(x, dy)``: dW = xᵀ·dy on the present blocks; dx = matmul_bprop(dy, g), d(dy) = matmul(x, g).
 
 (``g`` is the upstream gradient; all take ``key, feature_axis, tf32`` after the tensors.)
+The convolutions of :class:`bsmm.conv.BlocksparseConv`, ``bsmm::conv_fprop``,
+``bsmm::conv_bprop`` and ``bsmm::conv_updat``, have the same structure and take
+``key, spec, tf32``, ``spec`` being the geometry and the input's spatial shape as ints
+(:func:`conv_spec`).
 
 **How an operator finds its layout.** A custom operator's arguments are
 tensors and primitives, so the layout travels as a string *key*: block rows x
@@ -49,9 +53,11 @@ except ImportError as error:  # pragma: no cover - depends on the environment
     raise ImportError("bsmm.torch needs PyTorch: pip install torch") from error
 
 from .block_index import BlockIndex, block_index
+from .conv import BlocksparseConv
 from .matmul import BlocksparseMatMul
 
-__all__ = ["Registration", "register", "lookup", "matmul", "matmul_bprop", "matmul_updat"]
+__all__ = ["Registration", "register", "lookup", "matmul", "matmul_bprop", "matmul_updat", "conv_spec", "conv_fprop",
+           "conv_bprop", "conv_updat"]
 
 #: torch dtypes bsmm runs on every device, by the names bsmm.dtypes uses.
 SUPPORTED_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
@@ -262,16 +268,21 @@ def _run(pass_name: str, a: torch.Tensor, b: torch.Tensor, shape: tuple, key: st
          tf32: bool) -> torch.Tensor:
     """One pass of BlocksparseMatMul on ``a`` and ``b`` into a new tensor of ``shape``."""
     op = BlocksparseMatMul.from_index(lookup(key), feature_axis, tf32)
+    return _into_new(getattr(op, pass_name), a, b, shape)
+
+
+def _into_new(method, a: torch.Tensor, b: torch.Tensor, shape: tuple, **options) -> torch.Tensor:
+    """``method(a, b, out=..., **options)`` on shared NumPy/CuPy views, into a new tensor of ``shape``."""
     out = torch.empty(shape, dtype=a.dtype, device=a.device)
     if a.device.type == "cpu":
-        getattr(op, pass_name)(_shared_as(np, a), _shared_as(np, b), out=_shared_as(np, out))
+        method(_shared_as(np, a), _shared_as(np, b), out=_shared_as(np, out), **options)
     elif a.device.type == "cuda":
         import cupy
 
         ptr = torch.cuda.current_stream(a.device).cuda_stream
         # Import under torch's stream: DLPack then sees producer and consumer on one stream and adds no wait.
         with cupy.cuda.Device(a.device.index), _cupy_stream(cupy, a.device.index, ptr):
-            getattr(op, pass_name)(_shared_as(cupy, a), _shared_as(cupy, b), out=_shared_as(cupy, out))
+            method(_shared_as(cupy, a), _shared_as(cupy, b), out=_shared_as(cupy, out), **options)
     else:
         raise ValueError(f"tensors are on {a.device}; bsmm runs on the CPU and on CUDA GPUs")
     return out
@@ -312,10 +323,11 @@ def _updat_fake(x, dy, key, feature_axis, tf32):
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    first, second, key, feature_axis, tf32 = inputs
-    ctx.options = (key, feature_axis, tf32)
+    # The options are (key, feature_axis, tf32) for the products and (key, spec, tf32) for the convolutions.
+    first, second, *options = inputs
+    ctx.options = tuple(options)
     # Holding the registration keeps the key resolvable until backward, whatever the caller drops meanwhile.
-    ctx.registration = _REGISTRY.get(key)
+    ctx.registration = _REGISTRY.get(options[0])
     needs_first, needs_second = ctx.needs_input_grad[:2]
     # In all three operators the gradient of one operand is a product with the other one only.
     ctx.save_for_backward(first if needs_second else None, second if needs_first else None)
@@ -346,5 +358,94 @@ matmul_bprop.register_autograd(
 )
 matmul_updat.register_autograd(
     _autograd(lambda g, x, dy, *o: matmul_bprop(dy, g, *o), lambda g, x, dy, *o: matmul(x, g, *o)),
+    setup_context=_setup_context,
+)
+
+
+# -- the convolutions ----------------------------------------------------------------------------------
+# ``spec`` carries a BlocksparseConv's geometry and the input's spatial shape as ints (what an
+# operator argument can be): [rank, *kernel_size, *stride, *padding, *dilation, channels_last, *spatial].
+def conv_spec(conv: BlocksparseConv, spatial) -> list[int]:
+    """The ``spec`` argument of the convolution operators for ``conv`` on inputs of ``spatial`` size."""
+    return [conv.ndim, *conv.kernel_size, *conv.stride, *conv.padding, *conv.dilation, int(conv.channels_last),
+            *(int(v) for v in spatial)]
+
+
+def _conv_of(key: str, spec: list[int], tf32: bool) -> tuple[BlocksparseConv, tuple]:
+    rank = spec[0] if spec else 0
+    if rank not in (1, 2, 3) or len(spec) != 2 + 5 * rank:
+        raise ValueError(f"spec must be [rank, *kernel_size, *stride, *padding, *dilation, channels_last, *spatial] "
+                         f"for rank 1, 2 or 3; got {list(spec)}")
+    kernel, stride, padding, dilation = (tuple(spec[1 + i * rank:1 + (i + 1) * rank]) for i in range(4))
+    conv = BlocksparseConv.from_index(lookup(key), kernel, stride, padding, dilation, bool(spec[1 + 4 * rank]), tf32)
+    return conv, tuple(spec[2 + 4 * rank:])
+
+
+def _conv_shapes(pass_name: str, a, b, key: str, spec: list[int], tf32: bool):
+    """(conv, result shape, input shape) of a convolution pass, or raise naming the argument."""
+    conv, spatial = _conv_of(key, spec, tf32)
+    names = {"fprop": ("x", "w"), "bprop": ("dy", "w"), "updat": ("x", "dy")}[pass_name]
+    check_dtype(a.dtype, a.device, names[0])
+    _check_like(b, names[1], a, names[0])
+    x_shape = conv._shape(a.shape[0] if a.dim() else 0, spatial, conv.C)
+    y_shape = conv.output_shape(x_shape)
+    expected = {"fprop": (x_shape, conv.w_shape), "bprop": (y_shape, conv.w_shape), "updat": (x_shape, y_shape)}
+    for tensor, name, shape in zip((a, b), names, expected[pass_name]):
+        if tuple(tensor.shape) != shape:
+            raise ValueError(f"{name} must have shape {shape}; got {tuple(tensor.shape)}")
+        _check_contiguous(tensor, name)
+    return conv, {"fprop": y_shape, "bprop": x_shape, "updat": conv.w_shape}[pass_name], x_shape
+
+
+def _run_conv(pass_name: str, a, b, key: str, spec: list[int], tf32: bool) -> torch.Tensor:
+    conv, shape, x_shape = _conv_shapes(pass_name, a, b, key, spec, tf32)
+    options = {"x_shape": x_shape} if pass_name == "bprop" else {}
+    return _into_new(getattr(conv, pass_name), a, b, shape, **options)
+
+
+@torch.library.custom_op("bsmm::conv_fprop", mutates_args=())
+def conv_fprop(x: torch.Tensor, w: torch.Tensor, key: str, spec: list[int], tf32: bool) -> torch.Tensor:
+    """y = conv(x, W): x (N, *spatial, C) or (N, C, *spatial) -> y; w (*kernel_size, nnzb, bs, bs)."""
+    return _run_conv("fprop", x, w, key, spec, tf32)
+
+
+@torch.library.custom_op("bsmm::conv_bprop", mutates_args=())
+def conv_bprop(dy: torch.Tensor, w: torch.Tensor, key: str, spec: list[int], tf32: bool) -> torch.Tensor:
+    """dx: the gradient of conv_fprop with respect to x, for the input shape in ``spec``."""
+    return _run_conv("bprop", dy, w, key, spec, tf32)
+
+
+@torch.library.custom_op("bsmm::conv_updat", mutates_args=())
+def conv_updat(x: torch.Tensor, dy: torch.Tensor, key: str, spec: list[int], tf32: bool) -> torch.Tensor:
+    """dW on the present blocks: the gradient of conv_fprop with respect to w."""
+    return _run_conv("updat", x, dy, key, spec, tf32)
+
+
+@conv_fprop.register_fake
+def _conv_fprop_fake(x, w, key, spec, tf32):
+    return x.new_empty(_conv_shapes("fprop", x, w, key, spec, tf32)[1])
+
+
+@conv_bprop.register_fake
+def _conv_bprop_fake(dy, w, key, spec, tf32):
+    return dy.new_empty(_conv_shapes("bprop", dy, w, key, spec, tf32)[1])
+
+
+@conv_updat.register_fake
+def _conv_updat_fake(x, dy, key, spec, tf32):
+    return x.new_empty(_conv_shapes("updat", x, dy, key, spec, tf32)[1])
+
+
+# The convolution's passes are bilinear with the matmul's cotangent structure (see bsmm.jax).
+conv_fprop.register_autograd(
+    _autograd(lambda g, x, w, *o: conv_bprop(g, w, *o), lambda g, x, w, *o: conv_updat(x, g, *o)),
+    setup_context=_setup_context,
+)
+conv_bprop.register_autograd(
+    _autograd(lambda g, dy, w, *o: conv_fprop(g, w, *o), lambda g, dy, w, *o: conv_updat(g, dy, *o)),
+    setup_context=_setup_context,
+)
+conv_updat.register_autograd(
+    _autograd(lambda g, x, dy, *o: conv_bprop(dy, g, *o), lambda g, x, dy, *o: conv_fprop(x, g, *o)),
     setup_context=_setup_context,
 )
