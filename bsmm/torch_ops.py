@@ -348,18 +348,23 @@ def _autograd(first_gradient, second_gradient):
     return backward
 
 
-matmul.register_autograd(
-    _autograd(lambda g, x, w, *o: matmul_bprop(g, w, *o), lambda g, x, w, *o: matmul_updat(x, g, *o)),
-    setup_context=_setup_context,
-)
-matmul_bprop.register_autograd(
-    _autograd(lambda g, dy, w, *o: matmul(g, w, *o), lambda g, dy, w, *o: matmul_updat(g, dy, *o)),
-    setup_context=_setup_context,
-)
-matmul_updat.register_autograd(
-    _autograd(lambda g, x, dy, *o: matmul_bprop(dy, g, *o), lambda g, x, dy, *o: matmul(x, g, *o)),
-    setup_context=_setup_context,
-)
+def _register_bilinear(fprop, bprop, updat) -> None:
+    """Autograd formulas of three operators with the cotangent structure of a product (module docstring)."""
+    fprop.register_autograd(
+        _autograd(lambda g, x, w, *o: bprop(g, w, *o), lambda g, x, w, *o: updat(x, g, *o)),
+        setup_context=_setup_context,
+    )
+    bprop.register_autograd(
+        _autograd(lambda g, dy, w, *o: fprop(g, w, *o), lambda g, dy, w, *o: updat(g, dy, *o)),
+        setup_context=_setup_context,
+    )
+    updat.register_autograd(
+        _autograd(lambda g, x, dy, *o: bprop(dy, g, *o), lambda g, x, dy, *o: fprop(x, g, *o)),
+        setup_context=_setup_context,
+    )
+
+
+_register_bilinear(matmul, matmul_bprop, matmul_updat)
 
 
 # -- the convolutions ----------------------------------------------------------------------------------
@@ -421,31 +426,13 @@ def conv_updat(x: torch.Tensor, dy: torch.Tensor, key: str, spec: list[int], tf3
     return _run_conv("updat", x, dy, key, spec, tf32)
 
 
-@conv_fprop.register_fake
-def _conv_fprop_fake(x, w, key, spec, tf32):
-    return x.new_empty(_conv_shapes("fprop", x, w, key, spec, tf32)[1])
+def _conv_fake(pass_name: str):
+    def fake(a, b, key, spec, tf32):
+        return a.new_empty(_conv_shapes(pass_name, a, b, key, spec, tf32)[1])
+
+    return fake
 
 
-@conv_bprop.register_fake
-def _conv_bprop_fake(dy, w, key, spec, tf32):
-    return dy.new_empty(_conv_shapes("bprop", dy, w, key, spec, tf32)[1])
-
-
-@conv_updat.register_fake
-def _conv_updat_fake(x, dy, key, spec, tf32):
-    return x.new_empty(_conv_shapes("updat", x, dy, key, spec, tf32)[1])
-
-
-# The convolution's passes are bilinear with the matmul's cotangent structure (see bsmm.jax).
-conv_fprop.register_autograd(
-    _autograd(lambda g, x, w, *o: conv_bprop(g, w, *o), lambda g, x, w, *o: conv_updat(x, g, *o)),
-    setup_context=_setup_context,
-)
-conv_bprop.register_autograd(
-    _autograd(lambda g, dy, w, *o: conv_fprop(g, w, *o), lambda g, dy, w, *o: conv_updat(g, dy, *o)),
-    setup_context=_setup_context,
-)
-conv_updat.register_autograd(
-    _autograd(lambda g, x, dy, *o: conv_bprop(dy, g, *o), lambda g, x, dy, *o: conv_fprop(x, g, *o)),
-    setup_context=_setup_context,
-)
+for _pass_name, _operator in (("fprop", conv_fprop), ("bprop", conv_bprop), ("updat", conv_updat)):
+    _operator.register_fake(_conv_fake(_pass_name))
+_register_bilinear(conv_fprop, conv_bprop, conv_updat)
