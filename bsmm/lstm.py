@@ -57,6 +57,7 @@ __all__ = [
     "LSTMCache",
     "gate_layout",
     "small_world_layout",
+    "small_world_lstm",
     "layout_report",
     "GATES",
 ]
@@ -213,6 +214,9 @@ class BlocksparseLSTM:
         self.block_size = check_block_size(settings()["defaults"]["block_size"] if block_size is None else block_size)
         self.input_op = self._operator(input_layout, self.input_size, "input")
         self.recurrent_op = self._operator(recurrent_layout, self.hidden_size, "recurrent")
+        #: The layouts as given (per gate or all gates), read-only; None for a dense matrix.
+        self.input_layout = None if input_layout is None else check_layout(input_layout)
+        self.recurrent_layout = None if recurrent_layout is None else check_layout(recurrent_layout)
 
     def _operator(self, layout, rows: int, name: str):
         width = len(GATES) * self.hidden_size
@@ -449,18 +453,21 @@ def _cell_backward(dh, dc_next, gates, c_prev, c, dz_out):
 
 # -- layouts ------------------------------------------------------------------------------------
 def small_world_layout(n: int, blocks: int, kind: str = "barabasi_albert", seed=None, rewire: float = 0.1):
-    """A symmetric small-world (n, n) layout whose block count is as close as possible to ``blocks``.
+    """A symmetric small-world (n, n) layout with ``blocks`` blocks (or one more), diagonal included.
 
-    The diagonal is always present. ``barabasi_albert`` picks the number of
-    edges per new node ``m`` (``n + 2 (m n - m (m+1) / 2)`` blocks);
-    ``watts_strogatz`` (on a ring) picks the even lattice degree ``k``
-    (``n (k + 1)`` blocks) and rewires each edge with probability ``rewire``.
+    ``barabasi_albert`` grows a graph with ``m`` edges per new node
+    (``n + 2 (m n - m (m+1) / 2)`` blocks); ``watts_strogatz`` rewires a ring
+    lattice of even degree ``k`` (``n (k + 1)`` blocks) with probability
+    ``rewire`` per edge. The sparsest such graph with at least ``blocks``
+    blocks is thinned to ``blocks`` by removing uniformly chosen edges, never
+    a node's last one; an edge is two blocks, so an odd excess leaves one
+    block more. Outside the range the generator covers, the nearest graph.
 
     Examples
     --------
     >>> layout = small_world_layout(32, 200, seed=0)
-    >>> layout.shape, int(layout.sum())
-    ((32, 32), 212)
+    >>> layout.shape, int(layout.sum()), bool((layout == layout.T).all())
+    ((32, 32), 200, True)
     """
     if kind == "barabasi_albert":
         counts = {m: n + 2 * (m * n - m * (m + 1) // 2) for m in range(1, n)}
@@ -470,10 +477,54 @@ def small_world_layout(n: int, blocks: int, kind: str = "barabasi_albert", seed=
         raise ValueError(f"kind must be 'barabasi_albert' or 'watts_strogatz'; got {kind!r}")
     if not counts:
         raise ValueError(f"n must be large enough for a {kind} graph; got {n}")
-    degree = min(counts, key=lambda key: (abs(counts[key] - blocks), key))
+    rng = layouts._as_generator(seed)
+    degree = min((key for key in counts if counts[key] >= blocks), default=max(counts))
     if kind == "barabasi_albert":
-        return layouts.barabasi_albert(n, degree, seed=seed)
-    return layouts.watts_strogatz_1d(n, degree, rewire, seed=seed)
+        layout = layouts.barabasi_albert(n, degree, seed=rng)
+    else:
+        layout = layouts.watts_strogatz_1d(n, degree, rewire, seed=rng)
+    excess = (int(layout.sum()) - blocks) // 2
+    if excess > 0:
+        degrees = layouts.degree(layout)
+        rows, cols = np.nonzero(np.triu(layout, k=1))
+        for edge in rng.permutation(rows.size):
+            a, b = rows[edge], cols[edge]
+            if degrees[a] > 1 and degrees[b] > 1:
+                layout[a, b] = layout[b, a] = 0
+                degrees[a] -= 1
+                degrees[b] -= 1
+                excess -= 1
+                if excess == 0:
+                    break
+    return layout
+
+
+def small_world_lstm(input_size: int, hidden_size: int, n_params: int, block_size: int | None = None,
+                     kind: str = "barabasi_albert", seed=None, sparse_input: bool = True, **kwargs) -> BlocksparseLSTM:
+    """A :class:`BlocksparseLSTM` with about ``n_params`` parameters on one small-world graph.
+
+    The graph, among the ``hidden_size / block_size`` hidden blocks (see
+    :func:`small_world_layout`), is the recurrent layout of every gate and,
+    with ``sparse_input`` (which needs ``input_size == hidden_size``), the
+    input layout too; otherwise ``Wx`` is dense. Its block count is the one
+    closest to what ``n_params`` leaves after the bias and a dense ``Wx``.
+    ``kwargs`` go to :class:`BlocksparseLSTM` (``dtype``, ``forget_bias``).
+
+    Examples
+    --------
+    >>> dense = BlocksparseLSTM(128, 128)
+    >>> sparse = small_world_lstm(256, 256, dense.n_params, block_size=8, seed=0)
+    >>> round(sparse.n_params / dense.n_params, 2), round(sparse.recurrent_op.density, 3)
+    (1.0, 0.25)
+    """
+    bs = check_block_size(settings()["defaults"]["block_size"] if block_size is None else block_size)
+    gates = len(GATES)
+    if sparse_input and input_size != hidden_size:
+        raise ValueError(f"sparse_input needs input_size == hidden_size (one graph); got {input_size} and {hidden_size}")
+    weights = n_params - gates * hidden_size - (0 if sparse_input else input_size * gates * hidden_size)
+    blocks_per_gate = weights / (bs * bs) / gates / (2 if sparse_input else 1)
+    layout = small_world_layout(_check_size(hidden_size, "hidden_size") // bs, round(blocks_per_gate), kind, seed)
+    return BlocksparseLSTM(input_size, hidden_size, bs, layout if sparse_input else None, layout, **kwargs)
 
 
 def layout_report(layout, seed=0) -> dict[str, float]:

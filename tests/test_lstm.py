@@ -15,7 +15,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from bsmm.lstm import GATES, BlocksparseLSTM, DenseMatMul, gate_layout, layout_report, small_world_layout
+from bsmm.lstm import (
+    GATES, BlocksparseLSTM, DenseMatMul, gate_layout, layout_report, small_world_layout, small_world_lstm,
+)
+from bsmm.optim import Adam, clip_by_global_norm, softmax_cross_entropy
+from bsmm.text import (
+    CharLanguageModel, char_corpus, corpus_files, corpus_text, evaluate_bpc, matched_models, stream_chunks, train,
+)
 from conftest import require_dtype, to_numpy, to_xp
 from reference import (
     DTYPES, as_float64, dense_to_present_blocks, dense_weight, random_layout, rel_error, skewed_layout, tolerance,
@@ -287,7 +293,8 @@ def test_small_world_layout_hits_the_block_budget(kind):
     for n, blocks in [(16, 64), (32, 200), (64, 600)]:
         layout = small_world_layout(n, blocks, kind, seed=0)
         assert layout.shape == (n, n) and (np.diag(layout) == 1).all() and (layout == layout.T).all()
-        assert abs(int(layout.sum()) - blocks) <= 2 * n
+        assert int(layout.sum()) - blocks in (0, 1)
+        layout_report(layout)  # connected, or it raises
     assert (small_world_layout(16, 64, kind, seed=3) == small_world_layout(16, 64, kind, seed=3)).all()
 
 
@@ -341,3 +348,110 @@ def test_call_errors():
         DenseMatMul(2, 2).fprop(np.ones((1, 2)), np.ones((2, 2)), accumulate=True)
     with pytest.raises(ValueError, match="kind must be 'barabasi_albert' or 'watts_strogatz'"):
         small_world_layout(8, 16, "erdos_renyi")
+    with pytest.raises(ValueError, match="sparse_input needs input_size == hidden_size"):
+        small_world_lstm(8, 16, 1000, 8)
+
+
+@pytest.mark.parametrize("sparse_input", [True, False])
+def test_small_world_lstm_matches_a_parameter_budget(sparse_input):
+    dense = BlocksparseLSTM(128, 128)
+    sparse = small_world_lstm(256 if sparse_input else 32, 256, dense.n_params, 8, seed=0,
+                              sparse_input=sparse_input, dtype="float16")
+    # Off by at most one block (64 parameters) per gate of each sparse matrix.
+    assert abs(sparse.n_params - dense.n_params) <= 64 * 4 * (2 if sparse_input else 1)
+    assert sparse.dtype == np.float16 and (sparse.input_layout is None) != sparse_input
+    assert (sparse.recurrent_layout == sparse.recurrent_op.layout[:, :32]).all()
+
+
+# -- the training kit: optimizer, loss, corpus, character model ---------------------------------
+def test_softmax_cross_entropy_gradient_by_finite_differences():
+    rng = np.random.default_rng(11)
+    logits, targets = rng.standard_normal((5, 7)) * 3, rng.integers(0, 7, size=5)
+    loss, dlogits = softmax_cross_entropy(logits, targets)
+    expected = np.mean(np.log(np.exp(logits).sum(axis=1)) - logits[np.arange(5), targets])
+    assert abs(float(loss) - expected) <= 1e-12
+    numeric = np.zeros_like(logits)
+    for index in np.ndindex(logits.shape):
+        step = np.zeros_like(logits)
+        step[index] = 1e-6
+        numeric[index] = (float(softmax_cross_entropy(logits + step, targets)[0])
+                          - float(softmax_cross_entropy(logits - step, targets)[0])) / 2e-6
+    assert np.abs(dlogits - numeric).max() <= 1e-8
+
+
+def test_adam_and_clipping(xp):
+    target = xp.asarray(np.arange(6, dtype=np.float32).reshape(2, 3))
+    w, b = xp.zeros((2, 3), dtype=np.float32), xp.ones(3, dtype=np.float32)
+    adam = Adam([w, b], lr=0.05)
+    for _ in range(500):
+        grads = [2 * (w - target), 2 * b]
+        clip_by_global_norm(grads, 5.0)
+        adam.step(grads)
+    assert float(xp.abs(w - target).max()) < 0.05 and float(xp.abs(b).max()) < 0.05
+    small = [xp.ones(3, dtype=np.float32)]
+    assert abs(float(clip_by_global_norm(small, 10.0)) - 3**0.5) < 1e-6 and float(small[0][0]) == 1.0
+    with pytest.raises(ValueError, match="grads must hold 2 arrays, one per parameter; got 1"):
+        adam.step([w])
+
+
+def test_corpus_is_deterministic_and_split_by_chunks():
+    corpus = char_corpus(max_chars=30_000, valid_every=3, chunk_chars=1_000)
+    assert (corpus.train.size, corpus.valid.size) == (20_000, 10_000)
+    text = corpus_text(30_000)
+    assert corpus.decode(corpus.valid[:1_000]) == text[2_000:3_000]
+    assert corpus.decode(corpus.train[2_000:3_000]) == text[3_000:4_000]
+    again = char_corpus(max_chars=30_000, valid_every=3, chunk_chars=1_000)
+    assert again.sha256 == corpus.sha256 and np.array_equal(again.train, corpus.train)
+    assert corpus_files()[0].name == "argparse.py"
+    assert not any("test" in path.parts for path in corpus_files())
+    with pytest.raises(RuntimeError, match="none of the corpus sources was found"):
+        corpus_text(stdlib="/nonexistent")
+
+
+def test_stream_chunks_continue_each_other(xp):
+    ids = np.arange(103)
+    chunks = list(stream_chunks(ids, 4, 6, xp))
+    assert len(chunks) == 4  # streams of 25: chunks start at 0, 6, 12, 18
+    x = np.concatenate([to_numpy(x) for x, _ in chunks])
+    y = np.concatenate([to_numpy(y) for _, y in chunks])
+    assert (x[:, 1] == np.arange(25, 49)).all() and (y == x + 1).all()
+    with pytest.raises(ValueError, match="too short for 4 streams of 30"):
+        next(stream_chunks(ids, 4, 30))
+
+
+@pytest.mark.parametrize("sparse", [False, True])
+def test_char_model_gradients_by_finite_differences(sparse):
+    rng = np.random.default_rng(12)
+    lstm = (BlocksparseLSTM(16, 16, 8, np.eye(2), small_world_layout(2, 4, seed=0), dtype="float64") if sparse
+            else BlocksparseLSTM(5, 6, dtype="float64"))
+    model = CharLanguageModel(7, lstm)
+    params = model.init_params(seed=1)
+    x, y = rng.integers(0, 7, size=(4, 3)), rng.integers(0, 7, size=(4, 3))
+    loss, grads, _ = model.loss_and_grads(params, x, y)
+    for name, array in params.items():
+        flat = array.reshape(-1)
+        for index in rng.choice(flat.size, size=min(flat.size, 6), replace=False):
+            saved = flat[index]
+            flat[index] = saved + 1e-6
+            up = float(model.loss(params, x, y)[0])
+            flat[index] = saved - 1e-6
+            down = float(model.loss(params, x, y)[0])
+            flat[index] = saved
+            numeric = (up - down) / 2e-6
+            assert abs(grads[name].reshape(-1)[index] - numeric) <= 1e-7 * max(1.0, abs(numeric)), (name, index)
+
+
+def test_training_lowers_validation_bits_per_character(xp):
+    corpus = char_corpus(max_chars=40_000, chunk_chars=2_000)
+    dense, sparse = matched_models(corpus.vocab_size, 64, 128, 8, seed=0)
+    assert abs(sparse.n_params - dense.n_params) <= 0.02 * dense.n_params
+    for model in (dense, sparse):
+        params = model.init_params(xp, seed=0)
+        before = evaluate_bpc(model, params, corpus.valid, 8, 16, xp=xp)
+        result = train(model, params, corpus, batch_size=8, steps=16, lr=1e-2, max_updates=40, eval_every=20,
+                       eval_chars=2_000, xp=xp)
+        assert result["updates"] == 40 and result["chars"] == 40 * 8 * 16
+        assert [row["update"] for row in result["curve"]] == [20, 40]
+        assert result["valid_bpc"] == result["curve"][-1]["valid_bpc"] < before - 1.0
+    with pytest.raises(ValueError, match="train needs max_updates or time_limit"):
+        train(dense, params, corpus)
