@@ -44,6 +44,8 @@ import math
 from typing import NamedTuple
 
 import numpy as np
+from scipy import sparse
+from scipy.sparse import csgraph
 
 from . import initializers, layouts
 from .block_index import check_block_size, check_layout
@@ -459,9 +461,10 @@ def small_world_layout(n: int, blocks: int, kind: str = "barabasi_albert", seed=
     (``n + 2 (m n - m (m+1) / 2)`` blocks); ``watts_strogatz`` rewires a ring
     lattice of even degree ``k`` (``n (k + 1)`` blocks) with probability
     ``rewire`` per edge. The sparsest such graph with at least ``blocks``
-    blocks is thinned to ``blocks`` by removing uniformly chosen edges, never
-    a node's last one; an edge is two blocks, so an odd excess leaves one
-    block more. Outside the range the generator covers, the nearest graph.
+    blocks is thinned to ``blocks`` by removing uniformly chosen edges, none
+    of a spanning tree's, so thinning disconnects nothing. An edge is two
+    blocks: an odd excess leaves one block more. A budget below the sparsest
+    graph's (a tree, or a ring of degree 2) gives that graph.
 
     Examples
     --------
@@ -485,17 +488,11 @@ def small_world_layout(n: int, blocks: int, kind: str = "barabasi_albert", seed=
         layout = layouts.watts_strogatz_1d(n, degree, rewire, seed=rng)
     excess = (int(layout.sum()) - blocks) // 2
     if excess > 0:
-        degrees = layouts.degree(layout)
-        rows, cols = np.nonzero(np.triu(layout, k=1))
-        for edge in rng.permutation(rows.size):
-            a, b = rows[edge], cols[edge]
-            if degrees[a] > 1 and degrees[b] > 1:
-                layout[a, b] = layout[b, a] = 0
-                degrees[a] -= 1
-                degrees[b] -= 1
-                excess -= 1
-                if excess == 0:
-                    break
+        # Edges of a breadth-first spanning tree stay, so the graph stays connected.
+        tree = csgraph.breadth_first_tree(sparse.csr_array(layout), 0, directed=False).toarray() != 0
+        rows, cols = np.nonzero(np.triu(layout, k=1) & ~(tree | tree.T))
+        drop = rng.permutation(rows.size)[:excess]
+        layout[rows[drop], cols[drop]] = layout[cols[drop], rows[drop]] = 0
     return layout
 
 

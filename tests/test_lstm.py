@@ -443,7 +443,7 @@ def test_char_model_gradients_by_finite_differences(sparse):
 
 def test_training_lowers_validation_bits_per_character(xp):
     corpus = char_corpus(max_chars=40_000, chunk_chars=2_000)
-    dense, sparse = matched_models(corpus.vocab_size, 64, 128, 8, seed=0)
+    dense, sparse = matched_models(corpus.vocab_size, 96, 128, 8, seed=0)
     assert abs(sparse.n_params - dense.n_params) <= 0.02 * dense.n_params
     for model in (dense, sparse):
         params = model.init_params(xp, seed=0)
