@@ -19,6 +19,10 @@
   ``torch.autograd.gradcheck`` runs at its default tolerances); under ``torch.autocast`` the input and the
   weight are cast to the autocast dtype first, as ``nn.Linear`` does (those casts
   are copies, as in any autocast region; the pass itself still copies nothing).
+- Convolutions: :func:`blocksparse_conv` ``(x, w, conv)`` for a :class:`bsmm.conv.BlocksparseConv`
+  and the layers :class:`BlockSparseConv1d`, :class:`BlockSparseConv2d`, :class:`BlockSparseConv3d`
+  (``nn.Conv`` shapes; a ``channels_last`` input runs without a layout copy), through the
+  ``bsmm::conv_fprop``, ``conv_bprop`` and ``conv_updat`` operators, built the same way.
 - The layout reaches the operators as a content-derived string key resolved in a
   process-wide registry (:func:`register`, :func:`lookup`; why, in :mod:`bsmm.torch_ops`).
   Layers and ``BlocksparseMatMul`` objects register themselves; pickled or deep-copied
@@ -36,13 +40,15 @@ import weakref
 import numpy as np
 
 # First, for its clear ImportError when PyTorch is missing.
-from .torch_ops import SUPPORTED_DTYPES, Registration, check_dtype, lookup, matmul, register
+from .torch_ops import SUPPORTED_DTYPES, Registration, check_dtype, conv_fprop, conv_spec, lookup, matmul, register
 
 import torch  # noqa: E402  (after the guarded import above)
 
+from .conv import BlocksparseConv  # noqa: E402
 from .matmul import BlocksparseMatMul  # noqa: E402
 
-__all__ = ["BlockSparseLinear", "blocksparse_matmul", "register", "lookup"]
+__all__ = ["BlockSparseConv1d", "BlockSparseConv2d", "BlockSparseConv3d", "BlockSparseLinear", "blocksparse_conv",
+           "blocksparse_matmul", "register", "lookup"]
 
 # The registration of each BlocksparseMatMul used through blocksparse_matmul, alive as long as the op.
 _OPS: "weakref.WeakKeyDictionary[BlocksparseMatMul, Registration]" = weakref.WeakKeyDictionary()
@@ -314,3 +320,196 @@ class BlockSparseLinear(_BlockSparseLayer):
         if self.feature_axis != 1:
             text += f", feature_axis={self.feature_axis}"
         return text + (", tf32=True" if self.tf32 else "")
+
+
+# -- convolutions ------------------------------------------------------------------------------------------
+def _conv(x, w, key: str, base: tuple, tf32: bool) -> torch.Tensor:
+    """``bsmm::conv_fprop`` on ``x`` in the channel layout of ``base`` (``conv_spec`` without the spatial shape)."""
+    for name, value in (("x", x), ("w", w)):
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor; got {type(value).__name__}")
+    x, w = _autocast(x, w)
+    rank, channels_last = base[0], base[-1]
+    if x.dim() != rank + 2:
+        expected = "(N, *spatial, C)" if channels_last else "(N, C, *spatial)"
+        raise ValueError(f"x must have shape {expected} with {rank} spatial dimensions; got {tuple(x.shape)}")
+    if not x.is_contiguous():
+        raise ValueError(f"x must be contiguous; got shape {tuple(x.shape)}, strides {x.stride()}")
+    spatial = x.shape[1:-1] if channels_last else x.shape[2:]
+    return conv_fprop(x, w, key, [*base, *spatial], tf32)
+
+
+@torch.compiler.assume_constant_result
+def _static_conv_arguments(conv: BlocksparseConv) -> tuple:
+    # As _static_arguments: run once when torch.compile traces a call.
+    if not isinstance(conv, BlocksparseConv):
+        raise TypeError(f"conv must be a bsmm.conv.BlocksparseConv; got {type(conv).__name__}")
+    return (_registration_for(conv).key, tuple(conv_spec(conv, ())), conv.tf32)
+
+
+def blocksparse_conv(x: torch.Tensor, w: torch.Tensor, conv: BlocksparseConv) -> torch.Tensor:
+    """y = conv(x, W) for a :class:`bsmm.conv.BlocksparseConv`, differentiable in ``x`` and ``w``.
+
+    Parameters
+    ----------
+    x : (N, *spatial, C) tensor, or (N, C, *spatial) with ``conv.channels_last == False``
+        Contiguous; float32, float16 or bfloat16 on the CPU or a CUDA device, float64 on the CPU.
+    w : ``conv.w_shape`` = (*kernel_size, nnzb, bs, bs) tensor of x's dtype and device
+    conv : bsmm.conv.BlocksparseConv
+        Layout, geometry, channel layout and TF32 choice.
+
+    Returns
+    -------
+    y : ``conv.output_shape(x.shape)`` tensor, x's dtype (the autocast dtype under autocast)
+
+    Notes
+    -----
+    Runs the ``bsmm::conv_fprop`` operator; its backward runs ``bsmm::conv_bprop`` and
+    ``bsmm::conv_updat``, whose own backwards give gradients of any order. Besides its
+    output, a pass allocates the canvas and grid of :class:`bsmm.conv.BlocksparseConv`
+    (NumPy on the CPU, CuPy's pool on a GPU). Keep ``conv`` alive until a
+    ``torch.compile``'d backward has run (as for :func:`blocksparse_matmul`).
+
+    Examples
+    --------
+    >>> import numpy as np, torch, bsmm.torch
+    >>> from bsmm.conv import BlocksparseConv
+    >>> conv = BlocksparseConv(np.array([[1, 0], [1, 1]]), 8, (3, 3), padding=1, channels_last=False)
+    >>> x = torch.randn(2, 16, 5, 5)
+    >>> w = torch.randn(conv.w_shape, requires_grad=True)
+    >>> y = bsmm.torch.blocksparse_conv(x, w, conv)
+    >>> dense = torch.from_numpy(conv.to_dense(w.detach().numpy())).permute(3, 2, 0, 1)  # (K, C, 3, 3)
+    >>> torch.allclose(y, torch.nn.functional.conv2d(x, dense, padding=1), atol=1e-4)
+    True
+    >>> y.square().sum().backward()
+    >>> w.grad.shape
+    torch.Size([3, 3, 3, 8, 8])
+    """
+    key, base, tf32 = _static_conv_arguments(conv)
+    return _conv(x, w, key, base, tf32)
+
+
+class _BlockSparseConvNd(_BlockSparseLayer):
+    """The convolution layers; subclasses set the spatial rank."""
+
+    _rank = 0
+
+    def __init__(self, in_channels: int, out_channels: int, kernel_size, layout, block_size: int = 32, stride=1,
+                 padding=0, dilation=1, bias: bool = True, tf32: bool = False, device=None, dtype=None):
+        super().__init__()
+        if not isinstance(kernel_size, int) and len(tuple(kernel_size)) != self._rank:
+            raise ValueError(f"kernel_size must be an int or a tuple of {self._rank} ints for "
+                             f"{type(self).__name__}; got {kernel_size!r}")
+        kernel_size = (kernel_size,) * self._rank if isinstance(kernel_size, int) else tuple(kernel_size)
+        self._build(lambda: BlocksparseConv(_layout_array(layout), block_size, kernel_size, stride, padding, dilation,
+                                            channels_last=False, tf32=tf32),
+                    (("in_channels", in_channels, 0), ("out_channels", out_channels, 1)), bias, device, dtype)
+        op = self.op
+        self.in_channels, self.out_channels, self.tf32 = op.C, op.K, op.tf32
+        self.kernel_size, self.stride, self.padding, self.dilation = op.kernel_size, op.stride, op.padding, op.dilation
+        first = tuple(conv_spec(op, ()))
+        self._specs = {False: first, True: first[:-1] + (1,)}  # by channels_last
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x (N, C, *spatial) -> (N, K, *out), the memory format of x kept (see the class Notes)."""
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"x must be a torch.Tensor; got {type(x).__name__}")
+        if x.dim() != self._rank + 2 or x.shape[1] != self.in_channels:
+            raise ValueError(f"x must have shape (N, {self.in_channels}, *spatial) with {self._rank} spatial "
+                             f"dimensions; got {tuple(x.shape)}")
+        last = x.movedim(1, -1)
+        channels_last = last.is_contiguous()
+        y = _conv(last if channels_last else x.contiguous(), self.weight, self._key, self._specs[channels_last],
+                  self.tf32)
+        if self.bias is not None:
+            bias = self.bias.to(y.dtype)  # autocast: the convolution's dtype, as nn.Conv
+            # In place: y is a fresh output nothing else holds, and its backward does not need it.
+            y = y.add_(bias if channels_last else bias.view(-1, *([1] * self._rank)))
+        return y.movedim(-1, 1) if channels_last else y
+
+    def to_dense_weight(self) -> torch.Tensor:
+        """Dense weight (out_channels, in_channels, *kernel_size) as ``nn.Conv`` stores it; differentiable."""
+        rank = self._rank
+        blocks = self._dense_blocks()  # (CB, KB, *kernel, bs_c, bs_k)
+        dense = blocks.permute(1, 3 + rank, 0, 2 + rank, *range(2, 2 + rank))
+        return dense.reshape(self.out_channels, self.in_channels, *self.kernel_size)
+
+    def extra_repr(self) -> str:
+        text = (f"{self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}, stride={self.stride}, "
+                f"padding={self.padding}, dilation={self.dilation}, block_size={self.op.block_size}, "
+                f"blocks={self.op.blocks}, density={self.op.density:.3g}, bias={self.bias is not None}")
+        return text + (", tf32=True" if self.tf32 else "")
+
+
+_CONV_DOC = """A {rank}-D convolution whose input × output channel connectivity is block-sparse.
+
+    Same shapes as ``torch.nn.Conv{rank}d``: ``x`` (N, C, {spatial}) -> (N, K, {out}); one
+    block-sparse ``C × K`` matrix of the given layout per kernel offset, the kernel dense.
+
+    Parameters
+    ----------
+    in_channels, out_channels : int
+        ``C`` and ``K``: ``layout.shape[0] * block_size`` and ``layout.shape[1] * block_size``.
+    kernel_size : int or tuple of {rank} ints
+    layout : (C // block_size, K // block_size) array or tensor of 0/1
+    block_size : int, default 32
+    stride, padding, dilation : int or tuple of {rank} ints
+        padding may also be "valid" or "same" (stride 1, odd dilated kernel).
+    bias : bool
+    tf32 : bool
+        On the GPU, float32 on TF32 tensor cores.
+    device, dtype
+        Of the parameters: float32, float16 or bfloat16, or float64 on the CPU.
+
+    Attributes
+    ----------
+    weight : Parameter (*kernel_size, nnzb, block_size, block_size)
+        Per kernel offset, the present blocks in the layout's storage order (``op.w_shape``).
+    bias : Parameter (out_channels,) or None
+    layout : buffer, checked when a state_dict is loaded
+    op : bsmm.conv.BlocksparseConv
+        The channels-first convolution (``op.flops``, ``op.to_dense``, ...).
+
+    Notes
+    -----
+    The memory format of ``x`` picks the path: a ``channels_last`` tensor{cl} is run as
+    (N, {spatial}, C) without a layout copy and the output is ``channels_last`` too; a
+    contiguous one is transposed by the convolution's canvas copy (see
+    :class:`bsmm.conv.BlocksparseConv`). Other strides are made contiguous first.
+    Initialization follows ``nn.Conv{rank}d`` with each output channel's true fan-in
+    (present blocks of its block column × block size × kernel volume).
+
+    Examples
+    --------
+    >>> import numpy as np, torch, bsmm.torch
+    >>> layer = bsmm.torch.{name}(64, 32, 3, np.array([[1], [0]]), block_size=32, padding=1)
+    >>> layer
+    {name}(64, 32, kernel_size={kernel}, stride={ones}, padding={ones}, dilation={ones}, block_size=32, blocks=1, density=0.5, bias=True)
+    >>> x = torch.randn(2, 64, {example})
+    >>> dense = torch.nn.functional.conv{rank}d(x, layer.to_dense_weight(), layer.bias, padding=1)
+    >>> torch.allclose(layer(x), dense, atol=1e-4)
+    True
+    """
+
+
+def _conv_doc(rank: int, name: str, spatial: str, out: str, example: str, fast: str) -> str:
+    kernel, ones = (3,) * rank, (1,) * rank
+    return _CONV_DOC.format(rank=rank, name=name, spatial=spatial, out=out, example=example, cl=fast, kernel=kernel,
+                            ones=ones)
+
+
+class BlockSparseConv1d(_BlockSparseConvNd):
+    __doc__ = _conv_doc(1, "BlockSparseConv1d", "L", "L_out", "9", " (``x.transpose(1, 2)`` contiguous)")
+    _rank = 1
+
+
+class BlockSparseConv2d(_BlockSparseConvNd):
+    __doc__ = _conv_doc(2, "BlockSparseConv2d", "H, W", "H_out, W_out", "5, 6",
+                        " (``x.is_contiguous(memory_format=torch.channels_last)``)")
+    _rank = 2
+
+
+class BlockSparseConv3d(_BlockSparseConvNd):
+    __doc__ = _conv_doc(3, "BlockSparseConv3d", "D, H, W", "D_out, H_out, W_out", "3, 4, 5",
+                        " (``torch.channels_last_3d``)")
+    _rank = 3
