@@ -257,16 +257,19 @@ def train(model: CharLanguageModel, params, corpus: CharCorpus, *, batch_size: i
     """Adam on truncated-BPTT chunks of ``corpus.train``, epoch after epoch, updating ``params`` in place.
 
     Stops after ``max_updates`` updates or once ``time_limit`` seconds have
-    passed (at least one must be given), then evaluates on ``corpus.valid``.
-    Validation bits per character are also measured every ``eval_every``
-    updates (on the first ``eval_chars`` characters), for learning curves.
+    passed (at least one must be given), then evaluates on all of
+    ``corpus.valid``. For learning curves, validation bits per character are
+    also measured on its first ``eval_chars`` characters (None: all) every
+    ``eval_every`` updates and at the end.
 
     Returns
     -------
     dict
         ``updates``, ``chars`` (trained on), ``seconds`` (training, evaluation
-        excluded), ``chars_per_second``, ``valid_bpc`` (final), ``curve``: a list
-        of ``{"update", "seconds", "train_bpc", "valid_bpc"}`` rows.
+        excluded), ``chars_per_second``, ``valid_bpc`` (final, all of
+        ``corpus.valid``), ``curve``: a list of ``{"update", "seconds",
+        "train_bpc", "valid_bpc"}`` rows (``train_bpc``: the mean over the
+        updates since the previous row).
     """
     if max_updates is None and time_limit is None:
         raise ValueError("train needs max_updates or time_limit")
@@ -306,6 +309,7 @@ def train(model: CharLanguageModel, params, corpus: CharCorpus, *, batch_size: i
     float(loss)  # waits for the GPU's queued work, which belongs to the training time
     trained = time.perf_counter() - start
     final = evaluate(final=True)
-    record(final)
+    # The curve's last point on the same characters as its others.
+    record(final if eval_chars is None or eval_chars >= len(corpus.valid) else evaluate(final=False))
     return {"updates": updates, "chars": chars, "seconds": trained, "chars_per_second": chars / trained,
             "valid_bpc": final, "curve": curve}
