@@ -296,8 +296,8 @@ class BlocksparseLSTM:
         z = self.input_op.fprop(x.reshape(steps * n, self.input_size), wx).reshape(steps, n, 4 * hidden)
         h = xp.empty((steps + 1, n, hidden), dtype=self.master_dtype)
         c = xp.empty_like(h)
-        h[0] = self._state(h0, n, "h0", xp)
-        c[0] = self._state(c0, n, "c0", xp)
+        h[0] = self._state(h0, n, "h0")
+        c[0] = self._state(c0, n, "c0")
         h_compute = h
         if self.dtype != self.master_dtype:
             h_compute = xp.empty(h.shape, dtype=self.dtype)
@@ -315,7 +315,7 @@ class BlocksparseLSTM:
         """One step of the cell: x (N, I), h and c (N, H) -> new (h, c) in the master dtype."""
         return self.forward(params, x[None], h, c)[1]
 
-    def _state(self, value, n: int, name: str, xp):
+    def _state(self, value, n: int, name: str):
         if value is None:
             return 0
         if tuple(value.shape) != (n, self.hidden_size):
@@ -353,8 +353,8 @@ class BlocksparseLSTM:
             raise ValueError(f"grads must hold {sorted(self.param_shapes)}; got {sorted(grads)}")
         if dh is not None and tuple(dh.shape) != (steps, n, hidden):
             raise ValueError(f"dh must have shape {(steps, n, hidden)}; got {tuple(dh.shape)}")
-        dh_next = self._state(dh_T, n, "dh_T", xp) + xp.zeros((n, hidden), dtype=self.master_dtype)
-        dc_next = self._state(dc_T, n, "dc_T", xp) + xp.zeros((n, hidden), dtype=self.master_dtype)
+        dh_next = self._state(dh_T, n, "dh_T") + xp.zeros((n, hidden), dtype=self.master_dtype)
+        dc_next = self._state(dc_T, n, "dc_T") + xp.zeros((n, hidden), dtype=self.master_dtype)
         dz = xp.empty_like(cache.gates)
         dz_compute = dz if self.dtype == self.master_dtype else xp.empty(dz.shape, dtype=self.dtype)
         dh_recurrent = xp.empty((n, hidden), dtype=self.dtype)
