@@ -58,6 +58,7 @@ Examples
 from __future__ import annotations
 
 import functools
+import math
 
 import numpy as np
 
@@ -76,10 +77,11 @@ except ImportError as error:  # pragma: no cover
 from jax.custom_derivatives import SymbolicZero
 
 from .dtypes import canonical_dtype
-from .jax_passes import run_pass
+from .conv import BlocksparseConv
+from .jax_passes import ConvPasses, run_pass
 from .matmul import BlocksparseMatMul
 
-__all__ = ["BlockSparseDense", "blocksparse_matmul"]
+__all__ = ["BlockSparseConv", "BlockSparseDense", "blocksparse_conv", "blocksparse_matmul"]
 
 
 # -- the passes as differentiable functions -----------------------------------------------------------
@@ -127,6 +129,19 @@ _differentiable_pass.defvjp(_pass_fwd, _pass_bwd, symbolic_zeros=True)
 def _check_inputs(x, w, op) -> None:
     if not isinstance(op, BlocksparseMatMul):
         raise TypeError(f"op must be a bsmm.BlocksparseMatMul; got {type(op).__name__}")
+    dtype = _check_arrays(x, w)
+    if op.feature_axis == 1 and (x.ndim < 1 or x.shape[-1] != op.C):
+        raise ValueError(f"x must have shape (..., {op.C}) (features last, feature_axis=1); got {tuple(x.shape)}")
+    if op.feature_axis == 0 and (x.ndim not in (1, 2) or x.shape[0] != op.C):
+        raise ValueError(
+            f"x must have shape ({op.C}, N) or ({op.C},) (features first, feature_axis=0; batch with "
+            f"jax.vmap); got {tuple(x.shape)}"
+        )
+    _check_weights(x, w, op.w_shape, dtype)
+
+
+def _check_arrays(x, w) -> np.dtype:
+    """x's dtype, once x and w are arrays and bsmm (and JAX) can run it."""
     for name, value in (("x", x), ("w", w)):
         if not (hasattr(value, "shape") and hasattr(value, "dtype")):
             raise TypeError(f"{name} must be a JAX or NumPy array; got {type(value).__name__}")
@@ -136,15 +151,13 @@ def _check_inputs(x, w, op) -> None:
             "x has dtype float64, which JAX turns into float32 unless 64-bit types are on: "
             "jax.config.update('jax_enable_x64', True), or pass float32"
         )
-    if op.feature_axis == 1 and (x.ndim < 1 or x.shape[-1] != op.C):
-        raise ValueError(f"x must have shape (..., {op.C}) (features last, feature_axis=1); got {tuple(x.shape)}")
-    if op.feature_axis == 0 and (x.ndim not in (1, 2) or x.shape[0] != op.C):
-        raise ValueError(
-            f"x must have shape ({op.C}, N) or ({op.C},) (features first, feature_axis=0; batch with "
-            f"jax.vmap); got {tuple(x.shape)}"
-        )
-    if tuple(w.shape) != op.w_shape:
-        raise ValueError(f"w must have shape w_shape {op.w_shape}; got {tuple(w.shape)}")
+    return dtype
+
+
+def _check_weights(x, w, w_shape: tuple, dtype) -> None:
+    """w's shape and dtype, and that x and w are not placed on different devices."""
+    if tuple(w.shape) != w_shape:
+        raise ValueError(f"w must have shape w_shape {w_shape}; got {tuple(w.shape)}")
     if w.dtype != dtype:
         raise TypeError(f"w has dtype {w.dtype} but x has {dtype}; pass one dtype")
     places = [_committed_devices(value) for value in (x, w)]
@@ -227,6 +240,29 @@ def blocksparse_matmul(x, w, op: BlocksparseMatMul):
     return _differentiable_pass(x.reshape(op.C, -1), w, op, "fprop").reshape((op.K,) + x.shape[1:])
 
 
+def _init_params(op, key, dtype, bias: bool) -> dict:
+    """``w`` of ``op.w_shape``, Gaussian with std 1/sqrt(fan-in) (present blocks × block size × kernel taps
+    of each output feature), and ``b`` zeros."""
+    dtype = canonical_dtype(dtype, "dtype")
+    layout = op.layout
+    taps = math.prod(getattr(op, "kernel_size", ()))  # 1 for a product
+    fan_in = np.count_nonzero(layout, axis=0)[np.nonzero(layout)[1]] * op.block_size * taps
+    std = (1.0 / np.sqrt(fan_in)).astype(np.float32)
+    w = jax.random.normal(key, op.w_shape, jnp.float32) * std[:, None, None]
+    params = {"w": w.astype(dtype)}
+    if bias:
+        params["b"] = jnp.zeros((op.K,), dtype)
+    return params
+
+
+def _add_bias(params: dict, y, features: int, axis: int):
+    """``y + params["b"]``, the bias (features,) running along ``axis`` of ``y``."""
+    b = params["b"]
+    if tuple(b.shape) != (features,):
+        raise ValueError(f"params['b'] must have shape ({features},); got {tuple(b.shape)}")
+    return y + b.reshape((-1,) + (1,) * (y.ndim - axis - 1)).astype(y.dtype)
+
+
 # -- a layer over a params pytree -------------------------------------------------------------------
 class BlockSparseDense:
     """A dense layer ``y = x·W + b`` whose ``W`` (in_features, out_features) is block-sparse.
@@ -292,25 +328,12 @@ class BlockSparseDense:
         -------
         dict with ``"w"`` (nnzb, bs, bs) and, with bias, ``"b"`` (out_features,)
         """
-        dtype = canonical_dtype(dtype, "dtype")
-        layout = self.op.layout
-        fan_in = np.count_nonzero(layout, axis=0)[np.nonzero(layout)[1]] * self.op.block_size
-        std = (1.0 / np.sqrt(fan_in)).astype(np.float32)
-        w = jax.random.normal(key, self.op.w_shape, jnp.float32) * std[:, None, None]
-        params = {"w": w.astype(dtype)}
-        if self.bias:
-            params["b"] = jnp.zeros((self.op.K,), dtype)
-        return params
+        return _init_params(self.op, key, dtype, self.bias)
 
     def apply(self, params: dict, x):
         """``x·W + b``: (..., C) -> (..., K) (feature_axis 1) or (C, N) -> (K, N) (feature_axis 0)."""
         y = blocksparse_matmul(x, params["w"], self.op)
-        if not self.bias:
-            return y
-        b = params["b"]
-        if tuple(b.shape) != (self.op.K,):
-            raise ValueError(f"params['b'] must have shape ({self.op.K},); got {tuple(b.shape)}")
-        return y + (b if self.op.feature_axis == 1 or y.ndim == 1 else b[:, None]).astype(y.dtype)
+        return _add_bias(params, y, self.op.K, y.ndim - 1 if self.op.feature_axis == 1 else 0) if self.bias else y
 
     __call__ = apply
 
@@ -318,3 +341,105 @@ class BlockSparseDense:
         return (f"BlockSparseDense(in_features={self.op.C}, out_features={self.op.K}, "
                 f"block_size={self.op.block_size}, blocks={self.op.blocks}, bias={self.bias}, "
                 f"feature_axis={self.op.feature_axis})")
+
+
+# -- convolutions -----------------------------------------------------------------------------------------
+def blocksparse_conv(x, w, conv: BlocksparseConv):
+    """y = conv(x, W) for a :class:`bsmm.conv.BlocksparseConv`: differentiable and jit-able.
+
+    Parameters
+    ----------
+    x : (N, *spatial, C) array, or (N, C, *spatial) with ``conv.channels_last == False``
+        float32, float16 or bfloat16; float64 on the CPU (with ``jax_enable_x64``).
+    w : ``conv.w_shape`` = (*kernel_size, nnzb, bs, bs) array of x's dtype
+    conv : bsmm.conv.BlocksparseConv
+        Static (hashed by identity): reuse one object to reuse compiled code.
+
+    Returns
+    -------
+    y : ``conv.output_shape(x.shape)``, x's dtype
+
+    Notes
+    -----
+    Each pass is one XLA custom call (as for :func:`blocksparse_matmul`) running
+    :class:`bsmm.conv.BlocksparseConv` on XLA's buffers; its canvas and grid temporaries
+    come from NumPy on the CPU and CuPy's pool on a GPU, outside XLA's memory. Reverse mode
+    of any order through ``jax.custom_vjp``; no ``jax.vmap`` (the batch is N).
+
+    Examples
+    --------
+    >>> import numpy as np, jax, jax.numpy as jnp, bsmm.jax
+    >>> from bsmm.conv import BlocksparseConv
+    >>> conv = BlocksparseConv(np.array([[1, 0], [1, 1]]), 8, (3, 3), padding=1)
+    >>> w = jnp.asarray(conv.normal_init(seed=0))
+    >>> x = jnp.ones((2, 5, 5, conv.C))
+    >>> y = jax.jit(bsmm.jax.blocksparse_conv, static_argnums=2)(x, w, conv)
+    >>> dense = jnp.asarray(conv.to_dense(np.asarray(w)))  # (3, 3, C, K): HWIO
+    >>> ref = jax.lax.conv_general_dilated(x, dense, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"),
+    ...                                    precision="highest")
+    >>> bool(jnp.allclose(y, ref, atol=1e-4))
+    True
+    >>> jax.grad(lambda w: bsmm.jax.blocksparse_conv(x, w, conv).sum())(w).shape
+    (3, 3, 3, 8, 8)
+    """
+    if not isinstance(conv, BlocksparseConv):
+        raise TypeError(f"conv must be a bsmm.conv.BlocksparseConv; got {type(conv).__name__}")
+    dtype = _check_arrays(x, w)
+    conv._geometry(tuple(x.shape), "x")  # raises naming x unless the shape fits
+    _check_weights(x, w, conv.w_shape, dtype)
+    return _differentiable_pass(x, w, ConvPasses(conv, x.shape), "fprop")
+
+
+class BlockSparseConv:
+    """A convolution layer ``y = conv(x, W) + b`` whose channel connectivity is block-sparse.
+
+    Parameters live in a pytree ``{"w": (*kernel_size, nnzb, bs, bs), "b": (out_channels,)}``
+    made by :meth:`init` and read by :meth:`apply`; the layer holds only the static
+    :class:`bsmm.conv.BlocksparseConv` (``self.conv``).
+
+    Parameters
+    ----------
+    in_channels, out_channels : int
+        C and K; ``layout.shape[0] * block_size`` and ``layout.shape[1] * block_size``.
+    kernel_size : int or tuple of 1 to 3 ints
+        An int is a square 2-D kernel; a tuple's length is the spatial rank.
+    layout : (C // block_size, K // block_size) array of 0/1
+    block_size : int, default 32
+    stride, padding, dilation, channels_last, tf32
+        As :class:`bsmm.conv.BlocksparseConv`: channels last (N, *spatial, C) by default, JAX's usual layout.
+    bias : bool, default True
+
+    Examples
+    --------
+    >>> import numpy as np, jax, jax.numpy as jnp, bsmm.jax
+    >>> layer = bsmm.jax.BlockSparseConv(16, 16, 3, np.array([[1, 0], [1, 1]]), block_size=8, stride=2, padding=1)
+    >>> params = layer.init(jax.random.key(0))
+    >>> x = jnp.ones((2, 9, 9, 16))
+    >>> grads = jax.jit(jax.grad(lambda p: (layer.apply(p, x) ** 2).mean()))(params)
+    >>> layer.apply(params, x).shape, grads["w"].shape
+    ((2, 5, 5, 16), (3, 3, 3, 8, 8))
+    """
+
+    def __init__(self, in_channels: int, out_channels: int, kernel_size, layout, block_size: int = 32, stride=1,
+                 padding=0, dilation=1, bias: bool = True, channels_last: bool = True, tf32: bool | None = None):
+        self.conv = BlocksparseConv(layout, block_size, kernel_size, stride, padding, dilation, channels_last, tf32)
+        for name, value, expected, axis in (("in_channels", in_channels, self.conv.C, 0),
+                                            ("out_channels", out_channels, self.conv.K, 1)):
+            if value != expected:
+                raise ValueError(f"{name} must be layout.shape[{axis}] * block_size = {expected}; got {value}")
+        self.bias = bool(bias)
+
+    def init(self, key, dtype=jnp.float32) -> dict:
+        """Initial parameters: ``w`` Gaussian with std 1/sqrt(fan-in), fan-in counting the present
+        blocks of an output channel's block column times the kernel volume; ``b`` zeros."""
+        return _init_params(self.conv, key, dtype, self.bias)
+
+    def apply(self, params: dict, x):
+        """(N, *spatial, C) -> (N, *out, K), or channels first with ``channels_last=False``."""
+        y = blocksparse_conv(x, params["w"], self.conv)
+        return _add_bias(params, y, self.conv.K, y.ndim - 1 if self.conv.channels_last else 1) if self.bias else y
+
+    __call__ = apply
+
+    def __repr__(self) -> str:
+        return f"BlockSparseConv({self.conv!r}, bias={self.bias})"

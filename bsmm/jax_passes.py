@@ -23,7 +23,7 @@ from jax.experimental.buffer_callback import buffer_callback
 from .arrays import _DLPACK_CPU, _DLPACK_CUDA
 from .matmul import BlocksparseMatMul
 
-__all__ = ["run_pass"]
+__all__ = ["ConvPasses", "run_pass"]
 
 
 # -- the host side of a pass ------------------------------------------------------------------
@@ -166,6 +166,54 @@ def run_pass(op: BlocksparseMatMul, pass_name: str, a, b):
     Returns
     -------
     The pass's result in ``a``'s dtype: (N, K), (N, C) or (nnzb, bs, bs) (transposed
-    activations with ``feature_axis=0``).
+    activations with ``feature_axis=0``). ``op`` may also be a :class:`ConvPasses`: a convolution's pass.
     """
+    if isinstance(op, ConvPasses):
+        return _bind_conv(op, pass_name, a, b)
     return _pass(op, pass_name, a, b)
+
+
+# -- convolutions ------------------------------------------------------------------------------------
+class ConvPasses:
+    """The passes of a :class:`~bsmm.conv.BlocksparseConv` on inputs of one shape, as :func:`run_pass`'s ``op``.
+
+    ``fprop(x, w)``, ``bprop(dy, w)`` and ``updat(x, dy)`` take the two operands and
+    ``out=``, as :class:`~bsmm.BlocksparseMatMul`'s do (``bprop`` knows the input shape).
+    Equal (and hashed) by the convolution's identity and the input shape: a static argument.
+    No vmap rule: the batch of a convolution is its N.
+    """
+
+    __slots__ = ("__weakref__", "conv", "x_shape")
+
+    def __init__(self, conv, x_shape: tuple):
+        self.conv, self.x_shape = conv, tuple(int(v) for v in x_shape)
+
+    def __eq__(self, other):
+        return type(other) is ConvPasses and other.conv is self.conv and other.x_shape == self.x_shape
+
+    def __hash__(self):
+        return hash((id(self.conv), self.x_shape))
+
+    def __repr__(self) -> str:  # shown in jaxprs
+        return f"ConvPasses({self.conv!r}, x_shape={self.x_shape})"
+
+    def fprop(self, x, w, out):
+        return self.conv.fprop(x, w, out=out)
+
+    def bprop(self, dy, w, out):
+        return self.conv.bprop(dy, w, self.x_shape, out=out)
+
+    def updat(self, x, dy, out):
+        return self.conv.updat(x, dy, out=out)
+
+    def out_shape(self, pass_name: str) -> tuple:
+        results = {"fprop": self.conv.output_shape(self.x_shape), "bprop": self.x_shape, "updat": self.conv.w_shape}
+        return results[pass_name]
+
+
+def _bind_conv(passes: ConvPasses, pass_name: str, a, b):
+    out_shape = passes.out_shape(pass_name)
+    if 0 in out_shape or 0 in a.shape or 0 in b.shape:
+        return jnp.zeros(out_shape, a.dtype)  # an empty layout or N = 0 (see _bind)
+    call = buffer_callback(_PassCallback(passes, pass_name, ()), jax.ShapeDtypeStruct(out_shape, a.dtype))
+    return call(a, b)
