@@ -8,13 +8,17 @@
 
 from . import initializers, layouts
 from .block_index import BlockIndex, block_index
+from .conv import BlocksparseConv
 from .dtypes import SUPPORTED_DTYPES
+from .lstm import BlocksparseLSTM
 from .matmul import BlocksparseMatMul, blocks_to_dense, dense_to_blocks
 from .matrix import BlockSparseMatrix
 
 __all__ = [
     "BlockIndex",
     "BlockSparseMatrix",
+    "BlocksparseConv",
+    "BlocksparseLSTM",
     "BlocksparseMatMul",
     "SUPPORTED_DTYPES",
     "block_index",
