@@ -37,6 +37,7 @@ are the output itself (no crop copy).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
 
@@ -110,9 +111,12 @@ def _phase_range(phase: int, size: int, stride: int, padding: int) -> tuple[slic
     return slice(first, last + 1), slice(start, start + stride * (count - 1) + 1, stride)
 
 
+@functools.lru_cache(maxsize=256)
 def conv_geometry(batch: int, spatial: tuple, channels: int, kernel: tuple, stride: tuple, padding: tuple,
                   dilation: tuple) -> ConvGeometry:
     """The geometry of one convolution call; all tuples have one entry per spatial dimension.
+
+    Cached (it is pure and a training step asks for the same few shapes again and again).
 
     Raises
     ------
