@@ -37,6 +37,10 @@ def _zeros(xp, shape: tuple, dtype):
     return xp.zeros(shape, dtype=_BITS[np.dtype(dtype).itemsize]).view(dtype)
 
 
+def _empty(xp, shape: tuple, dtype):
+    return xp.empty(shape, dtype=_BITS[np.dtype(dtype).itemsize]).view(dtype)
+
+
 def _spatial_tuple(value, name: str, dims: int, minimum: int) -> tuple:
     """``value`` (int or sequence of ints) as a tuple of ``dims`` ints >= ``minimum``, or raise naming it."""
     values = (value,) * dims if isinstance(value, (int, np.integer)) else value
@@ -310,8 +314,7 @@ class BlocksparseConv:
             return out if out is not None else x_op.wrap(y)
         canvas = self._canvas(xp, x_op.array, geometry)
         direct = geometry.grid_is_output and self.channels_last
-        grid = y if direct else xp.empty((geometry.batch, *geometry.grid, self.K), dtype=_BITS[dtype.itemsize])
-        grid = grid.view(dtype)
+        grid = y if direct else _empty(xp, (geometry.batch, *geometry.grid, self.K), dtype)
         flat = grid.reshape(-1)
         for offset, (shift, w_k) in enumerate(zip(geometry.shifts, self._per_offset(w_op.array))):
             backend.strided_pass("fprop", self.index, canvas[shift:], w_k, flat, geometry.rows,
