@@ -99,6 +99,8 @@ def test_runs_headless(path, monkeypatch):
         failure = f"{path.name}: a cell raised\n{error}"
     except nbclient.exceptions.CellTimeoutError as error:
         failure = f"{path.name}: a cell ran past {TIMEOUT_S} s\n{error}"
+    except nbclient.exceptions.DeadKernelError as error:
+        failure = f"{path.name}: the kernel died (a crash, memory exhausted, or an exit)\n{error}"
     if failure:  # outside the except clause, so that the report holds the cell's error only once
         pytest.fail(_ANSI_ESCAPE.sub("", failure), pytrace=False)
     elapsed = time.perf_counter() - start
