@@ -69,3 +69,19 @@ def poisoned(xp, shape, dtype):
 def snapshot(*arrays) -> list[bytes]:
     """Bitwise copies of arrays (host or device), to check later that nothing changed."""
     return [np.ascontiguousarray(to_numpy(a)).tobytes() for a in arrays]
+
+
+@pytest.fixture(autouse=True)
+def _fresh_torch_compiler():
+    """Each test starts from an empty torch.compile cache.
+
+    The layers share their forward code, so the recompiles of earlier tests (other layouts,
+    shapes, devices) would otherwise count against dynamo's per-function recompile limit
+    and fail a later ``fullgraph=True`` test that is fine on its own.
+    """
+    import sys
+
+    dynamo = sys.modules.get("torch._dynamo")
+    if dynamo is not None:
+        dynamo.reset()
+    yield
