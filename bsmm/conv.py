@@ -16,7 +16,7 @@ import numpy as np
 
 from . import initializers
 from .arrays import Operand, as_operand, check_same_place
-from .block_index import BlockIndex
+from .block_index import BlockIndex, block_index
 from .conv_geometry import ConvGeometry, conv_geometry
 from .dtypes import canonical_dtype
 from .layouts import _as_generator
@@ -315,10 +315,11 @@ class BlocksparseConv:
         canvas = self._canvas(xp, x_op.array, geometry)
         direct = geometry.grid_is_output and self.channels_last
         grid = y if direct else _empty(xp, (geometry.batch, *geometry.grid, self.K), dtype)
-        flat = grid.reshape(-1)
-        for offset, (shift, w_k) in enumerate(zip(geometry.shifts, self._per_offset(w_op.array))):
-            backend.strided_pass("fprop", self.index, canvas[shift:], w_k, flat, geometry.rows,
-                                 (geometry.row_stride, self.K), accumulate=offset > 0, tf32=self.tf32)
+        # One launch for every kernel offset: the offsets are block rows of one stacked layout
+        # whose blocks read the canvas at their offset's shift (no output re-read per offset).
+        backend.shifted_pass("fprop", self._stacked_index, canvas, w_op.array.reshape(-1), grid.reshape(-1),
+                             geometry.rows, (geometry.row_stride, self.K), self._shifted_blocks(geometry),
+                             tf32=self.tf32)
         if not direct:
             _bits(self._channels_last(y))[...] = _bits(grid)[geometry.crop]
         return out if out is not None else x_op.wrap(y)
@@ -392,9 +393,10 @@ class BlocksparseConv:
             return out if out is not None else x_op.wrap(dw)
         canvas = self._canvas(xp, x_op.array, geometry)
         dy_rows = self._on_grid(xp, dy_op.array, geometry)
-        for shift, dw_k in zip(geometry.shifts, self._per_offset(dw)):
-            backend.strided_pass("updat", self.index, canvas[shift:], dy_rows, dw_k, geometry.rows,
-                                 (geometry.row_stride, self.K), accumulate=bool(accumulate), tf32=self.tf32)
+        # Every offset's gradient in one launch over the stacked layout (see fprop).
+        backend.shifted_pass("updat", self._stacked_index, canvas, dy_rows, dw.reshape(-1), geometry.rows,
+                             (geometry.row_stride, self.K), self._shifted_blocks(geometry),
+                             accumulate=bool(accumulate), tf32=self.tf32)
         return out if out is not None else x_op.wrap(dw)
 
     # -- layout changes shared by the passes -----------------------------------------------------
@@ -403,6 +405,27 @@ class BlocksparseConv:
         if self.channels_last:
             return array
         return array.transpose(0, *range(2, array.ndim), 1)
+
+    @property
+    def _stacked_index(self) -> BlockIndex:
+        """The layout repeated once per kernel offset along C: its blocks in storage order are
+        exactly ``w``'s (offset-major, then the layout's row-major order)."""
+        stacked = self.__dict__.get("_stacked")
+        if stacked is None:
+            stacked = self.__dict__["_stacked"] = block_index(
+                np.tile(self.layout, (math.prod(self.kernel_size), 1)), self.block_size)
+        return stacked
+
+    def _shifted_blocks(self, geometry: ConvGeometry) -> tuple:
+        """Where block row (offset k, c) of the stacked layout reads the canvas: block
+        shift_k / bs + c of a row (every shift is a whole number of channel vectors)."""
+        cached = self.__dict__.setdefault("_shifted", {})
+        blocks = cached.get(geometry.shifts)
+        if blocks is None:
+            per_row = self.C // self.block_size
+            blocks = cached[geometry.shifts] = tuple(
+                shift // self.block_size + c for shift in geometry.shifts for c in range(per_row))
+        return blocks
 
     def _per_offset(self, weights):
         """Flat views of each kernel offset's block data."""

@@ -27,9 +27,9 @@ import scipy.sparse
 from .block_index import BlockIndex
 from .arrays import empty_aligned
 from .config import settings
-from .strided import check_strided_operands, row_widths
+from .strided import check_strided_operands, row_widths, virtual_width
 
-__all__ = ["fprop", "bprop", "updat", "strided_pass"]
+__all__ = ["fprop", "bprop", "updat", "strided_pass", "shifted_pass"]
 
 _F32 = np.dtype(np.float32)
 _F64 = np.dtype(np.float64)
@@ -191,10 +191,22 @@ def strided_pass(pass_name: str, index: BlockIndex, act: np.ndarray, other: np.n
     Overlapping rows are gathered into a contiguous copy first: the CPU backend is the
     reference, and the copy keeps the segmented products below unchanged.
     """
-    check_strided_operands(pass_name, index, act, other, out, rows, row_strides)
-    width_a, width_b = row_widths(pass_name, index)
-    a = np.ascontiguousarray(_rows_view(act, rows, width_a, row_strides[0]))
+    shifted_pass(pass_name, index, act, other, out, rows, row_strides, None, accumulate)
+
+
+def shifted_pass(pass_name: str, index: BlockIndex, act: np.ndarray, other: np.ndarray, out: np.ndarray,
+                 rows: int, row_strides: tuple, act_blocks, accumulate: bool = False, tf32: bool = False) -> None:
+    """:func:`strided_pass` whose activation block b is read at block ``act_blocks[b]`` of each
+    row (``None``: block b); the CPU twin of :func:`bsmm.cuda_backend.shifted_pass`."""
     bs = index.block_size
+    width_a, width_b = row_widths(pass_name, index)
+    span = virtual_width(pass_name, index, act_blocks) if act_blocks is not None else None
+    check_strided_operands(pass_name, index, act, other, out, rows, row_strides, span)
+    if act_blocks is None:
+        a = np.ascontiguousarray(_rows_view(act, rows, width_a, row_strides[0]))
+    else:  # gather each block from its own place in the row
+        a = _rows_view(act, rows, span, row_strides[0]).reshape(rows, span // bs, bs)
+        a = np.ascontiguousarray(a[:, np.asarray(act_blocks, dtype=np.int64), :]).reshape(rows, width_a)
     if pass_name == "updat":
         b = np.ascontiguousarray(_rows_view(other, rows, width_b, row_strides[1]))
         updat(index, a, b, out.reshape(index.nnzb, bs, bs), 1, accumulate)

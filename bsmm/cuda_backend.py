@@ -26,9 +26,9 @@ from .block_index import BlockIndex
 from .config import settings
 from .dtypes import DTYPE_NAMES
 from .kernels import MAX_PART_BLOCKS, Variant, load_kernel
-from .strided import check_strided_operands
+from .strided import check_strided_operands, virtual_width
 
-__all__ = ["FastCall", "fprop", "bprop", "updat", "strided_pass", "plan_for", "tile_for"]
+__all__ = ["FastCall", "fprop", "bprop", "updat", "strided_pass", "shifted_pass", "plan_for", "tile_for"]
 
 _VEC_BYTES = 16
 # Bound once: the per-call path looks these up on every launch.
@@ -197,7 +197,7 @@ def _column_groups(index: BlockIndex, pass_name: str, mode: str, n: int, aligned
 
 
 def _build_plan(index: BlockIndex, pass_name: str, n: int, dtype: str, feature_axis: int, tf32: bool,
-                aligned: bool, device) -> Plan:
+                aligned: bool, device, act_blocks: tuple | None = None) -> Plan:
     bs = index.block_size
     mode = math_mode(dtype, pass_name, bs, tf32)
     arch_key = f"sm{device.compute_capability}"
@@ -250,6 +250,10 @@ def _build_plan(index: BlockIndex, pass_name: str, n: int, dtype: str, feature_a
         end = np.minimum(begin + part_length, ptr[unit_of + 1])
         grid_yz = (math.ceil(max(n, 1) / bm), max(1, bs // bn))
 
+    if act_blocks is not None:  # where each activation block is read (see bsmm.strided.virtual_width)
+        column = 0 if (pass_name == "updat" or groups) else 1
+        table = np.array(table, dtype=np.int64)
+        table[:, column] = np.asarray(act_blocks, dtype=np.int64)[table[:, column]]
     if not grouped:
         segments = np.stack([unit_of, begin, end, part_index], axis=1)
         # Longest parts first: the hardware hands out thread blocks roughly in order.
@@ -289,10 +293,10 @@ _PLAN_LOCK = threading.Lock()
 
 
 def plan_for(index: BlockIndex, pass_name: str, n: int, dtype: str, feature_axis: int, tf32: bool,
-             aligned: bool) -> Plan:
+             aligned: bool, act_blocks: tuple | None = None) -> Plan:
     """The cached plan for this pass on the current device, built on first use."""
     device_id = cupy.cuda.runtime.getDevice()
-    key = (pass_name, n, dtype, feature_axis, tf32, aligned, device_id)
+    key = (pass_name, n, dtype, feature_axis, tf32, aligned, device_id, act_blocks)
     plans = _PLANS.get(index)
     plan = plans.get(key) if plans is not None else None
     if plan is None:
@@ -301,7 +305,7 @@ def plan_for(index: BlockIndex, pass_name: str, n: int, dtype: str, feature_axis
             plan = plans.get(key)
             if plan is None:
                 plan = plans[key] = _build_plan(index, pass_name, n, dtype, feature_axis, tf32, aligned,
-                                                cupy.cuda.Device(device_id))
+                                                cupy.cuda.Device(device_id), act_blocks)
     return plan
 
 
@@ -414,14 +418,26 @@ def strided_pass(pass_name: str, index: BlockIndex, act, other, out, rows: int, 
     (checked); the output rows of one call must not overlap each other (not checked).
     Same contract as :func:`bsmm.cpu_backend.strided_pass`.
     """
-    check_strided_operands(pass_name, index, act, other, out, rows, row_strides)
+    shifted_pass(pass_name, index, act, other, out, rows, row_strides, None, accumulate, tf32)
+
+
+def shifted_pass(pass_name: str, index: BlockIndex, act, other, out, rows: int, row_strides: tuple,
+                 act_blocks: tuple | None, accumulate: bool = False, tf32: bool = False) -> None:
+    """:func:`strided_pass` whose activation block b is read at block ``act_blocks[b]`` of each row.
+
+    One launch then sums blocks that read the activations at different offsets: the kernel's
+    step table holds the activation block of every step, and only that table changes
+    (:func:`bsmm.strided.virtual_width`). ``act_blocks`` is a tuple (it keys the cached plan).
+    """
+    span = virtual_width(pass_name, index, act_blocks) if act_blocks is not None else None
+    check_strided_operands(pass_name, index, act, other, out, rows, row_strides, span)
     if rows == 0:
         return
     stride_a, stride_b = (int(v) for v in row_strides)
     item = act.dtype.itemsize
     aligned = all(a.data.ptr % _VEC_BYTES == 0 for a in (act, other, out)) and all(
         (s * item) % _VEC_BYTES == 0 for s in (stride_a, stride_b))
-    plan = plan_for(index, pass_name, rows, DTYPE_NAMES[act.dtype], 1, tf32, aligned)
+    plan = plan_for(index, pass_name, rows, DTYPE_NAMES[act.dtype], 1, tf32, aligned, act_blocks)
     if pass_name == "updat":
         sizes = (rows, stride_a, stride_b, 0)
     else:

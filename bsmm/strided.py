@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from .block_index import BlockIndex
 
-__all__ = ["check_strided_operands", "row_widths"]
+__all__ = ["check_strided_operands", "row_widths", "virtual_width"]
 
 
 def row_widths(pass_name: str, index: BlockIndex) -> tuple[int, int]:
@@ -23,10 +23,31 @@ def row_widths(pass_name: str, index: BlockIndex) -> tuple[int, int]:
     return widths[pass_name]
 
 
+def virtual_width(pass_name: str, index: BlockIndex, act_blocks) -> int:
+    """Elements an activation row spans when its block b is read at block ``act_blocks[b]``.
+
+    ``act_blocks`` (one entry per activation block of the index: block rows for fprop and
+    updat, block columns for bprop) lets one pass read each block at its own offset: a
+    convolution's kernel offsets become block rows of one stacked layout whose blocks read
+    the input shifted by that offset, so every offset is summed inside one launch.
+    """
+    count = index.n_block_cols if pass_name == "bprop" else index.n_block_rows
+    if len(act_blocks) != count:
+        raise ValueError(f"act_blocks must have one entry per activation block ({count}); got {len(act_blocks)}")
+    if count and min(act_blocks) < 0:
+        raise ValueError("act_blocks must be >= 0")
+    return (max(act_blocks, default=-1) + 1) * index.block_size
+
+
 def check_strided_operands(pass_name: str, index: BlockIndex, act, other, out, rows: int,
-                           row_strides: tuple) -> None:
-    """Raise ValueError naming the operand unless every row lies inside its flat 1-D array."""
+                           row_strides: tuple, act_width: int | None = None) -> None:
+    """Raise ValueError naming the operand unless every row lies inside its flat 1-D array.
+
+    ``act_width``: the activation row's span when it is read through ``act_blocks``.
+    """
     widths = row_widths(pass_name, index)
+    if act_width is not None:
+        widths = (act_width, widths[1])
     row_major = {"act": act, "out": out} if pass_name != "updat" else {"act": act, "other": other}
     weights_name = "other" if pass_name != "updat" else "out"
     weights = other if pass_name != "updat" else out
@@ -38,7 +59,7 @@ def check_strided_operands(pass_name: str, index: BlockIndex, act, other, out, r
     if rows < 0:
         raise ValueError(f"strided_pass: rows must be >= 0; got {rows}")
     for (name, array), stride, width in zip(row_major.items(), row_strides, widths):
-        if stride < width:
+        if stride < width and not (name == "act" and act_width is not None):
             raise ValueError(f"strided_pass: {name}'s rows are {stride} apart but {width} wide; they would overlap")
         if rows and (rows - 1) * stride + width > array.size:
             raise ValueError(f"strided_pass: {name} holds {array.size} elements but {rows} rows of {width}, "

@@ -87,3 +87,35 @@ def test_strided_pass_refuses_rows_past_the_buffer(xp):
         backend.strided_pass("fprop", op.index, act, w[:10], out, 3, (16, 16))
     with pytest.raises(ValueError, match="flat 1-D"):
         backend.strided_pass("fprop", op.index, act.reshape(3, 16), w, out, 3, (16, 16))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+@pytest.mark.parametrize("pass_name", ["fprop", "bprop", "updat"])
+def test_shifted_pass_reads_each_block_at_its_place(xp, pass_name, dtype):
+    """act_blocks: block b of each activation row is read at block act_blocks[b] (repeats and
+    any order allowed), as the stacked layout of a convolution reads its shifted windows."""
+    rng = np.random.default_rng([len(pass_name), DTYPES[dtype].num])
+    bs, rows = 8, 150
+    layout = random_layout(rng, 4, 3, 0.6)
+    layout[0, :] = 1
+    op = bsmm.BlocksparseMatMul(layout, block_size=bs)
+    n_act = op.index.n_block_cols if pass_name == "bprop" else op.index.n_block_rows
+    act_blocks = tuple(int(v) for v in rng.integers(0, 7, n_act))
+    span, stride = 7 * bs, 5 * bs  # rows overlap: each reads 7 blocks, 5 blocks apart
+    act = random_data(rng, ((rows - 1) * stride + span,), dtype)
+    gathered = _rows(act, rows, span, stride).reshape(rows, 7, bs)[:, list(act_blocks), :].reshape(rows, -1)
+    w = random_data(rng, op.w_shape, dtype)
+    backend = _backend(xp)
+    if pass_name == "updat":
+        dy = random_data(rng, (rows * op.K,), dtype)
+        out = to_xp(xp, np.full(op.w_shape, np.nan, dtype).ravel())
+        backend.shifted_pass("updat", op.index, to_xp(xp, act), to_xp(xp, dy), out, rows, (stride, op.K), act_blocks)
+        expected = ref_updat(layout, bs, gathered, dy.reshape(rows, op.K), 1)
+        assert_close(to_numpy(out).reshape(op.w_shape), expected, dtype, "updat")
+        return
+    width_out = op.K if pass_name == "fprop" else op.C
+    out = to_xp(xp, np.full(rows * width_out, np.nan, dtype))
+    backend.shifted_pass(pass_name, op.index, to_xp(xp, act), to_xp(xp, w.ravel()), out, rows,
+                         (stride, width_out), act_blocks)
+    ref = ref_fprop if pass_name == "fprop" else ref_bprop
+    assert_close(to_numpy(out).reshape(rows, width_out), ref(layout, w, bs, gathered, 1), dtype, pass_name)
