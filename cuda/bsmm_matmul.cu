@@ -22,10 +22,7 @@
 #ifndef BSMM_ACT_L1
 #define BSMM_ACT_L1 1
 #endif
-// Which offset of an N-major wgmma descriptor strides along K (see main_loop_wgmma).
-#ifndef BSMM_MN_LBO_IS_K
-#define BSMM_MN_LBO_IS_K 0
-#endif
+
 
 namespace bsmm {
 
@@ -332,6 +329,30 @@ struct GroupLoader {
 };
 
 
+// The shared-memory stages of a main loop's cp.async pipeline. zero_and_start clears the
+// accumulators and issues the first AHEAD steps' copies, one commit group a step (empty past
+// the last step, so the group count the waits rely on is the same for any n_steps).
+template <class K, typename T, class Load>
+struct Stages {
+    T* sa;
+    T* sb;
+    Load& load;
+    __device__ __forceinline__ Stages(T* smem, Load& l) : sa(smem), sb(smem + K::STAGES * K::A_STAGE), load(l) {}
+    __device__ __forceinline__ T* a(int step) const { return sa + (step % K::STAGES) * K::A_STAGE; }
+    __device__ __forceinline__ T* b(int step) const { return sb + (step % K::STAGES) * K::B_STAGE; }
+    __device__ __forceinline__ void fill(int step) const { load(step, a(step), b(step)); }
+    template <int AHEAD>
+    __device__ __forceinline__ void zero_and_start(float (&acc)[K::ACC], int n_steps) const {
+#pragma unroll
+        for (int i = 0; i < K::ACC; ++i) acc[i] = 0.f;
+#pragma unroll
+        for (int s = 0; s < AHEAD; ++s) {
+            if (s < n_steps) fill(s);
+            cp_async_commit();
+        }
+    }
+};
+
 // The main loop: a STAGES-deep cp.async pipeline feeding tensor-core or SIMT math.
 // load(step, a_stage, b_stage) issues the copies of one step's A and B tiles.
 // skip(step): this warp has nothing to multiply in that step (column groups).
@@ -339,32 +360,19 @@ template <class K, typename T, class Load, class After, class Skip>
 __device__ __forceinline__ void main_loop(Load&& load, int n_steps, T* smem, float (&acc)[K::ACC], After&& after,
                                           Skip&& skip) {
     const int tid = threadIdx.x;
-    T* sA = smem;
-    T* sB = smem + K::STAGES * K::A_STAGE;
-#pragma unroll
-    for (int i = 0; i < K::ACC; ++i) acc[i] = 0.f;
-
-    auto load_stage = [&](int step) {
-        const int stage = step % K::STAGES;
-        load(step, sA + stage * K::A_STAGE, sB + stage * K::B_STAGE);
-    };
-
-#pragma unroll
-    for (int s = 0; s < K::STAGES - 1; ++s) {
-        if (s < n_steps) load_stage(s);
-        cp_async_commit();
-    }
+    const Stages<K, T, Load> stages(smem, load);
+    stages.template zero_and_start<K::STAGES - 1>(acc, n_steps);
     const int warp = tid / 32, lane = tid % 32;
     const int wm0 = (warp % K::WARPS_M) * K::WTM, wn0 = (warp / K::WARPS_M) * K::WTN;
     for (int step = 0; step < n_steps; ++step) {
         cp_async_wait<K::STAGES - 2>();
         __syncthreads();
         // The stage refilled here was read in the previous iteration, which every thread has finished.
-        if (step + K::STAGES - 1 < n_steps) load_stage(step + K::STAGES - 1);
+        if (step + K::STAGES - 1 < n_steps) stages.fill(step + K::STAGES - 1);
         cp_async_commit();
         if (skip(step)) continue;
-        T* a = sA + (step % K::STAGES) * K::A_STAGE;
-        T* b = sB + (step % K::STAGES) * K::B_STAGE;
+        T* a = stages.a(step);
+        T* b = stages.b(step);
         if constexpr (K::MATH == TENSOR16) {
 #pragma unroll
             for (int kk = 0; kk < K::BK; kk += 16) {
@@ -456,29 +464,18 @@ template <class K, typename T, class Load>
 __device__ __forceinline__ void main_loop_wgmma(Load&& load, int n_steps, T* smem, float (&acc)[K::ACC]) {
     static_assert(K::STAGES >= 3, "wgmma pipeline: one stage in flight, one being read, one filling");
     constexpr int AHEAD = K::STAGES - 2;
-    T* sA = smem;
-    T* sB = smem + K::STAGES * K::A_STAGE;
-#pragma unroll
-    for (int i = 0; i < K::ACC; ++i) acc[i] = 0.f;
-    auto load_stage = [&](int step) {
-        const int stage = step % K::STAGES;
-        load(step, sA + stage * K::A_STAGE, sB + stage * K::B_STAGE);
-    };
-#pragma unroll
-    for (int s = 0; s < AHEAD; ++s) {
-        if (s < n_steps) load_stage(s);
-        cp_async_commit();
-    }
+    const Stages<K, T, Load> stages(smem, load);
+    stages.template zero_and_start<AHEAD>(acc, n_steps);
     const int group_row = (threadIdx.x / 128) * 64;  // this warpgroup's first tile row
     for (int step = 0; step < n_steps; ++step) {
         cp_async_wait<AHEAD - 1>();
         fence_proxy_async();
         __syncthreads();
-        if (step + AHEAD < n_steps) load_stage(step + AHEAD);
+        if (step + AHEAD < n_steps) stages.fill(step + AHEAD);
         cp_async_commit();
         // This warpgroup's 64 rows of A: 64 K-major rows, or (updat, M-major) one 64-column panel.
-        const T* a = sA + (step % K::STAGES) * K::A_STAGE + group_row * K::BK;
-        const T* b = sB + (step % K::STAGES) * K::B_STAGE;
+        const T* a = stages.a(step) + group_row * K::BK;
+        const T* b = stages.b(step);
         wgmma_fence();
         fence_registers(acc);
 #pragma unroll
@@ -491,15 +488,14 @@ __device__ __forceinline__ void main_loop_wgmma(Load&& load, int n_steps, T* sme
             for (int nc = 0; nc < K::BN / K::WN; ++nc) {
                 float(&d)[K::WN / 2] = *reinterpret_cast<float(*)[K::WN / 2]>(&acc[nc * K::WN / 2]);
                 if constexpr (K::B_KMAJOR) {  // bprop: rows along N, K contiguous
-                    Wgmma<T, false, false, K::WN>::run(d, a_desc, wgmma_descriptor(b + nc * K::WN * 64 + kk, 16, 1024));
+                    Wgmma<T, K::WN>::template run<false, false>(d, a_desc, wgmma_descriptor(b + nc * K::WN * 64 + kk, 16, 1024));
                 } else {  // fprop, updat: rows along K, N contiguous, 64-column panels BK rows long
-                    // K stride: 1024 bytes between 8-row atoms; N stride: one panel. A 64-wide
-                    // instruction sees a single panel, so only the K stride matters there.
+                    // N-major descriptor: leading offset = stride between 64-column panels along N
+                    // (measured on the H100: the swapped assignment fails), stride offset = 1024
+                    // bytes between 8-row atoms along K. A 64-wide instruction sees one panel.
                     constexpr unsigned PANEL = K::WN == 64 ? 1024 : K::BK * 64 * sizeof(T);
-                    Wgmma<T, !K::A_KMAJOR, true, K::WN>::run(d, a_desc,
-                                                         wgmma_descriptor(b + nc * (K::WN / 64) * K::BK * 64 + kk * 64,
-                                                                          BSMM_MN_LBO_IS_K ? 1024 : PANEL,
-                                                                          BSMM_MN_LBO_IS_K ? PANEL : 1024));
+                    Wgmma<T, K::WN>::template run<!K::A_KMAJOR, true>(
+                        d, a_desc, wgmma_descriptor(b + nc * (K::WN / 64) * K::BK * 64 + kk * 64, PANEL, 1024));
                 }
             }
         }
