@@ -49,7 +49,8 @@ def tile_for(math_mode: str, pass_name: str, block_size: int, n: int, arch_key: 
     """[BM, BN, BK, WARPS_M, WARPS_N, STAGES] from the launch table in ``bsmm.toml``.
 
     ``columns=True``: the column-group tile [..., COLS] of fprop/bprop, or None where the
-    table has none (so does any mode with ``optional=True``). ``arch_key`` ("sm90", "sm80", ...) selects a device's override section.
+    table has none (so does any mode with ``optional=True``). ``arch_key`` ("sm90", "sm80", ...)
+    selects a device's override section.
     """
     group = "columns" if columns else "updat" if pass_name == "updat" else "sparse"
     batches = (_batch_class(n), "any")  # updat tables may give small-batch tiles before "any"

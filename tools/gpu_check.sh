@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # One call on the lent GPU: compile every kernel variant into the cache, a fast correctness
 # sweep, the GPU test suite, and the benchmark. Full logs go to $OUT; a short table is printed last.
-#   tools/gpu_check.sh [smoke|tests|bench|all|note] [bench args...]
-# note: compile, GPU tests, memcheck of the column-group and part-reduction tests, bench.
+#   tools/gpu_check.sh [smoke|tests|bench|all|note|models] [bench args...]
+# note: compile, GPU tests, memcheck of the column-group, part-reduction, wgmma and shifted-pass
+# tests, bench, then the convolution benchmark against cuDNN.
+# models: the small-world LSTM experiment ($LSTM_BUDGET s, default 240); its table.
 set -uo pipefail
 OUT=${OUT:-/tmp/bsmm-out}
 mkdir -p "$OUT"
@@ -31,7 +33,7 @@ fi
 if [[ $stage == note ]]; then
   t0=$(date +%s)
   compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -q -m gpu tests/test_passes.py \
-    -k "column_groups or long_block" -p no:cacheprovider >"$OUT/memcheck.log" 2>&1 || status=1
+    tests/test_strided.py -k "column_groups or long_block or wgmma or shifted" -p no:cacheprovider >"$OUT/memcheck.log" 2>&1 || status=1
   echo "memcheck: $(grep -E "ERROR SUMMARY" "$OUT/memcheck.log" | sort | uniq -c | tr -s ' ') $(tail -1 "$OUT/memcheck.log") [$(( $(date +%s) - t0 ))s]"
 fi
 if [[ $stage == bench || $stage == all || $stage == note ]]; then
@@ -40,5 +42,18 @@ if [[ $stage == bench || $stage == all || $stage == note ]]; then
   echo "bench [$(( $(date +%s) - t0 ))s]:"
   cat "$OUT/bench.md"
   tail -3 "$OUT/bench.log"
+fi
+if [[ $stage == note ]]; then
+  t0=$(date +%s)
+  python3 tools/bench_conv.py --json "$OUT/conv.json" >"$OUT/conv.md" 2>&1 || status=1
+  echo "conv bench [$(( $(date +%s) - t0 ))s]:"
+  grep -E "^\|" "$OUT/conv.md" | awk '!seen[$0]++'
+fi
+if [[ $stage == models ]]; then
+  t0=$(date +%s)
+  python3 tools/lstm_experiment.py --budget "${LSTM_BUDGET:-240}" --json "$OUT/lstm_h100.json" \
+    --markdown "$OUT/lstm_h100.md" >"$OUT/lstm.log" 2>&1 || status=1
+  echo "lstm [$(( $(date +%s) - t0 ))s]:"
+  cat "$OUT/lstm_h100.md" 2>/dev/null || tail -20 "$OUT/lstm.log"
 fi
 exit $status
