@@ -1,11 +1,12 @@
 """``BlocksparseConv``: a convolution whose channel connectivity is block-sparse.
 
 Every kernel offset has its own block-sparse ``C × K`` matrix, all of one layout;
-the spatial kernel is dense. The three passes are implicit GEMMs: one
-:func:`strided_pass <bsmm.strided>` per kernel offset over shifted rows of one
-padded copy of the input (the *canvas*, :mod:`bsmm.conv_geometry`), summed in
-place, never an im2col. Everything but those calls is the same code for NumPy
-(CPU backend) and CuPy (GPU kernels), so the CPU tests cover the index arithmetic.
+the spatial kernel is dense. The three passes are implicit GEMMs over shifted rows
+of one padded copy of the input (the *canvas*, :mod:`bsmm.conv_geometry`): the
+offsets are blocks of one stacked layout whose blocks read their own shift
+(``shifted_pass``, :mod:`bsmm.strided`), never an im2col. Everything but those
+calls is the same code for NumPy (CPU backend) and CuPy (GPU kernels), so the CPU
+tests cover the index arithmetic.
 """
 
 from __future__ import annotations
@@ -14,13 +15,14 @@ import math
 
 import numpy as np
 
-from . import initializers
+from . import initializers, row_maps
 from .arrays import Operand, as_operand, check_same_place
 from .block_index import BlockIndex, block_index
 from .conv_geometry import ConvGeometry, conv_geometry
 from .dtypes import canonical_dtype
 from .layouts import _as_generator
 from .matmul import BlocksparseMatMul, _array_module, blocks_to_dense, dense_to_blocks
+from .strided import BlockOrder
 
 __all__ = ["BlocksparseConv"]
 
@@ -31,6 +33,11 @@ _AXIS_NAMES = {1: ("L",), 2: ("H", "W"), 3: ("D", "H", "W")}
 
 def _bits(array):
     return array.view(_BITS[array.dtype.itemsize])
+
+
+def _rows(array, width: int):
+    """The bits of a C-contiguous array as rows of ``width`` elements (what gather_rows moves)."""
+    return _bits(array).reshape(-1, width)
 
 
 def _zeros(xp, shape: tuple, dtype):
@@ -112,17 +119,22 @@ class BlocksparseConv:
     in time (1.07 for 3×3 on 56×56 with padding 1). Per pass:
 
     - fprop: canvas of x (copy), grid of y (cropped into y, copy);
-    - bprop: dy on the grid (copy, zeros elsewhere), a zeroed canvas that the
-      offsets add into, gathered into dx (copy);
+    - bprop: dy on the grid (copy, zeros elsewhere), the canvas of dx, gathered
+      into dx (copy);
     - updat: canvas of x and dy on the grid, as above; dW written in place.
 
+    Each channels-last copy is one row gather (:mod:`bsmm.row_maps`).
     Channels-first arrays are transposed by those same copies, so where channels
     last needs none, channels first makes one per operand.
 
-    *Precision.* float16 and bfloat16 results are rounded once per kernel offset (each
-    offset's pass adds its product into the output with ``accumulate``, computed in
-    float32), i.e. ``prod(kernel_size)`` roundings, not one as in a dense float32-accumulated
-    convolution. float64 runs on the CPU only.
+    *Launches.* fprop and updat are one launch over every kernel offset, and so is
+    bprop with stride 1; a strided bprop runs one pass per offset, each adding into
+    the canvas.
+
+    *Precision.* Results are summed over all offsets in float32 and rounded once, except
+    a strided bprop in float16/bfloat16, which rounds once per kernel offset (each
+    offset's pass adds its product into the canvas with ``accumulate``). float64 runs
+    on the CPU only.
 
     Examples
     --------
@@ -312,7 +324,7 @@ class BlocksparseConv:
         if geometry.rows == 0 or self.blocks == 0:
             _bits(y)[...] = 0
             return out if out is not None else x_op.wrap(y)
-        canvas = self._canvas(xp, x_op.array, geometry)
+        canvas = self._canvas(xp, backend, x_op.array, geometry)
         direct = geometry.grid_is_output and self.channels_last
         grid = y if direct else _empty(xp, (geometry.batch, *geometry.grid, self.K), dtype)
         # One launch for every kernel offset: the offsets are block rows of one stacked layout
@@ -320,7 +332,10 @@ class BlocksparseConv:
         backend.shifted_pass("fprop", self._stacked_index, canvas, w_op.array.reshape(-1), grid.reshape(-1),
                              geometry.rows, (geometry.row_stride, self.K), self._shifted_blocks(geometry),
                              tf32=self.tf32)
-        if not direct:
+        if not direct and self.channels_last:
+            backend.gather_rows(_rows(y, self.K), _rows(grid, self.K),
+                                self._row_map("crop", geometry, row_maps.crop_rows))
+        elif not direct:
             _bits(self._channels_last(y))[...] = _bits(grid)[geometry.crop]
         return out if out is not None else x_op.wrap(y)
 
@@ -346,18 +361,37 @@ class BlocksparseConv:
         dtype = self._check_operands({"dy": dy_op, "w": w_op})
         dx = self.matmul._output(out, dy_op, x_shape, dtype, (dy_op, w_op))
         xp, backend = _array_module(dx), self.matmul._backend(dy_op)
-        direct = not geometry.copies_input and self.channels_last
-        if direct or geometry.rows == 0 or self.blocks == 0:
-            _bits(dx)[...] = 0  # the offsets add into dx: it starts at zero
         if geometry.rows == 0 or self.blocks == 0:
+            _bits(dx)[...] = 0
             return out if out is not None else dy_op.wrap(dx)
-        canvas = dx if direct else _zeros(xp, geometry.canvas_shape, dtype)
-        flat = canvas.reshape(-1)
-        dy_rows = self._on_grid(xp, dy_op.array, geometry)
-        for shift, w_k in zip(geometry.shifts, self._per_offset(w_op.array)):
-            backend.strided_pass("bprop", self.index, dy_rows, w_k, flat[shift:], geometry.rows,
-                                 (self.K, geometry.row_stride), accumulate=True, tf32=self.tf32)
-        if not direct:
+        direct = not geometry.copies_input and self.channels_last
+        if all(s == 1 for s in self.stride):
+            # One launch: canvas row p sums dy grid row p - shift_k / C times W_kᵀ over the
+            # offsets k, i.e. a bprop over the offsets' layouts side by side whose block
+            # column (k, kb) reads dy ``lead - shift_k / C`` rows early; dy sits ``lead``
+            # zero rows into its buffer so every read lands inside it. Every canvas row is
+            # written, so nothing is zeroed first.
+            canvas_rows = math.prod(geometry.canvas_shape[:-1])
+            lead = max(geometry.shifts) // self.C
+            dy_rows = self._on_grid(xp, backend, dy_op.array, geometry, lead)
+            canvas = dx if direct else _empty(xp, geometry.canvas_shape, dtype)
+            backend.shifted_pass("bprop", self._side_by_side_index, dy_rows, w_op.array.reshape(-1),
+                                 canvas.reshape(-1), canvas_rows, (self.K, self.C),
+                                 self._side_by_side_blocks(geometry, lead), tf32=self.tf32,
+                                 weight_blocks=self._side_by_side_order)
+        else:  # strided: one pass per offset, each adding into the (zeroed) canvas
+            canvas = dx if direct else _zeros(xp, geometry.canvas_shape, dtype)
+            if direct:
+                _bits(dx)[...] = 0
+            flat = canvas.reshape(-1)
+            dy_rows = self._on_grid(xp, backend, dy_op.array, geometry)
+            for shift, w_k in zip(geometry.shifts, self._per_offset(w_op.array)):
+                backend.strided_pass("bprop", self.index, dy_rows, w_k, flat[shift:], geometry.rows,
+                                     (self.K, geometry.row_stride), accumulate=True, tf32=self.tf32)
+        if not direct and self.channels_last:
+            backend.gather_rows(_rows(dx, self.C), _rows(canvas, self.C),
+                                self._row_map("input", geometry, row_maps.input_rows))
+        elif not direct:
             target, source = _bits(self._channels_last(dx)), _bits(canvas)
             for dst, src in geometry.slices:
                 target[src] = source[dst]
@@ -391,8 +425,8 @@ class BlocksparseConv:
             if not accumulate:
                 _bits(dw)[...] = 0
             return out if out is not None else x_op.wrap(dw)
-        canvas = self._canvas(xp, x_op.array, geometry)
-        dy_rows = self._on_grid(xp, dy_op.array, geometry)
+        canvas = self._canvas(xp, backend, x_op.array, geometry)
+        dy_rows = self._on_grid(xp, backend, dy_op.array, geometry)
         # Every offset's gradient in one launch over the stacked layout (see fprop).
         backend.shifted_pass("updat", self._stacked_index, canvas, dy_rows, dw.reshape(-1), geometry.rows,
                              (geometry.row_stride, self.K), self._shifted_blocks(geometry),
@@ -427,26 +461,83 @@ class BlocksparseConv:
                 shift // self.block_size + c for shift in geometry.shifts for c in range(per_row))
         return blocks
 
+    @property
+    def _side_by_side_index(self) -> BlockIndex:
+        """The layout repeated once per kernel offset along K (offset-major block columns):
+        bprop over it sums every offset's product into each input-gradient row."""
+        side = self.__dict__.get("_side")
+        if side is None:
+            side = self.__dict__["_side"] = block_index(
+                np.tile(self.layout, (1, math.prod(self.kernel_size))), self.block_size)
+        return side
+
+    @property
+    def _side_by_side_order(self) -> BlockOrder:
+        """Where block (c, (k, kb)) of :attr:`_side_by_side_index` is in ``w``: offset k's block
+        (c, kb), i.e. ``k · nnzb`` + its place in the layout's storage order."""
+        order = self.__dict__.get("_side_order")
+        if order is None:
+            index, side = self.index, self._side_by_side_index
+            place = np.full(self.layout.shape, -1, dtype=np.int64)
+            place[index.rows, index.indices] = np.arange(index.nnzb)
+            offset, column = np.divmod(side.indices, index.n_block_cols)
+            order = self.__dict__["_side_order"] = BlockOrder(offset * index.nnzb + place[side.rows, column])
+        return order
+
+    def _side_by_side_blocks(self, geometry: ConvGeometry, lead: int) -> tuple:
+        """Where block column (k, kb) of the side-by-side layout reads the lead-padded dy rows:
+        ``lead - shift_k / C`` rows in, block kb."""
+        cached = self.__dict__.setdefault("_side_blocks", {})
+        key = (geometry.shifts, lead)
+        blocks = cached.get(key)
+        if blocks is None:
+            per_row = self.K // self.block_size
+            blocks = cached[key] = tuple((lead - shift // self.C) * per_row + kb
+                                         for shift in geometry.shifts for kb in range(per_row))
+        return blocks
+
     def _per_offset(self, weights):
         """Flat views of each kernel offset's block data."""
         return weights.reshape(math.prod(self.kernel_size), self.blocks * self.block_size**2)
 
-    def _canvas(self, xp, x, geometry: ConvGeometry):
+    def _row_map(self, name: str, geometry: ConvGeometry, build) -> row_maps.RowMap:
+        """``build(geometry)``, kept per (name, input shape): a training loop asks for the same few."""
+        maps = self.__dict__.setdefault("_row_maps", {})
+        key = (name, geometry.batch, geometry.spatial)
+        row_map = maps.get(key)
+        if row_map is None:
+            row_map = maps[key] = build(geometry)
+        return row_map
+
+    def _canvas(self, xp, backend, x, geometry: ConvGeometry):
         """The flat canvas of ``x``: ``x`` itself where it already is one, else a zero-padded copy."""
         if not geometry.copies_input and self.channels_last:
             return x.reshape(-1)
+        if self.channels_last:  # padding and phases in one gather
+            canvas = _empty(xp, geometry.canvas_shape, x.dtype)
+            backend.gather_rows(_rows(canvas, self.C), _rows(x, self.C),
+                                self._row_map("canvas", geometry, row_maps.canvas_rows))
+            return canvas.reshape(-1)
         canvas = _zeros(xp, geometry.canvas_shape, x.dtype)
         target, source = _bits(canvas), _bits(self._channels_last(x))
         for dst, src in geometry.slices:
             target[dst] = source[src]
         return canvas.reshape(-1)
 
-    def _on_grid(self, xp, dy, geometry: ConvGeometry):
-        """Flat ``dy`` on the grid, zero in the over-computed rows (so they add nothing)."""
-        if geometry.grid_is_output and self.channels_last:
+    def _on_grid(self, xp, backend, dy, geometry: ConvGeometry, lead: int = 0):
+        """Flat ``dy`` on the grid, zero in the over-computed rows (so they add nothing),
+        after ``lead`` rows of zeros."""
+        if not lead and geometry.grid_is_output and self.channels_last:
             return dy.reshape(-1)
-        grid = _zeros(xp, (geometry.batch, *geometry.grid, self.K), dy.dtype)
-        _bits(grid)[geometry.crop] = _bits(self._channels_last(dy))
+        if self.channels_last:
+            row_map = self._row_map(f"grid+{lead}", geometry, lambda g: row_maps.grid_rows(g, lead))
+            grid = _empty(xp, (len(row_map), self.K), dy.dtype)
+            backend.gather_rows(_bits(grid), _rows(dy, self.K), row_map)
+            return grid.reshape(-1)
+        grid_rows = geometry.batch * math.prod(geometry.grid)
+        grid = _zeros(xp, (lead + grid_rows, self.K), dy.dtype)
+        _bits(grid[lead:]).reshape(geometry.batch, *geometry.grid, self.K)[geometry.crop] = \
+            _bits(self._channels_last(dy))
         return grid.reshape(-1)
 
     # -- checks -----------------------------------------------------------------------------

@@ -29,7 +29,7 @@ from .arrays import empty_aligned
 from .config import settings
 from .strided import check_strided_operands, row_widths, virtual_width
 
-__all__ = ["fprop", "bprop", "updat", "strided_pass", "shifted_pass"]
+__all__ = ["fprop", "bprop", "updat", "strided_pass", "shifted_pass", "gather_rows"]
 
 _F32 = np.dtype(np.float32)
 _F64 = np.dtype(np.float64)
@@ -195,13 +195,16 @@ def strided_pass(pass_name: str, index: BlockIndex, act: np.ndarray, other: np.n
 
 
 def shifted_pass(pass_name: str, index: BlockIndex, act: np.ndarray, other: np.ndarray, out: np.ndarray,
-                 rows: int, row_strides: tuple, act_blocks, accumulate: bool = False, tf32: bool = False) -> None:
+                 rows: int, row_strides: tuple, act_blocks, accumulate: bool = False, tf32: bool = False,
+                 weight_blocks=None) -> None:
     """:func:`strided_pass` whose activation block b is read at block ``act_blocks[b]`` of each
-    row (``None``: block b); the CPU twin of :func:`bsmm.cuda_backend.shifted_pass`."""
+    row (``None``: block b) and, given ``weight_blocks`` (a :class:`bsmm.strided.BlockOrder`),
+    whose weight block b is block ``weight_blocks.positions[b]`` of ``other``; the CPU twin of
+    :func:`bsmm.cuda_backend.shifted_pass`."""
     bs = index.block_size
     width_a, width_b = row_widths(pass_name, index)
     span = virtual_width(pass_name, index, act_blocks) if act_blocks is not None else None
-    check_strided_operands(pass_name, index, act, other, out, rows, row_strides, span)
+    check_strided_operands(pass_name, index, act, other, out, rows, row_strides, span, weight_blocks)
     if act_blocks is None:
         a = np.ascontiguousarray(_rows_view(act, rows, width_a, row_strides[0]))
     else:  # gather each block from its own place in the row
@@ -212,9 +215,24 @@ def shifted_pass(pass_name: str, index: BlockIndex, act: np.ndarray, other: np.n
         updat(index, a, b, out.reshape(index.nnzb, bs, bs), 1, accumulate)
         return
     w = other.reshape(index.nnzb, bs, bs)
+    if weight_blocks is not None:
+        w = w[weight_blocks.positions]
     target = _rows_view(out, rows, width_b, row_strides[1])
     result = empty_aligned((rows, width_b), out.dtype)
     if accumulate:
         result[...] = target
     (fprop if pass_name == "fprop" else bprop)(index, a, w, result, 1, accumulate=accumulate)
     target[...] = result
+
+
+def gather_rows(dst: np.ndarray, src: np.ndarray, row_map) -> None:
+    """``dst[r] = src[row_map.rows[r]]``, zeros where the map is negative (:mod:`bsmm.row_maps`);
+    ``dst`` and ``src`` are 2-D arrays of one dtype and row width. The CPU twin of
+    :func:`bsmm.cuda_backend.gather_rows`."""
+    rows = row_map.rows
+    if len(rows) != dst.shape[0] or dst.shape[1:] != src.shape[1:]:
+        raise ValueError(f"gather_rows: a map of {len(rows)} rows moves rows of {src.shape[1:]} into "
+                         f"{dst.shape[0]} rows of {dst.shape[1:]}")
+    held = rows >= 0
+    dst[held] = src[rows[held]]
+    dst[~held] = 0

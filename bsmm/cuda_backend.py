@@ -25,10 +25,11 @@ import numpy as np
 from .block_index import BlockIndex
 from .config import settings
 from .dtypes import DTYPE_NAMES
-from .kernels import MAX_PART_BLOCKS, Variant, load_kernel
-from .strided import check_strided_operands, virtual_width
+from .kernels import MAX_PART_BLOCKS, GatherVariant, Variant, load_kernel
+from .strided import BlockOrder, check_strided_operands, virtual_width
 
-__all__ = ["FastCall", "fprop", "bprop", "updat", "strided_pass", "shifted_pass", "plan_for", "tile_for"]
+__all__ = ["FastCall", "fprop", "bprop", "updat", "strided_pass", "shifted_pass", "gather_rows", "plan_for",
+           "tile_for"]
 
 _VEC_BYTES = 16
 # Bound once: the per-call path looks these up on every launch.
@@ -198,7 +199,8 @@ def _column_groups(index: BlockIndex, pass_name: str, mode: str, n: int, aligned
 
 
 def _build_plan(index: BlockIndex, pass_name: str, n: int, dtype: str, feature_axis: int, tf32: bool,
-                aligned: bool, device, act_blocks: tuple | None = None) -> Plan:
+                aligned: bool, device, act_blocks: tuple | None = None,
+                weight_blocks: BlockOrder | None = None) -> Plan:
     bs = index.block_size
     mode = math_mode(dtype, pass_name, bs, tf32)
     arch_key = f"sm{device.compute_capability}"
@@ -255,6 +257,10 @@ def _build_plan(index: BlockIndex, pass_name: str, n: int, dtype: str, feature_a
         column = 0 if (pass_name == "updat" or groups) else 1
         table = np.array(table, dtype=np.int64)
         table[:, column] = np.asarray(act_blocks, dtype=np.int64)[table[:, column]]
+    if weight_blocks is not None:  # fprop/bprop: where each weight block is stored (BlockOrder)
+        table = np.array(table, dtype=np.int64)
+        weights = table[:, 1:] if groups else table[:, :1]
+        weights[weights >= 0] = weight_blocks.positions[weights[weights >= 0]]
     if not grouped:
         segments = np.stack([unit_of, begin, end, part_index], axis=1)
         # Longest parts first: the hardware hands out thread blocks roughly in order.
@@ -294,10 +300,10 @@ _PLAN_LOCK = threading.Lock()
 
 
 def plan_for(index: BlockIndex, pass_name: str, n: int, dtype: str, feature_axis: int, tf32: bool,
-             aligned: bool, act_blocks: tuple | None = None) -> Plan:
+             aligned: bool, act_blocks: tuple | None = None, weight_blocks: BlockOrder | None = None) -> Plan:
     """The cached plan for this pass on the current device, built on first use."""
     device_id = cupy.cuda.runtime.getDevice()
-    key = (pass_name, n, dtype, feature_axis, tf32, aligned, device_id, act_blocks)
+    key = (pass_name, n, dtype, feature_axis, tf32, aligned, device_id, act_blocks, weight_blocks)
     plans = _PLANS.get(index)
     plan = plans.get(key) if plans is not None else None
     if plan is None:
@@ -306,7 +312,7 @@ def plan_for(index: BlockIndex, pass_name: str, n: int, dtype: str, feature_axis
             plan = plans.get(key)
             if plan is None:
                 plan = plans[key] = _build_plan(index, pass_name, n, dtype, feature_axis, tf32, aligned,
-                                                cupy.cuda.Device(device_id), act_blocks)
+                                                cupy.cuda.Device(device_id), act_blocks, weight_blocks)
     return plan
 
 
@@ -423,25 +429,47 @@ def strided_pass(pass_name: str, index: BlockIndex, act, other, out, rows: int, 
 
 
 def shifted_pass(pass_name: str, index: BlockIndex, act, other, out, rows: int, row_strides: tuple,
-                 act_blocks: tuple | None, accumulate: bool = False, tf32: bool = False) -> None:
+                 act_blocks: tuple | None, accumulate: bool = False, tf32: bool = False,
+                 weight_blocks: BlockOrder | None = None) -> None:
     """:func:`strided_pass` whose activation block b is read at block ``act_blocks[b]`` of each row.
 
     One launch then sums blocks that read the activations at different offsets: the kernel's
     step table holds the activation block of every step, and only that table changes
     (:func:`bsmm.strided.virtual_width`). ``act_blocks`` is a tuple (it keys the cached plan).
+    ``weight_blocks`` (fprop, bprop): weight block b of the index is block
+    ``weight_blocks.positions[b]`` of ``other`` (the step table holds those positions).
     """
     span = virtual_width(pass_name, index, act_blocks) if act_blocks is not None else None
-    check_strided_operands(pass_name, index, act, other, out, rows, row_strides, span)
+    check_strided_operands(pass_name, index, act, other, out, rows, row_strides, span, weight_blocks)
     if rows == 0:
         return
     stride_a, stride_b = (int(v) for v in row_strides)
     item = act.dtype.itemsize
     aligned = all(a.data.ptr % _VEC_BYTES == 0 for a in (act, other, out)) and all(
         (s * item) % _VEC_BYTES == 0 for s in (stride_a, stride_b))
-    plan = plan_for(index, pass_name, rows, DTYPE_NAMES[act.dtype], 1, tf32, aligned, act_blocks)
+    plan = plan_for(index, pass_name, rows, DTYPE_NAMES[act.dtype], 1, tf32, aligned, act_blocks, weight_blocks)
     if pass_name == "updat":
         sizes = (rows, stride_a, stride_b, 0)
     else:
         features_out = index.K if pass_name == "fprop" else index.C
         sizes = (rows, stride_a, features_out // index.block_size, stride_b)
     plan.launch(_current_stream().ptr, act.data.ptr, other.data.ptr, out.data.ptr, sizes, int(accumulate))
+
+
+def gather_rows(dst, src, row_map) -> None:
+    """``dst[r] = src[row_map.rows[r]]``, zeros where the map is negative, in one launch on CuPy's
+    current stream (``cuda/bsmm_gather_rows.cu``); ``dst`` and ``src`` are C-contiguous 2-D CuPy
+    arrays of one dtype and row width, ``row_map`` a :class:`bsmm.row_maps.RowMap`."""
+    if len(row_map) != dst.shape[0] or dst.shape[1:] != src.shape[1:]:
+        raise ValueError(f"gather_rows: a map of {len(row_map)} rows moves rows of {src.shape[1:]} into "
+                         f"{dst.shape[0]} rows of {dst.shape[1:]}")
+    rows, row_bytes = dst.shape[0], dst.shape[1] * dst.dtype.itemsize
+    if rows == 0 or row_bytes == 0:
+        return
+    unit = next(u for u in (16, 8, 4, 2) if row_bytes % u == 0 and (dst.data.ptr | src.data.ptr) % u == 0)
+    units = row_bytes // unit
+    kernel = load_kernel(GatherVariant(unit), dst.data.device_id)
+    across = 32 if units <= 32 else 64 if units <= 64 else 128  # threads along a row, 256 a block
+    down = 256 // across
+    blocks = min(-(-rows // down), 1 << 20)
+    kernel((blocks,), (across, down), (src, dst, row_map.device_array(), np.int64(rows), np.int32(units)))

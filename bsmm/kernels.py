@@ -2,10 +2,10 @@
 
 Kernel source lives in ``cuda/``. A *variant* (element type, block size, tile
 shape, math mode, pass, feature axis, alignment) is one template instance of
-``bsmm::bsmm_matmul``. It is compiled with NVRTC (through CuPy's binding) for
-the exact architecture of the device (``sm_80`` ... ``sm_90a``), the cubin is
-kept in a disk cache keyed by source, options and NVRTC version, and loaded
-with ``cupy.RawModule``; loaded kernels are memoized per (device, variant).
+``bsmm::bsmm_matmul`` (or of the convolution's row gather, :class:`GatherVariant`).
+It is compiled with NVRTC (through CuPy's binding) for the exact architecture
+of the device (``sm_80`` ... ``sm_90a``), the cubin is kept in a disk cache
+keyed by source, options and NVRTC version, and loaded with ``cupy.RawModule``; loaded kernels are memoized per (device, variant).
 The same :func:`compile_variant` runs in CI, where there is no GPU, so CI
 compiles exactly what the library runs.
 """
@@ -23,7 +23,7 @@ from pathlib import Path
 
 from .config import CUDA_DIR
 
-__all__ = ["Variant", "compile_variant", "load_kernel", "arch_for", "cuda_include_dirs", "compile_options"]
+__all__ = ["Variant", "GatherVariant", "compile_variant", "load_kernel", "arch_for", "cuda_include_dirs", "compile_options"]
 
 SOURCE_FILE = "bsmm_matmul.cu"
 MATH_MODES = {"simt": 0, "tensor16": 1, "tf32": 2, "wgmma16": 3}
@@ -51,6 +51,8 @@ class Variant:
     grouped: bool = False  # updat only: a thread block streams a group of blocks, whole batch per step
     cols: int = 1  # fprop/bprop: block columns (rows) per output tile, stepping over their union
 
+    source_file = SOURCE_FILE
+
     @property
     def threads(self) -> int:
         return self.tile[3] * self.tile[4] * 32
@@ -77,6 +79,25 @@ class Variant:
             f"{MATH_MODES[self.math]}, {PASS_IDS[self.pass_name]}, {int(self.feature_axis == 1)}, {int(self.aligned)}, "
             f"{int(self.grouped)}, {self.cols}>"
         )
+
+
+#: Access units of the row gather, by bytes.
+GATHER_UNITS = {16: "uint4", 8: "uint2", 4: "unsigned int", 2: "unsigned short"}
+
+
+@dataclasses.dataclass(frozen=True)
+class GatherVariant:
+    """One instance of ``bsmm::gather_rows`` (``cuda/bsmm_gather_rows.cu``): rows moved in
+    units of ``unit_bytes`` (16 where the row width and both pointers allow it)."""
+
+    unit_bytes: int
+    source_file = "bsmm_gather_rows.cu"
+    math = "copy"
+    shared_bytes = 0
+
+    @property
+    def name_expression(self) -> str:
+        return f"bsmm::gather_rows<{GATHER_UNITS[self.unit_bytes]}>"
 
 
 def arch_for(compute_capability: str | int) -> str:
@@ -118,8 +139,8 @@ def compile_options(arch: str) -> tuple[str, ...]:
             *includes, *extra)
 
 
-def _source() -> str:
-    return (CUDA_DIR / SOURCE_FILE).read_text()
+def _source(source_file: str) -> str:
+    return (CUDA_DIR / source_file).read_text()
 
 
 def _source_digest() -> str:
@@ -130,11 +151,11 @@ def _source_digest() -> str:
     return digest.hexdigest()
 
 
-def compile_variant(variant: Variant, arch: str) -> tuple[bytes, str, str]:
+def compile_variant(variant: Variant | GatherVariant, arch: str) -> tuple[bytes, str, str]:
     """Compile one variant with NVRTC: (cubin, lowered kernel name, compiler log). Needs no GPU."""
     from cupy_backends.cuda.libs import nvrtc
 
-    program = nvrtc.createProgram(_source(), SOURCE_FILE, [], [])
+    program = nvrtc.createProgram(_source(variant.source_file), variant.source_file, [], [])
     try:
         nvrtc.addNameExpression(program, variant.name_expression)
         try:
@@ -157,7 +178,7 @@ def _cache_dir() -> Path:
     return path
 
 
-def _cached_cubin(variant: Variant, arch: str) -> tuple[Path, str]:
+def _cached_cubin(variant: Variant | GatherVariant, arch: str) -> tuple[Path, str]:
     """The variant's cubin file in the disk cache, compiling it on a miss."""
     from cupy_backends.cuda.libs import nvrtc
 
@@ -179,7 +200,7 @@ _LOADED: dict = {}
 _LOAD_LOCK = threading.Lock()
 
 
-def load_kernel(variant: Variant, device_id: int):
+def load_kernel(variant: Variant | GatherVariant, device_id: int):
     """The loaded kernel for ``variant`` on ``device_id``, compiled or read from cache once."""
     key = (device_id, variant)
     kernel = _LOADED.get(key)

@@ -10,9 +10,42 @@ offset without an im2col copy.
 
 from __future__ import annotations
 
+import numpy as np
+
 from .block_index import BlockIndex
 
-__all__ = ["check_strided_operands", "row_widths", "virtual_width"]
+__all__ = ["BlockOrder", "check_strided_operands", "row_widths", "virtual_width"]
+
+
+class BlockOrder:
+    """Where each block of an index is stored in a weight array: a permutation of ``range(nnzb)``.
+
+    A pass over a layout assembled from other layouts (a convolution's kernel offsets side by
+    side) reads the weights in their own storage order: block ``b`` of the index, in the
+    index's storage order, is block ``positions[b]`` of the weight array. Hashed once (it keys
+    cached launch plans).
+
+    Examples
+    --------
+    >>> BlockOrder([1, 2, 0]).positions
+    array([1, 2, 0])
+    """
+
+    __slots__ = ("positions", "_hash")
+
+    def __init__(self, positions):
+        positions = np.asarray(positions, dtype=np.int64)
+        if positions.ndim != 1 or not np.array_equal(np.sort(positions), np.arange(positions.size)):
+            raise ValueError("positions must be a permutation of range(nnzb)")
+        positions.setflags(write=False)
+        self.positions = positions
+        self._hash = hash(positions.tobytes())
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other) -> bool:
+        return self is other or (isinstance(other, BlockOrder) and np.array_equal(self.positions, other.positions))
 
 
 def row_widths(pass_name: str, index: BlockIndex) -> tuple[int, int]:
@@ -40,11 +73,19 @@ def virtual_width(pass_name: str, index: BlockIndex, act_blocks) -> int:
 
 
 def check_strided_operands(pass_name: str, index: BlockIndex, act, other, out, rows: int,
-                           row_strides: tuple, act_width: int | None = None) -> None:
+                           row_strides: tuple, act_width: int | None = None,
+                           weight_blocks: BlockOrder | None = None) -> None:
     """Raise ValueError naming the operand unless every row lies inside its flat 1-D array.
 
-    ``act_width``: the activation row's span when it is read through ``act_blocks``.
+    ``act_width``: the activation row's span when it is read through ``act_blocks``;
+    ``weight_blocks``: the weights' storage order (fprop and bprop only).
     """
+    if weight_blocks is not None:
+        if pass_name == "updat":
+            raise NotImplementedError("weight_blocks reorders the weights read by fprop and bprop, not updat's output")
+        if len(weight_blocks.positions) != index.nnzb:
+            raise ValueError(f"weight_blocks must have one position per block ({index.nnzb}); "
+                             f"got {len(weight_blocks.positions)}")
     widths = row_widths(pass_name, index)
     if act_width is not None:
         widths = (act_width, widths[1])

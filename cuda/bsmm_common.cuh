@@ -38,6 +38,18 @@ template <> struct Pair<__nv_bfloat16> {
     static __device__ __forceinline__ void store(__nv_bfloat16* p, float a, float b) { *reinterpret_cast<__nv_bfloat162*>(p) = __floats2bfloat162_rn(a, b); }
 };
 
+// Stores a column pair, added to what is there first when accumulating (in float, rounded once).
+template <typename T>
+__device__ __forceinline__ void store_pair(T* dst, float a, float b, int accumulate) {
+    if (accumulate) {
+        float old_a, old_b;
+        Pair<T>::load(dst, old_a, old_b);
+        a += old_a;
+        b += old_b;
+    }
+    Pair<T>::store(dst, a, b);
+}
+
 // ---- asynchronous global -> shared copies -----------------------------------------------
 __device__ __forceinline__ unsigned smem_addr(const void* p) {
     return static_cast<unsigned>(__cvta_generic_to_shared(p));

@@ -563,15 +563,7 @@ __device__ __forceinline__ void store_block_tile(T* block_out, const float (&acc
     } else {
         for_each_acc<K>([&](int i, int m, int n) {
             if (i % 2) return;  // fragments hold column pairs (i, i + 1) = (n, n + 1)
-            T* dst = block_out + (m0 + m) * BS + n0 + n;
-            float a = acc[i], b = acc[i + 1];
-            if (accumulate) {
-                float old_a, old_b;
-                Pair<T>::load(dst, old_a, old_b);
-                a += old_a;
-                b += old_b;
-            }
-            Pair<T>::store(dst, a, b);
+            store_pair(block_out + (m0 + m) * BS + n0 + n, acc[i], acc[i + 1], accumulate);
         });
     }
 }
@@ -718,14 +710,22 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N * 32)
     }
     // Column groups: the last group may reach past the output; ld_other (unused by fprop and
     // bprop otherwise) carries how many output blocks exist.
+    // Tensor-core fragments hold column pairs (i, i + 1) = (n, n + 1): with features along rows
+    // and aligned rows, each pair is one 4- or 8-byte access (and so is the read of accumulate).
+    constexpr bool PAIRS = AXIS1 && ALIGNED && MATH != SIMT;
     for_each_acc<K>([&](int i, int m, int n) {
+        if (PAIRS && i % 2) return;
         const int row = ops.m0 + m;
         if (row >= n_rows) return;
         const long long feature = (long long)unit * (COLS > 1 ? BN : BS) + ops.n0 + n;
         if (COLS > 1 && feature >= (long long)ld_other * BS) return;
         T* dst = AXIS1 ? out + (long long)row * ld_out + feature : out + feature * ld_out + row;
-        // accumulate: added in float and rounded once (convolutions sum their kernel offsets here).
-        *dst = Elem<T>::from_float(accumulate ? acc[i] + Elem<T>::to_float(*dst) : acc[i]);
+        // accumulate: added in float and rounded once (strided convolutions sum their offsets here).
+        if constexpr (PAIRS) {
+            store_pair(dst, acc[i], acc[i + 1], accumulate);
+        } else {
+            *dst = Elem<T>::from_float(accumulate ? acc[i] + Elem<T>::to_float(*dst) : acc[i]);
+        }
     });
 }
 

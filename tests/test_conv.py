@@ -127,6 +127,7 @@ GEOMETRIES = {
     "2d-5x5-s3-p2": ("random", 8, (5, 5), 3, 2, 1, True, 1, (11, 13)),
     "2d-3x3-d2-p2-first": ("random", 16, (3, 3), 1, 2, 2, False, 2, (7, 5)),
     "2d-3x3-s2-valid": ("skewed", 8, (3, 3), 2, 0, 1, True, 2, (7, 7)),
+    "2d-3x3-valid": ("random", 16, (3, 3), 1, 0, 1, True, 2, (6, 7)),  # dx is the canvas
     "2d-1x1": ("random", 8, (1, 1), 1, 0, 1, True, 2, (4, 5)),
     "2d-1x1-s2-first": ("random", 8, (1, 1), 2, 0, 1, False, 1, (5, 7)),
     "2d-3x2-mixed": ("random", 8, (3, 2), (2, 3), (2, 0), (1, 2), True, 2, (9, 11)),
@@ -290,6 +291,26 @@ def test_copies_are_made_only_where_needed(monkeypatch):
     assert len(calls) == 1 + 2 + 1
     fprop, bprop, updat = calls[:1], calls[1:3], calls[3:]
     assert all(np.shares_memory(act, x) and np.shares_memory(other, dy) for act, other, _ in updat)
+
+
+@pytest.mark.parametrize("channels_last", [True, False])
+def test_stride_one_passes_are_one_launch_each(monkeypatch, channels_last):
+    """Stride 1: fprop, bprop and updat each sum every kernel offset inside one pass."""
+    rng = np.random.default_rng(11)
+    case = make_case(rng, "skewed", 8, (3, 2), 1, (1, 0), (2, 1), channels_last, 2, (6, 5), "float32")
+    calls = []
+    real = bsmm.cpu_backend.shifted_pass
+
+    def spy(pass_name, *args, **kwargs):
+        calls.append(pass_name)
+        return real(pass_name, *args, **kwargs)
+
+    monkeypatch.setattr(bsmm.cpu_backend, "shifted_pass", spy)
+    y, dx, dw = _run_three_passes(np, case, "float32")
+    assert calls == ["fprop", "bprop", "updat"]
+    assert_close(y, case.y_ref, "float32")
+    assert_close(dx, case.dx_ref, "float32")
+    assert_close(dw, case.dw_ref, "float32")
 
 
 @pytest.mark.parametrize("args, copies, cropped", [

@@ -119,3 +119,43 @@ def test_shifted_pass_reads_each_block_at_its_place(xp, pass_name, dtype):
                          (stride, width_out), act_blocks)
     ref = ref_fprop if pass_name == "fprop" else ref_bprop
     assert_close(to_numpy(out).reshape(rows, width_out), ref(layout, w, bs, gathered, 1), dtype, pass_name)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("pass_name", ["fprop", "bprop"])
+@pytest.mark.parametrize("bs, n_cols", [(8, 3), (16, 12)])
+def test_shifted_pass_reads_weights_in_their_order(xp, pass_name, dtype, bs, n_cols):
+    """weight_blocks: block b of the index is block positions[b] of the weight array, as the
+    side-by-side layout of a convolution's bprop reads the offsets' weights (and with 12 block
+    columns, column groups take the table too)."""
+    rng = np.random.default_rng([bs, n_cols, len(pass_name)])
+    layout = random_layout(rng, 5, n_cols, 0.7)
+    op = bsmm.BlocksparseMatMul(layout, block_size=bs)
+    order = bsmm.strided.BlockOrder(rng.permutation(op.index.nnzb))
+    stored = random_data(rng, op.w_shape, dtype)
+    in_index_order = stored[order.positions]
+    rows = 129
+    width_in, width_out = (op.C, op.K) if pass_name == "fprop" else (op.K, op.C)
+    act = random_data(rng, (rows * width_in,), dtype)
+    out = to_xp(xp, np.full(rows * width_out, np.nan, dtype))
+    _backend(xp).shifted_pass(pass_name, op.index, to_xp(xp, act), to_xp(xp, stored.ravel()), out, rows,
+                              (width_in, width_out), None, weight_blocks=order)
+    ref = ref_fprop if pass_name == "fprop" else ref_bprop
+    expected = ref(layout, in_index_order, bs, act.reshape(rows, width_in), 1)
+    assert_close(to_numpy(out).reshape(rows, width_out), expected, dtype, pass_name)
+
+
+def test_block_order_errors(xp):
+    with pytest.raises(ValueError, match="permutation"):
+        bsmm.strided.BlockOrder([0, 0, 1])
+    op = bsmm.BlocksparseMatMul(np.ones((2, 2)), block_size=8)
+    backend, flat = _backend(xp), to_xp(xp, np.zeros(16 * 8 * 4, np.float32))
+    w = to_xp(xp, np.zeros(op.w_shape, np.float32).ravel())
+    with pytest.raises(ValueError, match="one position per block"):
+        backend.shifted_pass("fprop", op.index, flat, w, flat[:16 * 4], 4, (16, 16), None,
+                             weight_blocks=bsmm.strided.BlockOrder([1, 0]))
+    with pytest.raises(NotImplementedError, match="not updat"):
+        backend.shifted_pass("updat", op.index, flat, flat, w, 4, (16, 16), None,
+                             weight_blocks=bsmm.strided.BlockOrder([1, 0, 3, 2]))
+    assert bsmm.strided.BlockOrder([1, 0]) == bsmm.strided.BlockOrder(np.array([1, 0]))
+    assert hash(bsmm.strided.BlockOrder([1, 0])) == hash(bsmm.strided.BlockOrder([1, 0]))

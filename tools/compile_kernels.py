@@ -14,12 +14,12 @@ import sys
 import time
 
 from bsmm.config import settings
-from bsmm.kernels import ARCH_ONLY_MODES, Variant, _cached_cubin, compile_variant
+from bsmm.kernels import ARCH_ONLY_MODES, GATHER_UNITS, GatherVariant, Variant, _cached_cubin, compile_variant
 from bsmm.cuda_backend import math_mode, tile_for
 
 
-def all_variants() -> list[Variant]:
-    variants = set()
+def all_variants() -> list[Variant | GatherVariant]:
+    variants = {GatherVariant(unit) for unit in GATHER_UNITS}  # the convolution's row gathers
     block_sizes = settings()["limits"]["block_sizes"]
     for dtype, tf32_modes in (("float32", (False, True)), ("float16", (False,)), ("bfloat16", (False,))):
         for tf32 in tf32_modes:
