@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # One call on the lent GPU: compile every kernel variant into the cache, a fast correctness
 # sweep, the GPU test suite, and the benchmark. Full logs go to $OUT; a short table is printed last.
-#   tools/gpu_check.sh [smoke|tests|bench|all|note|models] [bench args...]
-# note: compile, GPU tests, memcheck of the column-group, part-reduction, wgmma and shifted-pass
-# tests, bench, then the convolution benchmark against cuDNN.
+#   tools/gpu_check.sh [smoke|tests|bench|all|note|conv|models] [bench args...]
+# note: compile, GPU tests, memcheck of the column-group, part-reduction, wgmma, shifted-pass,
+# row-gather and convolution tests, bench, then the convolution benchmark against cuDNN.
+# conv: compile, the convolution, row-gather and strided GPU tests, their memcheck, the conv bench.
 # models: the small-world LSTM experiment ($LSTM_BUDGET s, default 240); its table.
 set -uo pipefail
 OUT=${OUT:-/tmp/bsmm-out}
@@ -30,10 +31,18 @@ if [[ $stage == tests || $stage == all || $stage == note ]]; then
   python3 -m pytest -q -m gpu tests -x -p no:cacheprovider >"$OUT/pytest_gpu.log" 2>&1 || status=1
   echo "gpu tests: $(tail -1 "$OUT/pytest_gpu.log") [$(( $(date +%s) - t0 ))s]"
 fi
-if [[ $stage == note ]]; then
+if [[ $stage == conv ]]; then
+  t0=$(date +%s)
+  python3 -m pytest -q -m gpu tests/test_conv.py tests/test_row_maps.py tests/test_strided.py tests/test_conv_torch.py \
+    -p no:cacheprovider >"$OUT/pytest_gpu.log" 2>&1 || status=1
+  echo "gpu tests (conv): $(tail -1 "$OUT/pytest_gpu.log") [$(( $(date +%s) - t0 ))s]"
+fi
+if [[ $stage == note || $stage == conv ]]; then
   t0=$(date +%s)
   compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -q -m gpu tests/test_passes.py \
-    tests/test_strided.py -k "column_groups or long_block or wgmma or shifted" -p no:cacheprovider >"$OUT/memcheck.log" 2>&1 || status=1
+    tests/test_strided.py tests/test_row_maps.py tests/test_conv.py \
+    -k "column_groups or long_block or wgmma or shifted or gather or 3x3-p1 or 3x3-valid or 3x3-s2-p1" \
+    -p no:cacheprovider >"$OUT/memcheck.log" 2>&1 || status=1
   echo "memcheck: $(grep -E "ERROR SUMMARY" "$OUT/memcheck.log" | sort | uniq -c | tr -s ' ') $(tail -1 "$OUT/memcheck.log") [$(( $(date +%s) - t0 ))s]"
 fi
 if [[ $stage == bench || $stage == all || $stage == note ]]; then
@@ -43,9 +52,9 @@ if [[ $stage == bench || $stage == all || $stage == note ]]; then
   cat "$OUT/bench.md"
   tail -3 "$OUT/bench.log"
 fi
-if [[ $stage == note ]]; then
+if [[ $stage == note || $stage == conv ]]; then
   t0=$(date +%s)
-  python3 tools/bench_conv.py --json "$OUT/conv.json" >"$OUT/conv.md" 2>&1 || status=1
+  python3 tools/bench_conv.py --json "$OUT/conv.json" ${CONV_ARGS:-} >"$OUT/conv.md" 2>&1 || status=1
   echo "conv bench [$(( $(date +%s) - t0 ))s]:"
   grep -E "^\|" "$OUT/conv.md" | awk '!seen[$0]++'
 fi
