@@ -49,11 +49,14 @@ def tile_for(math_mode: str, pass_name: str, block_size: int, n: int, arch_key: 
              columns: bool = False, optional: bool = False) -> tuple | None:
     """[BM, BN, BK, WARPS_M, WARPS_N, STAGES] from the launch table in ``bsmm.toml``.
 
-    ``columns=True``: the column-group tile [..., COLS] of fprop/bprop, or None where the
-    table has none (so does any mode with ``optional=True``). ``arch_key`` ("sm90", "sm80", ...)
+    ``columns=True``: the column-group tile [..., COLS] (fprop/bprop: ``columns``, updat:
+    ``updat_rows``), or None where the table has none (so does any mode with ``optional=True``). ``arch_key`` ("sm90", "sm80", ...)
     selects a device's override section.
     """
-    group = "columns" if columns else "updat" if pass_name == "updat" else "sparse"
+    if columns:
+        group = "updat_rows" if pass_name == "updat" else "columns"
+    else:
+        group = "updat" if pass_name == "updat" else "sparse"
     batches = (_batch_class(n), "any")  # updat tables may give small-batch tiles before "any"
     tables = settings()["kernels"]
     for section in (tables.get(arch_key or "", {}), tables["default"]):
@@ -185,10 +188,41 @@ def _group_steps(index: BlockIndex, by_column: bool, cols: int) -> tuple[np.ndar
     return entries, counts
 
 
-def _column_groups(index: BlockIndex, pass_name: str, mode: str, n: int, aligned: bool, arch_key: str):
-    """(tile, cols, step table, steps per unit) of a column-group launch where one pays, else None."""
-    if pass_name == "updat" or not aligned:
+def _row_groups(index: BlockIndex, cols: int) -> np.ndarray:
+    """updat row groups: each block row's blocks, in storage order, cut into groups of ``cols``.
+
+    Returns (groups, 1 + 2 cols) = (block row, block column of each block or -1, its storage
+    index or -1): the blocks of a group share their x tile.
+    """
+    counts = np.diff(index.indptr).astype(np.int64)
+    per_row = -(-counts // cols)
+    first_group = np.cumsum(per_row) - per_row
+    place = np.arange(index.nnzb) - np.repeat(index.indptr[:-1].astype(np.int64), counts)
+    group, slot = np.repeat(first_group, counts) + place // cols, place % cols
+    entries = np.full((int(per_row.sum()), 1 + 2 * cols), -1, dtype=np.int64)
+    entries[group, 0] = index.rows
+    entries[group, 1 + slot] = index.indices
+    entries[group, 1 + cols + slot] = np.arange(index.nnzb)
+    return entries
+
+
+def _column_groups(index: BlockIndex, pass_name: str, mode: str, n: int, aligned: bool, arch_key: str,
+                   feature_axis: int = 1):
+    """(tile, cols, step table, steps per unit) of a column-group launch where one pays, else None.
+
+    updat: row groups (:func:`_row_groups`; steps per unit is None), feature axis 1 and a batch
+    past one step only, where the groups hold enough blocks on average.
+    """
+    if not aligned:
         return None
+    if pass_name == "updat":
+        tile = tile_for(mode, pass_name, index.block_size, n, arch_key, columns=True)
+        if tile is None or feature_axis != 1 or n <= tile[2]:
+            return None
+        table = _row_groups(index, tile[6])
+        if index.nnzb < settings()["kernels"]["group_min_blocks_per_step"] * max(1, len(table)):
+            return None
+        return tile[:6], tile[6], table, None
     tile = tile_for(mode, pass_name, index.block_size, n, arch_key, columns=True)
     if tile is None:
         return None
@@ -204,7 +238,7 @@ def _build_plan(index: BlockIndex, pass_name: str, n: int, dtype: str, feature_a
     bs = index.block_size
     mode = math_mode(dtype, pass_name, bs, tf32)
     arch_key = f"sm{device.compute_capability}"
-    groups = _column_groups(index, pass_name, mode, n, aligned, arch_key)
+    groups = _column_groups(index, pass_name, mode, n, aligned, arch_key, feature_axis)
     tile, cols = (groups[0], groups[1]) if groups else (tile_for(mode, pass_name, bs, n, arch_key), 1)
     wgmma = _wgmma_tile(mode, pass_name, bs, n, feature_axis, aligned, arch_key) if not groups else None
     if wgmma is not None:
@@ -227,17 +261,18 @@ def _build_plan(index: BlockIndex, pass_name: str, n: int, dtype: str, feature_a
         table = np.stack([index.rows, index.indices], axis=1)
         grid_yz = (bs // bm, bs // bn)
     elif pass_name == "updat":
-        tiles_per_unit = (bs // bm) * (bs // bn)
-        ctas_unsplit = max(1, index.nnzb * tiles_per_unit)
+        table = groups[2] if groups else np.stack([index.rows, index.indices], axis=1)
+        n_units = len(table)
+        tiles_per_unit = 1 if groups else (bs // bm) * (bs // bn)
+        ctas_unsplit = max(1, n_units * tiles_per_unit)
         # Few blocks and a long batch: cut the batch so every SM has work.
         want_parts = max(1, min(math.ceil(target_ctas / ctas_unsplit), math.ceil(n / (4 * bk))))
         rows_per_part = bk * math.ceil(math.ceil(n / want_parts) / bk) if n else bk
-        counts = np.full(index.nnzb, n, dtype=np.int64)
+        counts = np.full(n_units, n, dtype=np.int64)
         parts, unit_of, part_index = _parts(counts, rows_per_part)
         begin = part_index * rows_per_part
         end = np.minimum(begin + rows_per_part, n)
-        table = np.stack([index.rows, index.indices], axis=1)
-        grid_yz = (bs // bm, bs // bn)
+        grid_yz = (1, 1) if groups else (bs // bm, bs // bn)
     else:
         table, counts = groups[2:] if groups else _block_steps(index, pass_name == "fprop")
         ptr = np.concatenate([[0], np.cumsum(counts)])

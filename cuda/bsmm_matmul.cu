@@ -43,6 +43,8 @@ struct Kernel {
     // over the union of their blocks' rows (columns), one block row per step: the activation
     // tile of a step is loaded once for every block of that row in the group. Warp column j
     // owns block column j and skips the steps where that block is absent.
+    // updat: an output tile is up to COLS present blocks of one block row, side by side; each
+    // step loads the x tile once for all of them (small blocks otherwise read it once per block).
     static constexpr int COLS = COLS_;
     static constexpr int NT = WARPS_M * WARPS_N * 32;
     static constexpr int VEC = 16 / sizeof(T);  // elements per 16-byte copy
@@ -69,9 +71,10 @@ struct Kernel {
 
     static_assert(BK % VEC == 0 && BM % VEC == 0 && BN % VEC == 0, "tiles must be whole 16-byte chunks");
     static_assert(COLS > 1 || (BN <= BS && BS % BN == 0), "an output tile stays inside one block column");
-    static_assert(COLS == 1 || (BN == COLS * BS && BK == BS && WARPS_N == COLS && ALIGNED_ && MATH_ != SIMT &&
-                                PASS_ != UPDAT),
-                  "column groups: one block per warp column, one block row per step, aligned tensor-core copies");
+    static_assert(COLS == 1 || (BN == COLS * BS && WARPS_N == COLS && ALIGNED_ && (MATH_ == TENSOR16 || MATH_ == TF32) &&
+                                (PASS_ == UPDAT ? BM == BS && AXIS1_ && !GROUPED_ : BK == BS)),
+                  "column groups: one block per warp column, one block row per step (updat: whole blocks, "
+                  "feature axis 1), aligned tensor-core copies");
     static_assert(MATH != TENSOR16 || (BK % 16 == 0 && WTM % 16 == 0 && WTN % 8 == 0), "m16n8k16 tiling");
     static_assert(MATH != TF32 || (BK % 8 == 0 && WTM % 16 == 0 && WTN % 8 == 0), "m16n8k8 tiling");
     static_assert(MATH != SIMT || (TY * TX == NT && TM * TY == BM && TN * TX == BN), "SIMT tiling");
@@ -323,6 +326,58 @@ struct GroupLoader {
                 const int id = entry[1 + b_block[i]];
                 const int row = c / (K::B_COLS / K::VEC), col = (c % (K::B_COLS / K::VEC)) * K::VEC;
                 if (id >= 0) cp_async16(sb + row * K::B_PITCH + col, w + (long long)id * BS * BS + b_offset[i], 16);
+            }
+        }
+    }
+};
+
+
+// updat row groups (K::COLS > 1): the staged entry is (block row c, block column of each of
+// the COLS blocks or -1, storage index of each or -1). A step is BK batch rows: the x tile
+// takes the ChunkPlan path, and each dy chunk is a fixed offset from the step's first row.
+template <class K, typename T, int BS>
+struct UpdatGroupLoader {
+    static constexpr int B_CHUNKS = K::B_ROWS * K::B_COLS / K::VEC;
+    static constexpr int B_PER_THREAD = (B_CHUNKS + K::NT - 1) / K::NT;
+    ChunkPlan<K, K::A_ROWS, K::A_COLS, K::A_PITCH> a;
+    long long b_offset[B_PER_THREAD];  // from the step's first dy row: row * ld + feature
+    int b_row[B_PER_THREAD];           // batch row inside the step; ABSENT for absent blocks
+    const T* x;
+    const T* dy;
+    long long ld_x, ld_dy;
+    int seg_begin, seg_end;
+
+    __device__ __forceinline__ void init(const Operands<K, T, BS>& o, const int* entry, int tid) {
+        x = o.act + (long long)entry[0] * BS;
+        dy = o.other;
+        ld_x = o.ld_act;
+        ld_dy = o.ld_other;
+        seg_begin = o.seg_begin;
+        seg_end = o.seg_end;
+        a.init(tid, ld_x, K::A_KMAJOR, K::BM);
+#pragma unroll
+        for (int i = 0; i < B_PER_THREAD; ++i) {
+            const int c = tid + i * K::NT;
+            const int row = c / (K::B_COLS / K::VEC), col = (c % (K::B_COLS / K::VEC)) * K::VEC;
+            const int kb = entry[1 + col / BS];
+            b_offset[i] = row * ld_dy + (long long)kb * BS + col % BS;
+            b_row[i] = c < B_CHUNKS && kb >= 0 ? row : ChunkPlan<K, K::A_ROWS, K::A_COLS, K::A_PITCH>::ABSENT;
+        }
+    }
+
+    __device__ __forceinline__ void operator()(int step, T* sa, T* sb) const {
+        const int tid = threadIdx.x;
+        const long long n = seg_begin + (long long)step * K::BK;  // first batch row of the step
+        const int k_limit = seg_end - (int)n;
+        a.template copy<false>(sa, x + n * ld_x, k_limit, tid);
+        const T* dy_step = dy + n * ld_dy;
+#pragma unroll
+        for (int i = 0; i < B_PER_THREAD; ++i) {
+            const int c = tid + i * K::NT;
+            if (B_CHUNKS % K::NT == 0 || c < B_CHUNKS) {
+                const int row = c / (K::B_COLS / K::VEC), col = (c % (K::B_COLS / K::VEC)) * K::VEC;
+                const bool valid = b_row[i] < k_limit;
+                cp_async16(sb + row * K::B_PITCH + col, valid ? dy_step + b_offset[i] : dy, valid ? 16 : 0);
             }
         }
     }
@@ -587,7 +642,7 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N * 32)
     // A part's entries of the step table, read once: the loaders would otherwise wait on a
     // dependent global load before every copy they issue.
     __shared__ int2 part_table[(PASS == UPDAT && !GROUPED) || COLS > 1 ? 1 : BSMM_MAX_PART];
-    __shared__ int group_steps[COLS > 1 ? BSMM_MAX_PART * (COLS + 1) : 1];
+    __shared__ int group_steps[COLS > 1 ? (PASS == UPDAT ? 2 * COLS + 1 : BSMM_MAX_PART * (COLS + 1)) : 1];
 
     const int4 seg = segments[blockIdx.x];
     if constexpr (GROUPED) {
@@ -634,7 +689,14 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N * 32)
     ops.m0 = blockIdx.y * BM;
     ops.n0 = blockIdx.z * BN;
     int n_steps;
-    if (PASS == UPDAT) {
+    if constexpr (PASS == UPDAT && COLS > 1) {
+        // The group's entry: 2 COLS + 1 ints (see UpdatGroupLoader).
+        const int* entry = reinterpret_cast<const int*>(table) + (long long)unit * (2 * COLS + 1);
+        for (int i = threadIdx.x; i < 2 * COLS + 1; i += K::NT) group_steps[i] = entry[i];
+        __syncthreads();
+        ops.block = make_int2(group_steps[0], 0);
+        n_steps = (seg.z - seg.y + BK - 1) / BK;
+    } else if constexpr (PASS == UPDAT) {
         ops.block = table[unit];
         n_steps = (seg.z - seg.y + BK - 1) / BK;
     } else if constexpr (COLS > 1) {
@@ -652,7 +714,13 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N * 32)
     }
 
     float acc[K::ACC];
-    if constexpr (COLS > 1) {
+    if constexpr (PASS == UPDAT && COLS > 1) {
+        UpdatGroupLoader<K, T, BS> loader;
+        loader.init(ops, group_steps, threadIdx.x);
+        // Warps of an absent block (a row's last group may be short) only keep the pipeline going.
+        const bool absent = group_steps[1 + (threadIdx.x / 32) / K::WARPS_M] < 0;
+        main_loop<K, T>(loader, n_steps, smem, acc, [](int, float (&)[K::ACC]) {}, [&](int) { return absent; });
+    } else if constexpr (COLS > 1) {
         GroupLoader<K, T, BS> loader;
         loader.init(ops, group_steps, threadIdx.x);
         const int warp_col = (threadIdx.x / 32) / K::WARPS_M;
@@ -704,7 +772,13 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N * 32)
         }
     }
 
-    if constexpr (PASS == UPDAT) {
+    if constexpr (PASS == UPDAT && COLS > 1) {
+        for_each_acc<K>([&](int i, int m, int n) {
+            const int id = group_steps[1 + COLS + n / BS];
+            if (i % 2 == 0 && id >= 0) store_pair(out + (long long)id * BS * BS + m * BS + n % BS, acc[i], acc[i + 1], accumulate);
+        });
+        return;
+    } else if constexpr (PASS == UPDAT) {
         store_block_tile<K, T, BS>(out + (long long)unit * BS * BS, acc, ops.m0, ops.n0, accumulate);
         return;
     }

@@ -483,6 +483,43 @@ def test_column_groups(xp, bs, tile, dtype, monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("bs, cols", [(16, 8), (32, 4)])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("batch_parts", [False, True])
+def test_updat_row_groups(xp, bs, cols, dtype, batch_parts, monkeypatch):
+    """GPU: updat tiles of several blocks of one block row sharing their x tile, forced for
+    every layout: partial last groups, empty and full block rows, N off the tile depth, batches
+    cut into parts (ordered reduction); NaN-poisoned output, bitwise repeat, accumulate."""
+    if xp is np:
+        pytest.skip("the CPU backend has no row groups")
+    from bsmm import cuda_backend
+
+    kernels = bsmm.config.settings()["kernels"]
+    monkeypatch.setitem(kernels, "group_min_blocks_per_step", 0)
+    # Few groups and a long batch: the batch is cut so that every SM has work (waves 0: never).
+    monkeypatch.setitem(kernels, "waves", 64 if batch_parts else 0)
+    monkeypatch.setattr(cuda_backend, "_PLANS", type(cuda_backend._PLANS)())
+    rng = np.random.default_rng([bs, cols, len(dtype), batch_parts])
+    layout = random_layout(rng, 6, 2 * cols + 3, 0.5)
+    layout[1, :] = 0
+    layout[2, :] = 1
+    for n in (65, 130, 1000):
+        case = make_case(rng, layout, bs, n, dtype, 1)
+        args = device_inputs(xp, case, "updat")
+        out = poisoned(xp, case.op.w_shape, case.x.dtype)
+        call(case.op, "updat", args, out=out)
+        assert_close(to_numpy(out), reference(case, "updat"), dtype, f"updat N={n}")
+        assert to_numpy(call(case.op, "updat", args)).tobytes() == to_numpy(out).tobytes(), "not bitwise repeatable"
+        start = random_data(rng, case.op.w_shape, dtype)
+        summed = to_xp(xp, start)
+        call(case.op, "updat", args, out=summed, accumulate=True)
+        assert_close(to_numpy(summed), as_float64(start) + reference(case, "updat"), dtype, f"updat += N={n}")
+    plans = [p for key, p in cuda_backend._PLANS[case.op.index].items() if key[0] == "updat"]
+    assert plans and all(p.variant.cols == cols for p in plans), "updat did not run on row groups"
+    assert any(p.workspace_floats > 0 for p in plans) == batch_parts
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("min_part_blocks", [None, 1], ids=["default", "shortest"])
 @pytest.mark.parametrize("bs", [64, 128])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])

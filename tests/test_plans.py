@@ -46,5 +46,35 @@ def test_column_groups_only_where_steps_feed_several_blocks(density, expected_co
     groups = cuda_backend._column_groups(index, "fprop", "tensor16", 4096, True, "sm90")
     assert (groups[1] if groups else 1) == expected_cols
     assert cuda_backend._column_groups(index, "fprop", "tensor16", 4096, False, "sm90") is None  # unaligned
-    assert cuda_backend._column_groups(index, "updat", "tensor16", 4096, True, "sm90") is None
     assert cuda_backend._column_groups(index, "fprop", "tensor16", 32, True, "sm90") is None  # no n32 tile
+
+
+@pytest.mark.parametrize("cb, kb, cols, density", [(7, 10, 4, 0.3), (12, 19, 8, 0.5), (5, 5, 4, 0.0), (3, 16, 4, 1.0)])
+def test_row_groups_cut_each_block_row_in_storage_order(cb, kb, cols, density):
+    layout = (np.random.default_rng([cb, kb, 1]).random((cb, kb)) < density).astype(np.uint8)
+    layout[cb // 2] = 0  # an empty block row has no group
+    index = bsmm.block_index(layout, 16)
+    entries = cuda_backend._row_groups(index, cols)
+    expected, block = [], 0
+    for row in range(cb):
+        columns = list(np.flatnonzero(layout[row]))
+        for first in range(0, len(columns), cols):
+            group = columns[first:first + cols]
+            ids = list(range(block, block + len(group)))
+            block += len(group)
+            pad = [-1] * (cols - len(group))
+            expected.append([row, *group, *pad, *ids, *pad])
+    np.testing.assert_array_equal(entries, np.array(expected, dtype=np.int64).reshape(-1, 1 + 2 * cols))
+
+
+def test_row_groups_only_for_axis_1_long_batches_and_full_groups():
+    layout = (np.random.default_rng(4).random((64, 64)) < 0.25).astype(np.uint8)
+    index = bsmm.block_index(layout, 32)
+    tile, cols, table, counts = cuda_backend._column_groups(index, "updat", "tensor16", 4096, True, "sm90")
+    assert (cols, tile[1], counts) == (4, 4 * 32, None) and table.shape[1] == 1 + 2 * cols
+    assert cuda_backend._column_groups(index, "updat", "tensor16", 4096, True, "sm90", feature_axis=0) is None
+    assert cuda_backend._column_groups(index, "updat", "tensor16", 64, True, "sm90") is None  # one step
+    assert cuda_backend._column_groups(index, "updat", "tensor16", 4096, False, "sm90") is None
+    assert cuda_backend._column_groups(index, "updat", "simt", 4096, True, "sm90") is None  # float32
+    diagonal = bsmm.block_index(np.eye(64, dtype=np.uint8), 32)  # one block a row: nothing shared
+    assert cuda_backend._column_groups(diagonal, "updat", "tensor16", 4096, True, "sm90") is None

@@ -37,7 +37,10 @@ def all_variants() -> list[Variant | GatherVariant]:
                                 variants.add(Variant(dtype, bs, tile, mode, pass_name, axis, aligned))
                             if pass_name == "updat":  # small batches stream blocks (aligned copies only)
                                 variants.add(Variant(dtype, bs, tile, mode, pass_name, axis, True, True))
-                            elif columns:  # column groups (aligned copies only)
+                            if pass_name == "updat" and columns and axis == 1:  # row groups
+                                variants.add(Variant(dtype, bs, columns[:6], mode, pass_name, axis, True, False,
+                                                     columns[6]))
+                            elif pass_name != "updat" and columns:  # column groups (aligned copies only)
                                 variants.add(Variant(dtype, bs, columns[:6], mode, pass_name, axis, True, False,
                                                      columns[6]))
     return sorted(variants, key=repr)
