@@ -127,14 +127,12 @@ class BlocksparseConv:
     Channels-first arrays are transposed by those same copies, so where channels
     last needs none, channels first makes one per operand.
 
-    *Launches.* fprop and updat are one launch over every kernel offset, and so is
-    bprop with stride 1; a strided bprop runs one pass per offset, each adding into
-    the canvas.
+    *Launches.* fprop and updat are one launch over every kernel offset; bprop is one
+    launch per residue of the offsets' shifts modulo the last stride (one with stride 1,
+    two for a 3-wide kernel with stride 2), each writing its own rows of the canvas.
 
-    *Precision.* Results are summed over all offsets in float32 and rounded once, except
-    a strided bprop in float16/bfloat16, which rounds once per kernel offset (each
-    offset's pass adds its product into the canvas with ``accumulate``). float64 runs
-    on the CPU only.
+    *Precision.* Results are summed over all offsets in float32 and rounded once.
+    float64 runs on the CPU only.
 
     Examples
     --------
@@ -365,29 +363,22 @@ class BlocksparseConv:
             _bits(dx)[...] = 0
             return out if out is not None else dy_op.wrap(dx)
         direct = not geometry.copies_input and self.channels_last
-        if all(s == 1 for s in self.stride):
-            # One launch: canvas row p sums dy grid row p - shift_k / C times W_kᵀ over the
-            # offsets k, i.e. a bprop over the offsets' layouts side by side whose block
-            # column (k, kb) reads dy ``lead - shift_k / C`` rows early; dy sits ``lead``
-            # zero rows into its buffer so every read lands inside it. Every canvas row is
-            # written, so nothing is zeroed first.
-            canvas_rows = math.prod(geometry.canvas_shape[:-1])
-            lead = max(geometry.shifts) // self.C
-            dy_rows = self._on_grid(xp, backend, dy_op.array, geometry, lead)
-            canvas = dx if direct else _empty(xp, geometry.canvas_shape, dtype)
-            backend.shifted_pass("bprop", self._side_by_side_index, dy_rows, w_op.array.reshape(-1),
-                                 canvas.reshape(-1), canvas_rows, (self.K, self.C),
-                                 self._side_by_side_blocks(geometry, lead), tf32=self.tf32,
-                                 weight_blocks=self._side_by_side_order)
-        else:  # strided: one pass per offset, each adding into the (zeroed) canvas
-            canvas = dx if direct else _zeros(xp, geometry.canvas_shape, dtype)
-            if direct:
-                _bits(dx)[...] = 0
-            flat = canvas.reshape(-1)
-            dy_rows = self._on_grid(xp, backend, dy_op.array, geometry)
-            for shift, w_k in zip(geometry.shifts, self._per_offset(w_op.array)):
-                backend.strided_pass("bprop", self.index, dy_rows, w_k, flat[shift:], geometry.rows,
-                                     (self.K, geometry.row_stride), accumulate=True, tf32=self.tf32)
+        # Offset k adds dy grid row r times W_kᵀ into canvas row shift_k / C + r·s (s: the last
+        # stride). Canvas rows of one residue φ mod s are then a stride-1 bprop over the
+        # offsets of that residue, side by side: row φ + q·s sums dy row q - e_k, e_k =
+        # (shift_k / C) // s. dy sits ``lead`` = max e_k zero rows into its buffer so every
+        # read lands inside it; each residue is one launch writing all its rows.
+        step, canvas_rows = self.stride[-1], math.prod(geometry.canvas_shape[:-1])
+        lead, launches = self._bprop_launches(geometry)
+        dy_rows = self._on_grid(xp, backend, dy_op.array, geometry, lead, lead + -(-canvas_rows // step))
+        canvas = dx if direct else _empty(xp, geometry.canvas_shape, dtype)
+        if len(launches) < step:  # rows no offset reaches (a kernel narrower than the stride)
+            _bits(canvas)[...] = 0
+        flat = canvas.reshape(-1)
+        for residue, index, order, blocks in launches:
+            backend.shifted_pass("bprop", index, dy_rows, w_op.array.reshape(-1), flat[residue * self.C:],
+                                 -(-(canvas_rows - residue) // step), (self.K, step * self.C), blocks,
+                                 tf32=self.tf32, weight_blocks=order)
         if not direct and self.channels_last:
             backend.gather_rows(_rows(dx, self.C), _rows(canvas, self.C),
                                 self._row_map("input", geometry, row_maps.input_rows))
@@ -461,44 +452,36 @@ class BlocksparseConv:
                 shift // self.block_size + c for shift in geometry.shifts for c in range(per_row))
         return blocks
 
-    @property
-    def _side_by_side_index(self) -> BlockIndex:
-        """The layout repeated once per kernel offset along K (offset-major block columns):
-        bprop over it sums every offset's product into each input-gradient row."""
-        side = self.__dict__.get("_side")
-        if side is None:
-            side = self.__dict__["_side"] = block_index(
-                np.tile(self.layout, (1, math.prod(self.kernel_size))), self.block_size)
-        return side
+    def _bprop_launches(self, geometry: ConvGeometry) -> tuple[int, list]:
+        """(lead, one (residue, side-by-side index, its BlockOrder, act_blocks) per residue of
+        the offsets' canvas row shifts modulo the last stride), kept per set of shifts."""
+        cached = self.__dict__.setdefault("_bprop", {})
+        entry = cached.get(geometry.shifts)
+        if entry is None:
+            step, per_row = self.stride[-1], self.K // self.block_size
+            rows = [shift // self.C for shift in geometry.shifts]
+            lead = max(rows) // step
+            by_residue = {}
+            for k, row in enumerate(rows):
+                by_residue.setdefault(row % step, []).append(k)
+            launches = []
+            for residue, offsets in sorted(by_residue.items()):
+                blocks = tuple((lead - rows[k] // step) * per_row + kb for k in offsets for kb in range(per_row))
+                launches.append((residue, *self._side_by_side(tuple(offsets)), blocks))
+            entry = cached[geometry.shifts] = (lead, launches)
+        return entry
 
-    @property
-    def _side_by_side_order(self) -> BlockOrder:
-        """Where block (c, (k, kb)) of :attr:`_side_by_side_index` is in ``w``: offset k's block
-        (c, kb), i.e. ``k · nnzb`` + its place in the layout's storage order."""
-        order = self.__dict__.get("_side_order")
-        if order is None:
-            index, side = self.index, self._side_by_side_index
-            place = np.full(self.layout.shape, -1, dtype=np.int64)
-            place[index.rows, index.indices] = np.arange(index.nnzb)
-            offset, column = np.divmod(side.indices, index.n_block_cols)
-            order = self.__dict__["_side_order"] = BlockOrder(offset * index.nnzb + place[side.rows, column])
-        return order
-
-    def _side_by_side_blocks(self, geometry: ConvGeometry, lead: int) -> tuple:
-        """Where block column (k, kb) of the side-by-side layout reads the lead-padded dy rows:
-        ``lead - shift_k / C`` rows in, block kb."""
-        cached = self.__dict__.setdefault("_side_blocks", {})
-        key = (geometry.shifts, lead)
-        blocks = cached.get(key)
-        if blocks is None:
-            per_row = self.K // self.block_size
-            blocks = cached[key] = tuple((lead - shift // self.C) * per_row + kb
-                                         for shift in geometry.shifts for kb in range(per_row))
-        return blocks
-
-    def _per_offset(self, weights):
-        """Flat views of each kernel offset's block data."""
-        return weights.reshape(math.prod(self.kernel_size), self.blocks * self.block_size**2)
+    def _side_by_side(self, offsets: tuple) -> tuple[BlockIndex, BlockOrder]:
+        """The layout repeated once per offset in ``offsets`` along K (block column (j, kb):
+        offset ``offsets[j]``'s column kb), and where each of its blocks is in ``w``: offset
+        k's block (c, kb) is block ``k · nnzb`` + its place in the layout's storage order."""
+        index = self.index
+        side = block_index(np.tile(self.layout, (1, len(offsets))), self.block_size)
+        place = np.full(self.layout.shape, -1, dtype=np.int64)
+        place[index.rows, index.indices] = np.arange(index.nnzb)
+        j, column = np.divmod(side.indices, index.n_block_cols)
+        positions = np.asarray(offsets, dtype=np.int64)[j] * index.nnzb + place[side.rows, column]
+        return side, BlockOrder(positions, stored=math.prod(self.kernel_size) * index.nnzb)
 
     def _row_map(self, name: str, geometry: ConvGeometry, build) -> row_maps.RowMap:
         """``build(geometry)``, kept per (name, input shape): a training loop asks for the same few."""
@@ -524,19 +507,20 @@ class BlocksparseConv:
             target[dst] = source[src]
         return canvas.reshape(-1)
 
-    def _on_grid(self, xp, backend, dy, geometry: ConvGeometry, lead: int = 0):
+    def _on_grid(self, xp, backend, dy, geometry: ConvGeometry, lead: int = 0, total: int | None = None):
         """Flat ``dy`` on the grid, zero in the over-computed rows (so they add nothing),
-        after ``lead`` rows of zeros."""
-        if not lead and geometry.grid_is_output and self.channels_last:
+        after ``lead`` rows of zeros and followed by zero rows up to ``total`` rows."""
+        grid_rows = geometry.batch * math.prod(geometry.grid)
+        total = lead + grid_rows if total is None else total
+        if not lead and total == grid_rows and geometry.grid_is_output and self.channels_last:
             return dy.reshape(-1)
         if self.channels_last:
-            row_map = self._row_map(f"grid+{lead}", geometry, lambda g: row_maps.grid_rows(g, lead))
-            grid = _empty(xp, (len(row_map), self.K), dy.dtype)
+            row_map = self._row_map(f"grid+{lead}:{total}", geometry, lambda g: row_maps.grid_rows(g, lead, total))
+            grid = _empty(xp, (total, self.K), dy.dtype)
             backend.gather_rows(_bits(grid), _rows(dy, self.K), row_map)
             return grid.reshape(-1)
-        grid_rows = geometry.batch * math.prod(geometry.grid)
-        grid = _zeros(xp, (lead + grid_rows, self.K), dy.dtype)
-        _bits(grid[lead:]).reshape(geometry.batch, *geometry.grid, self.K)[geometry.crop] = \
+        grid = _zeros(xp, (total, self.K), dy.dtype)
+        _bits(grid[lead:lead + grid_rows]).reshape(geometry.batch, *geometry.grid, self.K)[geometry.crop] = \
             _bits(self._channels_last(dy))
         return grid.reshape(-1)
 

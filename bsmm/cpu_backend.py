@@ -214,7 +214,7 @@ def shifted_pass(pass_name: str, index: BlockIndex, act: np.ndarray, other: np.n
         b = np.ascontiguousarray(_rows_view(other, rows, width_b, row_strides[1]))
         updat(index, a, b, out.reshape(index.nnzb, bs, bs), 1, accumulate)
         return
-    w = other.reshape(index.nnzb, bs, bs)
+    w = other.reshape(-1, bs, bs)
     if weight_blocks is not None:
         w = w[weight_blocks.positions]
     target = _rows_view(out, rows, width_b, row_strides[1])

@@ -18,34 +18,39 @@ __all__ = ["BlockOrder", "check_strided_operands", "row_widths", "virtual_width"
 
 
 class BlockOrder:
-    """Where each block of an index is stored in a weight array: a permutation of ``range(nnzb)``.
+    """Where each block of an index is stored in a weight array of ``stored`` blocks.
 
     A pass over a layout assembled from other layouts (a convolution's kernel offsets side by
     side) reads the weights in their own storage order: block ``b`` of the index, in the
-    index's storage order, is block ``positions[b]`` of the weight array. Hashed once (it keys
+    index's storage order, is block ``positions[b]`` of the weight array, which holds
+    ``stored`` blocks (default: one per position, i.e. a permutation). Hashed once (it keys
     cached launch plans).
 
     Examples
     --------
-    >>> BlockOrder([1, 2, 0]).positions
-    array([1, 2, 0])
+    >>> order = BlockOrder([4, 0, 2], stored=5)  # 3 of the 5 stored blocks, in this order
+    >>> order.positions, order.stored
+    (array([4, 0, 2]), 5)
     """
 
-    __slots__ = ("positions", "_hash")
+    __slots__ = ("positions", "stored", "_hash")
 
-    def __init__(self, positions):
+    def __init__(self, positions, stored: int | None = None):
         positions = np.asarray(positions, dtype=np.int64)
-        if positions.ndim != 1 or not np.array_equal(np.sort(positions), np.arange(positions.size)):
-            raise ValueError("positions must be a permutation of range(nnzb)")
+        stored = len(positions) if stored is None else int(stored)
+        if (positions.ndim != 1 or (positions.size and (positions.min() < 0 or positions.max() >= stored))
+                or len(np.unique(positions)) != positions.size):
+            raise ValueError(f"positions must be distinct block numbers in [0, stored = {stored})")
         positions.setflags(write=False)
-        self.positions = positions
-        self._hash = hash(positions.tobytes())
+        self.positions, self.stored = positions, stored
+        self._hash = hash((positions.tobytes(), stored))
 
     def __hash__(self) -> int:
         return self._hash
 
     def __eq__(self, other) -> bool:
-        return self is other or (isinstance(other, BlockOrder) and np.array_equal(self.positions, other.positions))
+        return self is other or (isinstance(other, BlockOrder) and self.stored == other.stored
+                                 and np.array_equal(self.positions, other.positions))
 
 
 def row_widths(pass_name: str, index: BlockIndex) -> tuple[int, int]:
@@ -105,6 +110,7 @@ def check_strided_operands(pass_name: str, index: BlockIndex, act, other, out, r
         if rows and (rows - 1) * stride + width > array.size:
             raise ValueError(f"strided_pass: {name} holds {array.size} elements but {rows} rows of {width}, "
                              f"{stride} apart, need {(rows - 1) * stride + width}")
-    if weights.size != index.nnzb * index.block_size**2:
-        raise ValueError(f"strided_pass: {weights_name} must hold nnzb*bs*bs = {index.nnzb * index.block_size**2} "
-                         f"weight elements; got {weights.size}")
+    stored = index.nnzb if weight_blocks is None else weight_blocks.stored
+    if weights.size != stored * index.block_size**2:
+        raise ValueError(f"strided_pass: {weights_name} must hold {stored} blocks of bs*bs = "
+                         f"{stored * index.block_size**2} weight elements; got {weights.size}")

@@ -287,17 +287,20 @@ def test_copies_are_made_only_where_needed(monkeypatch):
     assert_close(y, case.y_ref, "float32")
     assert_close(dx, case.dx_ref, "float32")
     assert_close(dw, case.dw_ref, "float32")
-    # fprop and updat: one pass for both kernel offsets; bprop: one per offset.
+    # fprop and updat: one pass for both kernel offsets; bprop: one per residue of their
+    # shifts modulo the stride 2 (columns 0 and 1: two).
     assert len(calls) == 1 + 2 + 1
     fprop, bprop, updat = calls[:1], calls[1:3], calls[3:]
     assert all(np.shares_memory(act, x) and np.shares_memory(other, dy) for act, other, _ in updat)
 
 
 @pytest.mark.parametrize("channels_last", [True, False])
-def test_stride_one_passes_are_one_launch_each(monkeypatch, channels_last):
-    """Stride 1: fprop, bprop and updat each sum every kernel offset inside one pass."""
+@pytest.mark.parametrize("stride, bprops", [(1, 1), (2, 2), ((2, 3), 2)])
+def test_passes_sum_every_offset_in_one_launch(monkeypatch, channels_last, stride, bprops):
+    """fprop and updat sum every kernel offset inside one pass; bprop needs one per residue of
+    the offsets' shifts modulo the last stride (2 kernel columns: at most 2)."""
     rng = np.random.default_rng(11)
-    case = make_case(rng, "skewed", 8, (3, 2), 1, (1, 0), (2, 1), channels_last, 2, (6, 5), "float32")
+    case = make_case(rng, "skewed", 8, (3, 2), stride, (1, 0), (2, 1), channels_last, 2, (6, 5), "float32")
     calls = []
     real = bsmm.cpu_backend.shifted_pass
 
@@ -307,7 +310,7 @@ def test_stride_one_passes_are_one_launch_each(monkeypatch, channels_last):
 
     monkeypatch.setattr(bsmm.cpu_backend, "shifted_pass", spy)
     y, dx, dw = _run_three_passes(np, case, "float32")
-    assert calls == ["fprop", "bprop", "updat"]
+    assert calls == ["fprop"] + ["bprop"] * bprops + ["updat"]
     assert_close(y, case.y_ref, "float32")
     assert_close(dx, case.dx_ref, "float32")
     assert_close(dw, case.dw_ref, "float32")

@@ -83,7 +83,7 @@ def test_strided_pass_refuses_rows_past_the_buffer(xp):
         backend.strided_pass("fprop", op.index, act, w, out, 4, (16, 16))
     with pytest.raises(ValueError, match="would overlap"):
         backend.strided_pass("fprop", op.index, act, w, out, 3, (16, 8))
-    with pytest.raises(ValueError, match="must hold nnzb"):
+    with pytest.raises(ValueError, match="must hold 4 blocks"):
         backend.strided_pass("fprop", op.index, act, w[:10], out, 3, (16, 16))
     with pytest.raises(ValueError, match="flat 1-D"):
         backend.strided_pass("fprop", op.index, act.reshape(3, 16), w, out, 3, (16, 16))
@@ -125,14 +125,16 @@ def test_shifted_pass_reads_each_block_at_its_place(xp, pass_name, dtype):
 @pytest.mark.parametrize("pass_name", ["fprop", "bprop"])
 @pytest.mark.parametrize("bs, n_cols", [(8, 3), (16, 12)])
 def test_shifted_pass_reads_weights_in_their_order(xp, pass_name, dtype, bs, n_cols):
-    """weight_blocks: block b of the index is block positions[b] of the weight array, as the
-    side-by-side layout of a convolution's bprop reads the offsets' weights (and with 12 block
-    columns, column groups take the table too)."""
+    """weight_blocks: block b of the index is block positions[b] of a weight array of more
+    blocks, as the side-by-side layout of a convolution's bprop reads the offsets' weights
+    (and with 12 block columns, column groups take the table too)."""
     rng = np.random.default_rng([bs, n_cols, len(pass_name)])
     layout = random_layout(rng, 5, n_cols, 0.7)
     op = bsmm.BlocksparseMatMul(layout, block_size=bs)
-    order = bsmm.strided.BlockOrder(rng.permutation(op.index.nnzb))
-    stored = random_data(rng, op.w_shape, dtype)
+    # Some of the stored blocks, in any order (a convolution's residue reads a subset of offsets).
+    n_stored = op.index.nnzb + 5
+    order = bsmm.strided.BlockOrder(rng.choice(n_stored, op.index.nnzb, replace=False), stored=n_stored)
+    stored = random_data(rng, (n_stored, bs, bs), dtype)
     in_index_order = stored[order.positions]
     rows = 129
     width_in, width_out = (op.C, op.K) if pass_name == "fprop" else (op.K, op.C)
@@ -146,8 +148,10 @@ def test_shifted_pass_reads_weights_in_their_order(xp, pass_name, dtype, bs, n_c
 
 
 def test_block_order_errors(xp):
-    with pytest.raises(ValueError, match="permutation"):
+    with pytest.raises(ValueError, match="distinct"):
         bsmm.strided.BlockOrder([0, 0, 1])
+    with pytest.raises(ValueError, match="distinct"):
+        bsmm.strided.BlockOrder([0, 3], stored=3)
     op = bsmm.BlocksparseMatMul(np.ones((2, 2)), block_size=8)
     backend, flat = _backend(xp), to_xp(xp, np.zeros(16 * 8 * 4, np.float32))
     w = to_xp(xp, np.zeros(op.w_shape, np.float32).ravel())
