@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Device call: workload T (fp16) for candidate tiles given as "block:TILE" words in $TILES
+# Device call: workload T ($DTYPE, default float16) for candidate tiles given as "block:TILE" words in $TILES
 # (TILE = the comma-separated entry of the launch table), each through a BSMM_CONFIG override
 # of one table: $SECTION (default kernels.sm90.wgmma16.sparse), batch class $CLASS (default
 # large). Prints the rows of the passes matching $PASSES (default fprop|bprop). Logs under $OUT.
@@ -14,7 +14,7 @@ for word in ${TILES:-}; do
   bs=${word%%:*}; tile=${word#*:}
   cfg="$OUT/tile_${section##*.}_${bs}_${tile//,/_}.toml"
   printf '[%s]\n"%s" = { %s = [%s] }\n' "$section" "$bs" "${CLASS:-large}" "$tile" >"$cfg"
-  BSMM_CONFIG=$cfg python3 -m bsmm bench --backend gpu --workloads T --block-size "$bs" --dtype float16 \
+  BSMM_CONFIG=$cfg python3 -m bsmm bench --backend gpu --workloads T --block-size "$bs" --dtype "${DTYPE:-float16}" \
     --json "${cfg%.toml}.json" >"${cfg%.toml}.md" 2>&1
   echo "== block $bs [$section] [$tile]"
   grep -E "^\| T" "${cfg%.toml}.md" | grep -E "${PASSES:-fprop|bprop}" | awk -F'|' '{print $7, $8, $9, $11, $14}'
