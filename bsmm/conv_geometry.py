@@ -22,8 +22,8 @@ and column ``o_D s_D + k_D d_D``, i.e. canvas element
 
     shift(k) + r · s_D · C
 
-so every kernel offset reads rows of one flat canvas an affine step apart: one
-``strided_pass`` per offset, and no im2col. Rows past the last output
+so every kernel offset reads rows of one flat canvas an affine step apart (the passes
+of :mod:`bsmm.conv` read each offset's rows at its shift), and no im2col. Rows past the last output
 ``(N-1, O_1-1, ..., O_D-1)`` are never run, so the last row of every offset reads
 an input element of the last image and no row leaves the canvas; rows of
 cropped outputs read real (finite) input or zeros.
