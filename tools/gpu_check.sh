@@ -55,8 +55,11 @@ fi
 if [[ $stage == note || $stage == conv ]]; then
   t0=$(date +%s)
   python3 tools/bench_conv.py --json "$OUT/conv.json" ${CONV_ARGS:-} >"$OUT/conv.md" 2>&1 || status=1
+  python3 tools/profile_conv.py >"$OUT/profile_conv.txt" 2>&1 || status=1
   echo "conv bench [$(( $(date +%s) - t0 ))s]:"
   grep -E "^\|" "$OUT/conv.md" | awk '!seen[$0]++'
+  echo "conv profile (wide32, block 32, 50 %):"
+  cat "$OUT/profile_conv.txt"
 fi
 if [[ $stage == models ]]; then
   t0=$(date +%s)

@@ -1,7 +1,8 @@
-"""Where a BlocksparseConv pass spends its time on a GPU: the canvas copy, each kernel offset's
-strided pass, the crop, against one BlocksparseMatMul pass of the same rows (CUDA events).
+"""Where a BlocksparseConv pass spends its time on a GPU: the row gathers around the kernel
+(input canvas, output crop, dy on the grid), the one-launch fprop kernel alone, and each whole
+pass (CUDA-event medians of back-to-back calls, as ``tools/bench_conv.py`` times them).
 
-    python tools/profile_conv.py [--density 0.5] [--shape N,H,W,C]
+    python tools/profile_conv.py [--density 0.5] [--shape N,H,W,C] [--block-size 32]
 """
 
 from __future__ import annotations
@@ -12,21 +13,8 @@ import cupy
 import numpy as np
 
 import bsmm
-from bsmm import cuda_backend
-
-
-def _time(fn, repeats: int = 20) -> float:
-    for _ in range(3):
-        fn()
-    start, stop = cupy.cuda.Event(), cupy.cuda.Event()
-    times = []
-    for _ in range(repeats):
-        start.record()
-        fn()
-        stop.record()
-        stop.synchronize()
-        times.append(cupy.cuda.get_elapsed_time(start, stop) * 1e3)
-    return float(np.median(times))
+from bsmm import cuda_backend, row_maps
+from bsmm.bench import _gpu_seconds
 
 
 def main() -> None:
@@ -42,33 +30,30 @@ def main() -> None:
     conv = bsmm.BlocksparseConv(layout, bs, 3, padding=1)
     x = cupy.asarray(rng.standard_normal((n, h, w, c)), dtype=cupy.float16)
     wts = cupy.asarray(rng.standard_normal(conv.w_shape) * 0.05, dtype=cupy.float16)
+    y = conv(x, wts)
+    dy = cupy.asarray(rng.standard_normal(y.shape), dtype=cupy.float16)
     geometry = conv._geometry(x.shape, "x")
-    canvas = conv._canvas(cupy, x, geometry)
-    grid = cupy.empty((n, *geometry.grid, c), cupy.float16).reshape(-1)
-    per_offset = list(conv._per_offset(wts))
+    canvas = conv._canvas(cupy, cuda_backend, x, geometry)
+    grid = cupy.empty((n, *geometry.grid, c), cupy.float16)
+    crop = conv._row_map("crop", geometry, row_maps.crop_rows)
 
-    def offsets(count):
-        for k in range(count):
-            cuda_backend.strided_pass("fprop", conv.index, canvas[geometry.shifts[k]:], per_offset[k], grid,
-                                      geometry.rows, (geometry.row_stride, conv.K), accumulate=k > 0)
+    def fprop_kernel():
+        cuda_backend.shifted_pass("fprop", conv._stacked_index, canvas, wts.reshape(-1), grid.reshape(-1),
+                                  geometry.rows, (geometry.row_stride, conv.K), conv._shifted_blocks(geometry))
 
-    rows = cupy.asarray(rng.standard_normal((geometry.rows, c)), dtype=cupy.float16)
-    op = conv.matmul
     report = {
-        "whole fprop": _time(lambda: conv(x, wts)),
-        "canvas": _time(lambda: conv._canvas(cupy, x, geometry)),
-        "1 offset (overwrite)": _time(lambda: offsets(1)),
-        "9 offsets": _time(lambda: offsets(len(geometry.shifts))),
-        "matmul fprop, same rows": _time(lambda: op(rows, per_offset[0].reshape(op.w_shape))),
-        "matmul fprop, same rows, accumulate": _time(
-            lambda: op(rows, per_offset[0].reshape(op.w_shape), out=grid.reshape(-1, c)[: geometry.rows],
-                       accumulate=True)),
+        "fprop": lambda: conv(x, wts),
+        "  canvas gather": lambda: conv._canvas(cupy, cuda_backend, x, geometry),
+        "  kernel (every offset, one launch)": fprop_kernel,
+        "  crop gather": lambda: cuda_backend.gather_rows(y.reshape(-1, c), grid.reshape(-1, c), crop),
+        "bprop": lambda: conv.bprop(dy, wts, x.shape),
+        "  dy on the grid": lambda: conv._on_grid(cupy, cuda_backend, dy, geometry),
+        "updat": lambda: conv.updat(x, dy),
     }
-    plan = cuda_backend.plan_for(conv.index, "fprop", geometry.rows, "float16", 1, False, True)
-    print(f"shape {args.shape}, density {args.density}, rows {geometry.rows}, row stride {geometry.row_stride}, "
-          f"variant {plan.variant}, grid {plan.launcher.grid}")
-    for name, us in report.items():
-        print(f"{name:40s} {us:9.1f} us")
+    print(f"shape {args.shape}, block {bs}, density {args.density}, rows {geometry.rows}, "
+          f"row stride {geometry.row_stride}")
+    for name, fn in report.items():
+        print(f"{name:40s} {_gpu_seconds(fn, 5, 10) * 1e6:9.1f} us")
 
 
 if __name__ == "__main__":
