@@ -510,9 +510,9 @@ class BlocksparseConv:
     def _on_grid(self, xp, backend, dy, geometry: ConvGeometry, lead: int = 0, total: int | None = None):
         """Flat ``dy`` on the grid, zero in the over-computed rows (so they add nothing),
         after ``lead`` rows of zeros and followed by zero rows up to ``total`` rows."""
-        grid_rows = geometry.batch * math.prod(geometry.grid)
-        total = lead + grid_rows if total is None else total
-        if not lead and total == grid_rows and geometry.grid_is_output and self.channels_last:
+        n_grid = geometry.batch * math.prod(geometry.grid)
+        total = lead + n_grid if total is None else total
+        if not lead and total == n_grid and geometry.grid_is_output and self.channels_last:
             return dy.reshape(-1)
         if self.channels_last:
             row_map = self._row_map(f"grid+{lead}:{total}", geometry, lambda g: row_maps.grid_rows(g, lead, total))
@@ -520,7 +520,7 @@ class BlocksparseConv:
             backend.gather_rows(_bits(grid), _rows(dy, self.K), row_map)
             return grid.reshape(-1)
         grid = _zeros(xp, (total, self.K), dy.dtype)
-        _bits(grid[lead:lead + grid_rows]).reshape(geometry.batch, *geometry.grid, self.K)[geometry.crop] = \
+        _bits(grid[lead:lead + n_grid]).reshape(geometry.batch, *geometry.grid, self.K)[geometry.crop] = \
             _bits(self._channels_last(dy))
         return grid.reshape(-1)
 

@@ -76,10 +76,20 @@ class Registration:
     index : BlockIndex
     """
 
-    __slots__ = ("key", "index", "__weakref__")
+    __slots__ = ("key", "index", "_operators", "__weakref__")
 
     def __init__(self, key: str, index: BlockIndex):
         self.key, self.index = key, index
+        self._operators = {}
+
+    def operator(self, signature: tuple, build):
+        """``build(index)``, kept per ``signature`` while the layout is registered: the custom
+        operators then reuse one operator's caches (launch plans, repeat calls, a
+        convolution's row maps and stacked layouts) instead of rebuilding them every call."""
+        op = self._operators.get(signature)
+        if op is None:
+            op = self._operators[signature] = build(self.index)
+        return op
 
     def __reduce__(self):
         # Only the layout travels; unpickling registers it in the loading process's registry.
@@ -131,6 +141,10 @@ def lookup(key: str) -> BlockIndex:
     ValueError
         If nothing holds a registration of ``key`` in this process.
     """
+    return _registration(key).index
+
+
+def _registration(key: str) -> Registration:
     registration = _REGISTRY.get(key)
     if registration is None:
         raise ValueError(
@@ -138,7 +152,7 @@ def lookup(key: str) -> BlockIndex:
             f"BlocksparseMatMul that registered it is gone, or the key comes from another process "
             f"(build the layer or call bsmm.torch.register first)"
         )
-    return registration.index
+    return registration
 
 
 # -- checks, on real and on fake tensors -------------------------------------------------------------------
@@ -267,7 +281,8 @@ def _cupy_stream(cupy, device_index: int, ptr: int):
 def _run(pass_name: str, a: torch.Tensor, b: torch.Tensor, shape: tuple, key: str, feature_axis: int,
          tf32: bool) -> torch.Tensor:
     """One pass of BlocksparseMatMul on ``a`` and ``b`` into a new tensor of ``shape``."""
-    op = BlocksparseMatMul.from_index(lookup(key), feature_axis, tf32)
+    op = _registration(key).operator(("matmul", feature_axis, tf32),
+                                     lambda index: BlocksparseMatMul.from_index(index, feature_axis, tf32))
     return _into_new(getattr(op, pass_name), a, b, shape)
 
 
@@ -382,7 +397,10 @@ def _conv_of(key: str, spec: list[int], tf32: bool) -> tuple[BlocksparseConv, tu
         raise ValueError(f"spec must be [rank, *kernel_size, *stride, *padding, *dilation, channels_last, *spatial] "
                          f"for rank 1, 2 or 3; got {list(spec)}")
     kernel, stride, padding, dilation = (tuple(spec[1 + i * rank:1 + (i + 1) * rank]) for i in range(4))
-    conv = BlocksparseConv.from_index(lookup(key), kernel, stride, padding, dilation, bool(spec[1 + 4 * rank]), tf32)
+    channels_last = bool(spec[1 + 4 * rank])
+    conv = _registration(key).operator(
+        ("conv", kernel, stride, padding, dilation, channels_last, tf32),
+        lambda index: BlocksparseConv.from_index(index, kernel, stride, padding, dilation, channels_last, tf32))
     return conv, tuple(spec[2 + 4 * rank:])
 
 

@@ -252,6 +252,25 @@ def test_inputs_are_not_modified(device):
     assert torch.equal(x, before)
 
 
+def test_repeated_calls_reuse_one_operator_per_layout_and_geometry(device, monkeypatch):
+    """The custom operators keep the convolution (and its row maps, stacked layouts, plans) on the
+    layout's registration: training steps build it once, not once per call of every pass."""
+    built = []
+    real = BlocksparseConv.from_index.__func__
+
+    def counting(cls, *args, **kwargs):
+        built.append(args[1:])
+        return real(cls, *args, **kwargs)
+
+    monkeypatch.setattr(BlocksparseConv, "from_index", classmethod(counting))
+    rng = np.random.default_rng(9)
+    layer = bt.BlockSparseConv2d(16, 24, 3, random_layout(rng, 2, 3, 0.7), block_size=BS, padding=1, device=device)
+    x = torch.randn(2, 16, 5, 5, device=device, requires_grad=True)
+    for _ in range(3):
+        layer(x).square().sum().backward()
+    assert len(built) == 1, f"built {len(built)} convolutions for 3 steps of 3 passes"
+
+
 def test_errors_name_the_argument():
     conv = BlocksparseConv(np.ones((2, 1)), BS, (3, 3))
     x, w = torch.randn(1, 5, 5, 16), torch.randn(conv.w_shape)
