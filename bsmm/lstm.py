@@ -21,11 +21,14 @@ Steps
 -----
 ``x·Wx`` of all time steps is one pass over ``T·N`` rows; each step then adds
 ``h_{t-1}·Wh`` into its slice with ``fprop(..., out=, accumulate=True)``.
-Backward runs the steps in reverse; each step adds its ``h_{t-1}ᵀ·dz_t`` to the
-one ``dWh`` buffer with ``updat(..., out=, accumulate=True)``, and ``dWx`` is one
-``updat`` over all ``T·N`` rows (a sum over the steps inside the pass).
-Passing ``grads=`` adds to the caller's buffers instead, so the gradients of
-several truncated-BPTT chunks or micro-batches also sum in place.
+Backward runs the steps in reverse for the pre-activation gradients ``dz_t``
+(kept for all steps) and ``dh_{t-1} = dz_t·Whᵀ``. The weight gradients are
+then accumulated across time steps into one buffer per matrix, each by a
+single ``updat`` over all ``T·N`` rows, the sum over the steps taken inside
+the pass: ``dWh = Σ_t h_{t-1}ᵀ·dz_t`` from the stacked states ``h_0 … h_{T-1}``,
+``dWx = Σ_t x_tᵀ·dz_t``. Passing ``grads=`` adds to the caller's buffers
+instead (``updat(..., out=, accumulate=True)``), so the gradients of several
+truncated-BPTT chunks or micro-batches also sum in place.
 
 Dtypes
 ------
@@ -129,7 +132,6 @@ class LSTMCache(NamedTuple):
     ----------
     x : (T, N, I), compute dtype
     h : (T + 1, N, H), master dtype; ``h[0]`` is the initial state
-    h_compute : (T + 1, N, H), compute dtype (``h`` itself for float32)
     c : (T + 1, N, H), master dtype
     gates : (T, N, 4H), master dtype: the gate activations, order :data:`GATES`
     wx, wh : the weights in the compute dtype
@@ -137,7 +139,6 @@ class LSTMCache(NamedTuple):
 
     x: object
     h: object
-    h_compute: object
     c: object
     gates: object
     wx: object
@@ -208,8 +209,8 @@ class BlocksparseLSTM:
 
     def __init__(self, input_size: int, hidden_size: int, block_size: int | None = None, input_layout=None,
                  recurrent_layout=None, dtype="float32", forget_bias: float = 1.0):
-        self.input_size = _check_size(input_size, "input_size")
-        self.hidden_size = _check_size(hidden_size, "hidden_size")
+        self.input_size = layouts._check_int(input_size, "input_size", 1)
+        self.hidden_size = layouts._check_int(hidden_size, "hidden_size", 1)
         self.dtype = canonical_dtype(dtype, "dtype", backend="cpu")
         self.master_dtype = _F64 if self.dtype == _F64 else _F32
         self.forget_bias = float(forget_bias)
@@ -260,13 +261,16 @@ class BlocksparseLSTM:
         return {name: xp.asarray(value.astype(self.master_dtype)) for name, value in
                 (("wx", wx), ("wh", wh), ("b", b))}
 
-    def _compute_weights(self, params):
+    def _check_params(self, params) -> None:
         shapes = self.param_shapes
         for name, shape in shapes.items():
             if name not in params:
                 raise ValueError(f"params must hold {sorted(shapes)}; {name!r} is missing")
             if tuple(params[name].shape) != shape:
                 raise ValueError(f"params[{name!r}] must have shape {shape}; got {tuple(params[name].shape)}")
+
+    def _compute_weights(self, params):
+        self._check_params(params)
         return (params["wx"].astype(self.dtype, copy=False), params["wh"].astype(self.dtype, copy=False),
                 params["b"].astype(self.master_dtype, copy=False))
 
@@ -282,8 +286,8 @@ class BlocksparseLSTM:
 
         Returns
         -------
-        h : (T, N, H), compute dtype: every hidden state (a view of the cache:
-            do not write to it before :meth:`backward`)
+        h : (T, N, H), compute dtype: every hidden state (in float32 and float64
+            a view of ``cache.h``: do not write to it before :meth:`backward`)
         state : (h_T, c_T), each (N, H), master dtype: pass as ``h0, c0`` of the next chunk
         cache : :class:`LSTMCache`
         """
@@ -308,7 +312,7 @@ class BlocksparseLSTM:
             _cell_forward(z[t], b, c[t], gates[t], h[t + 1], c[t + 1])
             if h_compute is not h:
                 h_compute[t + 1] = h[t + 1]
-        cache = LSTMCache(x, h, h_compute, c, gates, wx, wh)
+        cache = LSTMCache(x, h, c, gates, wx, wh)
         return h_compute[1:], (h[steps], c[steps]), cache
 
     def step(self, params, x, h, c):
@@ -328,7 +332,8 @@ class BlocksparseLSTM:
 
         Parameters
         ----------
-        params : the dict given to :meth:`forward` (checked for shape only)
+        params : the dict given to :meth:`forward` (checked for shape only: the
+            weights multiplied with are the compute-dtype copies in ``cache``)
         cache : :class:`LSTMCache` from :meth:`forward`
         dh : (T, N, H) array or None
             Loss gradient with respect to every returned hidden state.
@@ -340,10 +345,12 @@ class BlocksparseLSTM:
         Returns
         -------
         dx : (T, N, I), compute dtype
-        grads : dict ``wx``, ``wh``, ``b``, master dtype
+        grads : dict ``wx``, ``wh``, ``b``, master dtype. Each weight gradient is
+            accumulated across the time steps into its one buffer by a single
+            ``updat`` over all ``T·N`` rows (see the module docstring).
         state_grads : (dh0, dc0), each (N, H), master dtype
         """
-        self._compute_weights(params)
+        self._check_params(params)
         xp = _array_module(cache.h)
         steps, n, hidden = cache.gates.shape[0], cache.gates.shape[1], self.hidden_size
         accumulate = grads is not None
@@ -353,21 +360,27 @@ class BlocksparseLSTM:
             raise ValueError(f"grads must hold {sorted(self.param_shapes)}; got {sorted(grads)}")
         if dh is not None and tuple(dh.shape) != (steps, n, hidden):
             raise ValueError(f"dh must have shape {(steps, n, hidden)}; got {tuple(dh.shape)}")
+        # New arrays (never the caller's): dh_next is updated in place, step after step.
         dh_next = self._state(dh_T, n, "dh_T") + xp.zeros((n, hidden), dtype=self.master_dtype)
         dc_next = self._state(dc_T, n, "dc_T") + xp.zeros((n, hidden), dtype=self.master_dtype)
         dz = xp.empty_like(cache.gates)
         dz_compute = dz if self.dtype == self.master_dtype else xp.empty(dz.shape, dtype=self.dtype)
-        dh_recurrent = xp.empty((n, hidden), dtype=self.dtype)
+        # bprop writes dz_t·Whᵀ straight into dh_next in float32 (float64); half precision casts it in.
+        dh_recurrent = dh_next if self.dtype == self.master_dtype else xp.empty((n, hidden), dtype=self.dtype)
         for t in reversed(range(steps)):
             if dh is not None:
                 dh_next += dh[t]
             dc_next = _cell_backward(dh_next, dc_next, cache.gates[t], cache.c[t], cache.c[t + 1], dz[t])
-            self.recurrent_op.updat(cache.h[t], dz[t], out=grads["wh"], accumulate=accumulate or t < steps - 1)
             if dz_compute is not dz:
                 dz_compute[t] = dz[t]
             self.recurrent_op.bprop(dz_compute[t], cache.wh, out=dh_recurrent)
-            dh_next = dh_recurrent.astype(self.master_dtype)
+            if dh_recurrent is not dh_next:
+                dh_next[...] = dh_recurrent
         rows = steps * n
+        # h[t] is the state step t read (h[0] the initial one): h[:T] stacks every step's input state, and the
+        # slice of the contiguous (T + 1, N, H) array along its first axis is contiguous itself.
+        h_in = cache.h[:steps].reshape(rows, hidden)
+        self.recurrent_op.updat(h_in, dz.reshape(rows, 4 * hidden), out=grads["wh"], accumulate=accumulate)
         x_master = cache.x.reshape(rows, self.input_size).astype(self.master_dtype, copy=False)
         self.input_op.updat(x_master, dz.reshape(rows, 4 * hidden), out=grads["wx"], accumulate=accumulate)
         bias = dz.sum(axis=(0, 1))
@@ -384,14 +397,6 @@ class BlocksparseLSTM:
                 f"recurrent_density={self.recurrent_op.density:.3g}, dtype={self.dtype.name})")
 
 
-def _check_size(value, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name} must be an int; got {type(value).__name__}")
-    if value < 1:
-        raise ValueError(f"{name} must be >= 1; got {value}")
-    return int(value)
-
-
 def _initial_weights(op, kind: str, rng) -> np.ndarray:
     """Host float64 weights for ``op``: block data (block-sparse) or a dense (C, K) matrix."""
     if isinstance(op, BlocksparseMatMul):
@@ -400,13 +405,13 @@ def _initial_weights(op, kind: str, rng) -> np.ndarray:
         return initializers.orthogonal(op.layout, op.block_size, seed=rng).astype(_F64)
     if kind == "normal":
         return rng.standard_normal(op.w_shape) / math.sqrt(op.C)
-    # Per gate: Haar-orthogonal columns (rows, when wider than tall) of the square-ish (C, H) part.
+    # Only Wh (H, 4H) is orthogonal: per gate, a Haar-orthogonal (H, H) matrix.
+    assert op.K == len(GATES) * op.C, op.w_shape
     parts = []
     for _ in GATES:
-        a = rng.standard_normal((max(op.C, op.K // 4), min(op.C, op.K // 4)))
-        q, r = np.linalg.qr(a)
+        q, r = np.linalg.qr(rng.standard_normal((op.C, op.C)))
         q *= np.sign(np.diagonal(r))
-        parts.append(q if op.C >= op.K // 4 else q.T)
+        parts.append(q)
     return np.concatenate(parts, axis=1)
 
 
@@ -520,7 +525,8 @@ def small_world_lstm(input_size: int, hidden_size: int, n_params: int, block_siz
         raise ValueError(f"sparse_input needs input_size == hidden_size (one graph); got {input_size} and {hidden_size}")
     weights = n_params - gates * hidden_size - (0 if sparse_input else input_size * gates * hidden_size)
     blocks_per_gate = weights / (bs * bs) / gates / (2 if sparse_input else 1)
-    layout = small_world_layout(_check_size(hidden_size, "hidden_size") // bs, round(blocks_per_gate), kind, seed)
+    hidden_blocks = layouts._check_int(hidden_size, "hidden_size", 1) // bs
+    layout = small_world_layout(hidden_blocks, round(blocks_per_gate), kind, seed)
     return BlocksparseLSTM(input_size, hidden_size, bs, layout if sparse_input else None, layout, **kwargs)
 
 

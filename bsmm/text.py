@@ -37,7 +37,7 @@ from .matmul import _array_module
 from .optim import Adam, clip_by_global_norm, softmax_cross_entropy
 
 __all__ = ["CORPUS_SOURCES", "CharCorpus", "CharLanguageModel", "char_corpus", "corpus_files", "corpus_text", "evaluate_bpc",
-           "matched_models", "stream_chunks", "train"]
+           "matched_models", "stream_chunks", "train", "train_step"]
 
 #: Standard-library modules (``name.py``) and packages (``name/``), in corpus order.
 CORPUS_SOURCES = (
@@ -210,11 +210,23 @@ class CharLanguageModel:
         loss, dlogits = softmax_cross_entropy(logits, y.reshape(-1))
         dh = (dlogits @ params["out_w"].T).reshape(x.shape + (self.lstm.hidden_size,))
         dx, grads, _ = self.lstm.backward(params, cache, dh)
-        one_hot = xp.eye(self.vocab_size, dtype=dlogits.dtype)[x.reshape(-1)]
-        grads["embed"] = one_hot.T @ dx.reshape(-1, self.lstm.input_size).astype(dlogits.dtype, copy=False)
+        # Row x of the embedding gets the sum of dx over the positions of character x.
+        grads["embed"] = xp.zeros((self.vocab_size, self.lstm.input_size), dtype=dlogits.dtype)
+        _scatter_add(grads["embed"], xp.asarray(x).reshape(-1),
+                     dx.reshape(-1, self.lstm.input_size).astype(dlogits.dtype, copy=False))
         grads["out_w"] = hidden.T @ dlogits
         grads["out_b"] = dlogits.sum(axis=0)
         return loss, grads, state
+
+
+def _scatter_add(out, rows, values) -> None:
+    """``out[rows[k]] += values[k]`` for every k, repeated rows summed (NumPy or CuPy)."""
+    if _array_module(out) is np:
+        np.add.at(out, rows, values)
+    else:
+        import cupyx
+
+        cupyx.scatter_add(out, rows, values)
 
 
 def matched_models(vocab_size: int, dense_hidden: int, sparse_hidden: int, block_size: int,
@@ -251,6 +263,21 @@ def evaluate_bpc(model: CharLanguageModel, params, ids, batch_size: int = 32, st
     return float(total) / count / math.log(2)
 
 
+def train_step(model: CharLanguageModel, params, optimizer, x, y, state=(None, None), clip: float = 1.0):
+    """One update of :func:`train`: gradients of a chunk, clipped to global norm ``clip``, and an optimizer step.
+
+    ``optimizer`` holds the parameters in the order of their sorted names,
+    e.g. ``Adam([params[name] for name in sorted(params)])``. Returns the
+    chunk's loss (a 0-d array, not synchronized) and the final state, to pass
+    as ``state`` with the next chunk of the same streams.
+    """
+    loss, grads, state = model.loss_and_grads(params, x, y, state)
+    ordered = [grads[name] for name in sorted(params)]
+    clip_by_global_norm(ordered, clip)
+    optimizer.step(ordered)
+    return loss, state
+
+
 def train(model: CharLanguageModel, params, corpus: CharCorpus, *, batch_size: int = 32, steps: int = 64,
           lr: float = 2e-3, clip: float = 1.0, max_updates: int | None = None, time_limit: float | None = None,
           eval_every: int | None = None, eval_chars: int | None = 50_000, xp=np, log=None) -> dict:
@@ -273,8 +300,7 @@ def train(model: CharLanguageModel, params, corpus: CharCorpus, *, batch_size: i
     """
     if max_updates is None and time_limit is None:
         raise ValueError("train needs max_updates or time_limit")
-    names = sorted(params)
-    optimizer = Adam([params[name] for name in names], lr=lr)
+    optimizer = Adam([params[name] for name in sorted(params)], lr=lr)
     curve, updates, chars, trained, running = [], 0, 0, 0.0, []
     start = time.perf_counter()
 
@@ -292,9 +318,7 @@ def train(model: CharLanguageModel, params, corpus: CharCorpus, *, batch_size: i
     while not done:
         state = (None, None)
         for x, y in stream_chunks(corpus.train, batch_size, steps, xp):
-            loss, grads, state = model.loss_and_grads(params, x, y, state)
-            clip_by_global_norm([grads[name] for name in names], clip)
-            optimizer.step([grads[name] for name in names])
+            loss, state = train_step(model, params, optimizer, x, y, state, clip)
             running.append(loss)
             updates += 1
             chars += x.size
@@ -304,6 +328,8 @@ def train(model: CharLanguageModel, params, corpus: CharCorpus, *, batch_size: i
             if done:
                 break
             if eval_every and updates % eval_every == 0:
+                float(loss)  # as below: the GPU's queued updates count as training, not evaluation
+                trained = time.perf_counter() - start
                 record(evaluate(final=False))
                 start = time.perf_counter() - trained  # evaluation time is not training time
     float(loss)  # waits for the GPU's queued work, which belongs to the training time

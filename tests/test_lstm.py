@@ -211,25 +211,38 @@ def test_truncated_bptt_over_chunks_equals_the_whole_sequence(xp):
 
 
 def test_weight_gradients_accumulate_into_one_buffer_per_matrix(xp):
-    """dWh: one updat per step into the same buffer, accumulating after the first; dWx: one updat."""
+    """dWh and dWx: one updat each over all T·N rows into its buffer, which then holds the sum over the steps."""
     rng = np.random.default_rng(8)
-    lstm = BlocksparseLSTM(16, 16, 8, np.ones((2, 2)), np.eye(2))
+    steps, n, size = 5, 2, 16
+    lstm = BlocksparseLSTM(size, size, 8, np.ones((2, 2)), np.eye(2))
     params = lstm.init_params(xp, seed=0)
-    calls = {"input": [], "recurrent": []}
+    calls, operands, updats = {"input": [], "recurrent": []}, {}, {}
     for name, op in (("input", lstm.input_op), ("recurrent", lstm.recurrent_op)):
-        def spy(x, dy, out=None, accumulate=False, _updat=op.updat, _calls=calls[name]):
-            _calls.append((id(out), accumulate))
+        def spy(x, dy, out=None, accumulate=False, _updat=op.updat, _name=name):
+            calls[_name].append((tuple(x.shape), tuple(dy.shape), id(out), accumulate))
+            operands[_name] = (to_numpy(x).copy(), to_numpy(dy).copy())
             return _updat(x, dy, out=out, accumulate=accumulate)
-        op.updat = spy
-    x = xp.asarray(rng.standard_normal((5, 2, 16)).astype(np.float32))
+        updats[name], op.updat = op.updat, spy
+    x = xp.asarray(rng.standard_normal((steps, n, size)).astype(np.float32))
     h, _, cache = lstm.forward(params, x)
     _, grads, _ = lstm.backward(params, cache, xp.ones_like(h))
-    assert calls["recurrent"] == [(id(grads["wh"]), False)] + [(id(grads["wh"]), True)] * 4
-    assert calls["input"] == [(id(grads["wx"]), False)]
+    rows = (steps * n, size), (steps * n, 4 * size)
+    assert calls["recurrent"] == [(*rows, id(grads["wh"]), False)]
+    assert calls["input"] == [(*rows, id(grads["wx"]), False)]
+    # dWh's rows are the states h_0 ... h_{T-1} that the steps read, with their dz rows (those of dWx too).
+    h_in, dz = operands["recurrent"]
+    assert np.array_equal(h_in, to_numpy(cache.h[:steps]).reshape(rows[0]))
+    assert np.array_equal(dz, operands["input"][1])
+    # The one buffer holds the sum over the steps of h_{t-1}ᵀ·dz_t.
+    per_step = [to_numpy(updats["recurrent"](xp.asarray(h_in[t * n:(t + 1) * n]), xp.asarray(dz[t * n:(t + 1) * n])))
+                for t in range(steps)]
+    assert rel_error(to_numpy(grads["wh"]), np.sum(per_step, axis=0)) <= 1e-6
     before = {name: to_numpy(grad).copy() for name, grad in grads.items()}
     calls["recurrent"].clear()
+    calls["input"].clear()
     lstm.backward(params, cache, xp.ones_like(h), grads=grads)
-    assert calls["recurrent"] == [(id(grads["wh"]), True)] * 5
+    assert calls["recurrent"] == [(*rows, id(grads["wh"]), True)]
+    assert calls["input"] == [(*rows, id(grads["wx"]), True)]
     for name, grad in grads.items():
         assert rel_error(to_numpy(grad), 2 * before[name]) <= 1e-6
 
@@ -327,7 +340,7 @@ def test_layout_report():
 ])
 def test_constructor_errors(kwargs, error, match):
     with pytest.raises(error, match=match):
-        BlocksparseLSTM(block_size=kwargs.pop("block_size", 8), **kwargs)
+        BlocksparseLSTM(**{"block_size": 8, **kwargs})
 
 
 def test_call_errors():

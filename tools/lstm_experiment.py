@@ -36,7 +36,7 @@ sys.path.insert(0, str(ROOT))
 
 from bsmm.lstm import layout_report  # noqa: E402
 from bsmm.optim import Adam  # noqa: E402
-from bsmm.text import char_corpus, evaluate_bpc, matched_models, stream_chunks, train  # noqa: E402
+from bsmm.text import char_corpus, matched_models, stream_chunks, train, train_step  # noqa: E402
 
 #: Defaults per mode; any flag given on the command line wins.
 GPU_DEFAULTS = {"dense_hidden": 1024, "sparse_hidden": 4096, "block_size": 32, "batch_size": 64, "steps": 64,
@@ -111,14 +111,14 @@ def timed(synchronize, function):
 def warm_up(model, corpus, args, xp, synchronize) -> dict:
     """Compile every kernel the model needs (on a throwaway copy) and measure an update and an evaluation chunk."""
     params = model.init_params(xp, seed=args.seed)
-    names = sorted(params)
-    optimizer = Adam([params[name] for name in names], lr=args.lr)
+    optimizer = Adam([params[name] for name in sorted(params)], lr=args.lr)
     chunks = stream_chunks(corpus.train, args.batch_size, args.steps, xp)
+    state = (None, None)
 
-    def update():
+    def update():  # train's own step, clipping included; the state carried from update to update
+        nonlocal state
         x, y = next(chunks)
-        _, grads, _ = model.loss_and_grads(params, x, y)
-        optimizer.step([grads[name] for name in names])
+        _, state = train_step(model, params, optimizer, x, y, state, args.clip)
 
     first = timed(synchronize, update)
     x, y = next(chunks)
