@@ -198,7 +198,7 @@ def _row_groups(index: BlockIndex, cols: int) -> np.ndarray:
     per_row = -(-counts // cols)
     first_group = np.cumsum(per_row) - per_row
     place = np.arange(index.nnzb) - np.repeat(index.indptr[:-1].astype(np.int64), counts)
-    group, slot = np.repeat(first_group, counts) + place // cols, place % cols
+    group, slot = first_group[index.rows] + place // cols, place % cols
     entries = np.full((int(per_row.sum()), 1 + 2 * cols), -1, dtype=np.int64)
     entries[group, 0] = index.rows
     entries[group, 1 + slot] = index.indices
@@ -213,22 +213,15 @@ def _column_groups(index: BlockIndex, pass_name: str, mode: str, n: int, aligned
     updat: row groups (:func:`_row_groups`; steps per unit is None), feature axis 1 and a batch
     past one step only, where the groups hold enough blocks on average.
     """
-    if not aligned:
+    tile = tile_for(mode, pass_name, index.block_size, n, arch_key, columns=True) if aligned else None
+    if tile is None or (pass_name == "updat" and (feature_axis != 1 or n <= tile[2])):
         return None
     if pass_name == "updat":
-        tile = tile_for(mode, pass_name, index.block_size, n, arch_key, columns=True)
-        if tile is None or feature_axis != 1 or n <= tile[2]:
-            return None
-        table = _row_groups(index, tile[6])
-        if index.nnzb < settings()["kernels"]["group_min_blocks_per_step"] * max(1, len(table)):
-            return None
-        return tile[:6], tile[6], table, None
-    tile = tile_for(mode, pass_name, index.block_size, n, arch_key, columns=True)
-    if tile is None:
-        return None
-    table, counts = _group_steps(index, pass_name == "fprop", tile[6])
+        table, counts = _row_groups(index, tile[6]), None
+    else:
+        table, counts = _group_steps(index, pass_name == "fprop", tile[6])
     if index.nnzb < settings()["kernels"]["group_min_blocks_per_step"] * max(1, len(table)):
-        return None  # too sparse: most steps would feed one block, as without groups
+        return None  # too sparse: most steps (groups) would feed one block, as without groups
     return tile[:6], tile[6], table, counts
 
 
@@ -293,6 +286,8 @@ def _build_plan(index: BlockIndex, pass_name: str, n: int, dtype: str, feature_a
         table = np.array(table, dtype=np.int64)
         table[:, column] = np.asarray(act_blocks, dtype=np.int64)[table[:, column]]
     if weight_blocks is not None:  # fprop/bprop: where each weight block is stored (BlockOrder)
+        if pass_name == "updat":
+            raise NotImplementedError("weight_blocks reorders the weights fprop and bprop read, not updat's output")
         table = np.array(table, dtype=np.int64)
         weights = table[:, 1:] if groups else table[:, :1]
         weights[weights >= 0] = weight_blocks.positions[weights[weights >= 0]]
@@ -480,8 +475,7 @@ def shifted_pass(pass_name: str, index: BlockIndex, act, other, out, rows: int, 
         return
     stride_a, stride_b = (int(v) for v in row_strides)
     item = act.dtype.itemsize
-    aligned = all(a.data.ptr % _VEC_BYTES == 0 for a in (act, other, out)) and all(
-        (s * item) % _VEC_BYTES == 0 for s in (stride_a, stride_b))
+    aligned = _aligned(1, rows, act, other, out) and all((s * item) % _VEC_BYTES == 0 for s in (stride_a, stride_b))
     plan = plan_for(index, pass_name, rows, DTYPE_NAMES[act.dtype], 1, tf32, aligned, act_blocks, weight_blocks)
     if pass_name == "updat":
         sizes = (rows, stride_a, stride_b, 0)
@@ -489,6 +483,9 @@ def shifted_pass(pass_name: str, index: BlockIndex, act, other, out, rows: int, 
         features_out = index.K if pass_name == "fprop" else index.C
         sizes = (rows, stride_a, features_out // index.block_size, stride_b)
     plan.launch(_current_stream().ptr, act.data.ptr, other.data.ptr, out.data.ptr, sizes, int(accumulate))
+
+
+_GATHERS = {unit: GatherVariant(unit) for unit in (16, 8, 4, 2)}
 
 
 def gather_rows(dst, src, row_map) -> None:
@@ -503,7 +500,7 @@ def gather_rows(dst, src, row_map) -> None:
         return
     unit = next(u for u in (16, 8, 4, 2) if row_bytes % u == 0 and (dst.data.ptr | src.data.ptr) % u == 0)
     units = row_bytes // unit
-    kernel = load_kernel(GatherVariant(unit), dst.data.device_id)
+    kernel = load_kernel(_GATHERS[unit], _get_device())  # the device row_map.device_array() uses
     across = 32 if units <= 32 else 64 if units <= 64 else 128  # threads along a row, 256 a block
     down = 256 // across
     blocks = min(-(-rows // down), 1 << 20)

@@ -127,7 +127,11 @@ def _bind(op: BlocksparseMatMul, pass_name: str, a, b):
         folded = _bind(op, pass_name, a.reshape(-1, a.shape[-1]), b.reshape(b.shape[batch_rank:]))
         return folded.reshape(a_batch + a.shape[-2:-1] + folded.shape[-1:])
     batch_shape = tuple(max(i, j) for i, j in zip(a_batch, b_batch))
-    out_shape = batch_shape + _out_core_shape(op, pass_name, a)
+    return _call(op, pass_name, batch_shape, batch_shape + _out_core_shape(op, pass_name, a), a, b)
+
+
+def _call(op, pass_name: str, batch_shape: tuple, out_shape: tuple, a, b):
+    """The pass as an XLA buffer callback into a new array of ``out_shape``."""
     if 0 in out_shape or 0 in a.shape or 0 in b.shape:
         # Nothing to compute (an empty layout or N = 0): a sum over nothing is 0.
         # XLA may hand out null pointers for empty buffers, so no callback is made.
@@ -212,8 +216,4 @@ class ConvPasses:
 
 
 def _bind_conv(passes: ConvPasses, pass_name: str, a, b):
-    out_shape = passes.out_shape(pass_name)
-    if 0 in out_shape or 0 in a.shape or 0 in b.shape:
-        return jnp.zeros(out_shape, a.dtype)  # an empty layout or N = 0 (see _bind)
-    call = buffer_callback(_PassCallback(passes, pass_name, ()), jax.ShapeDtypeStruct(out_shape, a.dtype))
-    return call(a, b)
+    return _call(passes, pass_name, (), passes.out_shape(pass_name), a, b)

@@ -238,13 +238,25 @@ struct FastLoader {
     const Operands<K, T, BS>* ops;
     long long ld_act, ld_other;
 
-    __device__ __forceinline__ void init(const Operands<K, T, BS>& o, int tid) {
+    // group (updat row groups, K::COLS > 1): the staged entry (block row, block column of each of
+    // the COLS blocks or -1, storage index of each or -1); tile column block j then reads dy's
+    // block column group[1 + j], a fixed offset from the step's base, and absent ones are never read.
+    __device__ __forceinline__ void init(const Operands<K, T, BS>& o, int tid, const int* group = nullptr) {
         ops = &o;
         ld_act = o.ld_act;
         ld_other = K::PASS == UPDAT ? o.ld_other : BS;
         const int rows_left = K::PASS == UPDAT ? K::BM : o.n_rows - o.m0;  // batch rows past N are absent
         a.init(tid, ld_act, K::A_KMAJOR, rows_left);
         b.init(tid, ld_other, K::B_KMAJOR, ChunkPlan<K, K::B_ROWS, K::B_COLS, K::B_PITCH>::ABSENT);
+        if constexpr (K::PASS == UPDAT && K::COLS > 1) {
+#pragma unroll
+            for (int i = 0; i < decltype(b)::PER_THREAD; ++i) {
+                const int c = tid + i * K::NT, j = (c % (K::B_COLS / K::VEC)) * K::VEC / BS;
+                const int kb = group[1 + j];
+                if (kb < 0) b.k[i] = decltype(b)::ABSENT;
+                else b.offset[i] += (long long)(kb - j) * BS;
+            }
+        }
     }
 
     __device__ __forceinline__ void operator()(int step, T* sa, T* sb) const {
@@ -326,58 +338,6 @@ struct GroupLoader {
                 const int id = entry[1 + b_block[i]];
                 const int row = c / (K::B_COLS / K::VEC), col = (c % (K::B_COLS / K::VEC)) * K::VEC;
                 if (id >= 0) cp_async16(sb + row * K::B_PITCH + col, w + (long long)id * BS * BS + b_offset[i], 16);
-            }
-        }
-    }
-};
-
-
-// updat row groups (K::COLS > 1): the staged entry is (block row c, block column of each of
-// the COLS blocks or -1, storage index of each or -1). A step is BK batch rows: the x tile
-// takes the ChunkPlan path, and each dy chunk is a fixed offset from the step's first row.
-template <class K, typename T, int BS>
-struct UpdatGroupLoader {
-    static constexpr int B_CHUNKS = K::B_ROWS * K::B_COLS / K::VEC;
-    static constexpr int B_PER_THREAD = (B_CHUNKS + K::NT - 1) / K::NT;
-    ChunkPlan<K, K::A_ROWS, K::A_COLS, K::A_PITCH> a;
-    long long b_offset[B_PER_THREAD];  // from the step's first dy row: row * ld + feature
-    int b_row[B_PER_THREAD];           // batch row inside the step; ABSENT for absent blocks
-    const T* x;
-    const T* dy;
-    long long ld_x, ld_dy;
-    int seg_begin, seg_end;
-
-    __device__ __forceinline__ void init(const Operands<K, T, BS>& o, const int* entry, int tid) {
-        x = o.act + (long long)entry[0] * BS;
-        dy = o.other;
-        ld_x = o.ld_act;
-        ld_dy = o.ld_other;
-        seg_begin = o.seg_begin;
-        seg_end = o.seg_end;
-        a.init(tid, ld_x, K::A_KMAJOR, K::BM);
-#pragma unroll
-        for (int i = 0; i < B_PER_THREAD; ++i) {
-            const int c = tid + i * K::NT;
-            const int row = c / (K::B_COLS / K::VEC), col = (c % (K::B_COLS / K::VEC)) * K::VEC;
-            const int kb = entry[1 + col / BS];
-            b_offset[i] = row * ld_dy + (long long)kb * BS + col % BS;
-            b_row[i] = c < B_CHUNKS && kb >= 0 ? row : ChunkPlan<K, K::A_ROWS, K::A_COLS, K::A_PITCH>::ABSENT;
-        }
-    }
-
-    __device__ __forceinline__ void operator()(int step, T* sa, T* sb) const {
-        const int tid = threadIdx.x;
-        const long long n = seg_begin + (long long)step * K::BK;  // first batch row of the step
-        const int k_limit = seg_end - (int)n;
-        a.template copy<false>(sa, x + n * ld_x, k_limit, tid);
-        const T* dy_step = dy + n * ld_dy;
-#pragma unroll
-        for (int i = 0; i < B_PER_THREAD; ++i) {
-            const int c = tid + i * K::NT;
-            if (B_CHUNKS % K::NT == 0 || c < B_CHUNKS) {
-                const int row = c / (K::B_COLS / K::VEC), col = (c % (K::B_COLS / K::VEC)) * K::VEC;
-                const bool valid = b_row[i] < k_limit;
-                cp_async16(sb + row * K::B_PITCH + col, valid ? dy_step + b_offset[i] : dy, valid ? 16 : 0);
             }
         }
     }
@@ -690,7 +650,7 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N * 32)
     ops.n0 = blockIdx.z * BN;
     int n_steps;
     if constexpr (PASS == UPDAT && COLS > 1) {
-        // The group's entry: 2 COLS + 1 ints (see UpdatGroupLoader).
+        // The group's entry: 2 COLS + 1 ints (see FastLoader::init).
         const int* entry = reinterpret_cast<const int*>(table) + (long long)unit * (2 * COLS + 1);
         for (int i = threadIdx.x; i < 2 * COLS + 1; i += K::NT) group_steps[i] = entry[i];
         __syncthreads();
@@ -715,8 +675,8 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N * 32)
 
     float acc[K::ACC];
     if constexpr (PASS == UPDAT && COLS > 1) {
-        UpdatGroupLoader<K, T, BS> loader;
-        loader.init(ops, group_steps, threadIdx.x);
+        FastLoader<K, T, BS> loader;
+        loader.init(ops, threadIdx.x, group_steps);
         // Warps of an absent block (a row's last group may be short) only keep the pipeline going.
         const bool absent = group_steps[1 + (threadIdx.x / 32) / K::WARPS_M] < 0;
         main_loop<K, T>(loader, n_steps, smem, acc, [](int, float (&)[K::ACC]) {}, [&](int) { return absent; });

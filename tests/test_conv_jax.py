@@ -17,6 +17,7 @@ import jax.numpy as jnp  # noqa: E402
 from jax.test_util import check_grads  # noqa: E402
 
 import bsmm.jax as bjax  # noqa: E402
+import bsmm.jax_passes  # noqa: E402
 from bsmm.conv import BlocksparseConv  # noqa: E402
 from reference import assert_close, random_data, random_layout  # noqa: E402
 from test_jax import device, host, passes_in, put, x64  # noqa: E402, F401 (device, x64: fixtures)
@@ -115,19 +116,22 @@ def test_backward_runs_only_the_passes_it_needs():
     assert [p.split("(")[0] for p in passes_in(only_x)] == ["bsmm.fprop", "bsmm.bprop"]
 
 
-def test_jit_traces_once_per_shape():
+def test_jit_traces_once_per_shape(monkeypatch):
+    """bsmm's conv passes are traced once per input shape, for eager calls (a new ConvPasses
+    each call, equal by value) as under an outer jit."""
     conv, x, w, _ = make_case("2d-3x3-p1")
-    traces = []
-
-    def function(x, w):
-        traces.append(x.shape)
-        return bjax.blocksparse_conv(x, w, conv)
-
-    jitted = jax.jit(function)
+    traced = []
+    original = bsmm.jax_passes._bind_conv
+    monkeypatch.setattr(bsmm.jax_passes, "_bind_conv",
+                        lambda passes, name, a, b: (traced.append((name, passes.x_shape)), original(passes, name, a, b))[1])
+    jitted = jax.jit(lambda x, w: bjax.blocksparse_conv(x, w, conv) * 2)
     for _ in range(3):
-        jitted(jnp.asarray(x), jnp.asarray(w)).block_until_ready()
-    jitted(jnp.asarray(x[:1]), jnp.asarray(w)).block_until_ready()
-    assert traces == [x.shape, x[:1].shape]
+        eager = bjax.blocksparse_conv(jnp.asarray(x), jnp.asarray(w), conv)
+        twice = jitted(jnp.asarray(x), jnp.asarray(w))
+    assert traced == [("fprop", x.shape)], traced
+    bjax.blocksparse_conv(jnp.asarray(x[:1]), jnp.asarray(w), conv).block_until_ready()
+    assert traced == [("fprop", x.shape), ("fprop", x[:1].shape)], traced
+    np.testing.assert_allclose(np.asarray(twice), 2 * np.asarray(eager), rtol=1e-6)
 
 
 def test_empty_layout_and_empty_batch(device):

@@ -29,17 +29,15 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import platform
 import sys
 
 import numpy as np
 
-from bsmm.bench import BenchRow, _fmt_time, _gpu_seconds, _median_seconds
+from bsmm.bench import PASSES, BenchRow, _fmt_time, _gpu_seconds, _median_seconds, write_json
 from bsmm.conv import BlocksparseConv
 from bsmm.layouts import random_layout
 
-PASSES = ("fprop", "bprop", "updat")
 SHAPES = {
     "wide32": dict(N=32, H=32, W=32, C=512, K=512, kernel=3, stride=1, padding=1),
     "late14": dict(N=32, H=14, W=14, C=1024, K=1024, kernel=3, stride=1, padding=1),
@@ -279,8 +277,7 @@ def main(argv=None) -> int:
                            lambda fn: _gpu_seconds(fn, args.calls, args.batches))
     print(format_table(rows))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"meta": meta, "rows": [row.as_dict() for row in rows]}, f, indent=1)
+        write_json(rows, args.json, meta)
     return 0
 
 

@@ -37,10 +37,8 @@ def all_variants() -> list[Variant | GatherVariant]:
                                 variants.add(Variant(dtype, bs, tile, mode, pass_name, axis, aligned))
                             if pass_name == "updat":  # small batches stream blocks (aligned copies only)
                                 variants.add(Variant(dtype, bs, tile, mode, pass_name, axis, True, True))
-                            if pass_name == "updat" and columns and axis == 1:  # row groups
-                                variants.add(Variant(dtype, bs, columns[:6], mode, pass_name, axis, True, False,
-                                                     columns[6]))
-                            elif pass_name != "updat" and columns:  # column groups (aligned copies only)
+                            # Column groups (fprop/bprop) and row groups (updat, feature axis 1): aligned only.
+                            if columns and (pass_name != "updat" or axis == 1):
                                 variants.add(Variant(dtype, bs, columns[:6], mode, pass_name, axis, True, False,
                                                      columns[6]))
     return sorted(variants, key=repr)
