@@ -60,11 +60,11 @@ def _bench(args) -> int:
         meta["gpu"] = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["name"].decode()
         rows = bench_gpu(workloads=tuple(args.workloads.split(",")), progress=log, quick=args.quick,
                          only_dtypes=args.dtype and tuple(args.dtype.split(",")),
-                         only_block_sizes=args.block_size and (args.block_size,))
+                         only_block_sizes=args.block_size and tuple(int(b) for b in args.block_size.split(",")))
         print(format_gpu_table(rows))
     else:
         densities = tuple(float(d) / 100 for d in args.densities.split(","))
-        rows = bench_cpu(N=args.N, C=args.C, K=args.K, block_size=args.block_size or 32, densities=densities,
+        rows = bench_cpu(N=args.N, C=args.C, K=args.K, block_size=int(args.block_size or 32), densities=densities,
                          dtype=args.dtype or "float32", repeats=args.repeats, progress=log)
         print(format_table(rows))
     if args.json:
@@ -87,7 +87,7 @@ def main(argv=None) -> int:
     bench.add_argument("--N", type=int, default=32, help="CPU: batch rows")
     bench.add_argument("--C", type=int, default=12288, help="CPU: input features")
     bench.add_argument("--K", type=int, default=12288, help="CPU: output features")
-    bench.add_argument("--block-size", type=int, help="block size (CPU: default 32; GPU: only this one)")
+    bench.add_argument("--block-size", help="block size (CPU: one, default 32; GPU: only these, comma-separated)")
     bench.add_argument("--densities", default="50,25,10,5,2", help="CPU: percentages, comma-separated")
     bench.add_argument("--dtype", help="element type (CPU: default float32; GPU: only these, comma-separated, "
                                        "tf32 included)")

@@ -24,8 +24,8 @@ import numpy as np
 
 from .block_index import BlockIndex
 from .config import settings
-from .dtypes import DTYPE_NAMES
-from .kernels import MAX_PART_BLOCKS, GatherVariant, Variant, load_kernel
+from .dtypes import DTYPE_NAMES, SUPPORTED_DTYPES
+from .kernels import MAX_PART_BLOCKS, GatherVariant, TransposeVariant, Variant, load_kernel
 from .strided import BlockOrder, check_strided_operands, virtual_width
 
 __all__ = ["FastCall", "fprop", "bprop", "updat", "strided_pass", "shifted_pass", "gather_rows", "plan_for",
@@ -79,34 +79,34 @@ def math_mode(dtype: str, pass_name: str, block_size: int, tf32: bool) -> str:
 
 
 _ARG_COUNT = 13  # parameters of bsmm_matmul
-# Each parameter gets an 8-byte slot; the int parameters are read from the low 4 bytes (little-endian).
-_PACK = struct.Struct(f"<{_ARG_COUNT}Q").pack_into
 
 
 class _Launcher:
     """Launches one kernel with a parameter block packed in one call.
 
     CuPy's generic launch converts every argument on every call (tens of
-    microseconds for 13 arguments); here the 13 values are packed into a fixed
+    microseconds for 13 arguments); here the values are packed into a fixed
     buffer whose slot addresses were computed once. ``cuLaunchKernel`` copies
     the parameters, so the buffer is free again when it returns.
     """
 
-    def __init__(self, kernel, grid, threads: int, shared_bytes: int):
+    def __init__(self, kernel, grid, threads: int, shared_bytes: int, arg_count: int = _ARG_COUNT):
         self.function = kernel.kernel.ptr
         self.grid, self.threads, self.shared_bytes = grid, threads, shared_bytes
-        self.values = (ctypes.c_uint64 * _ARG_COUNT)()
+        # Each parameter gets an 8-byte slot; int parameters are read from the low 4 bytes (little-endian).
+        self.pack = struct.Struct(f"<{arg_count}Q").pack_into
+        self.values = (ctypes.c_uint64 * arg_count)()
         base = ctypes.addressof(self.values)
-        self.pointers = (ctypes.c_uint64 * _ARG_COUNT)(*(base + 8 * i for i in range(_ARG_COUNT)))
+        self.pointers = (ctypes.c_uint64 * arg_count)(*(base + 8 * i for i in range(arg_count)))
         self.pointers_address = ctypes.addressof(self.pointers)
         self.lock = threading.Lock()
 
-    def launch(self, stream_ptr: int, act_ptr: int, other_ptr: int, out_ptr: int, scratch: tuple,
-               n: int, ld_act: int, ld_other: int, ld_out: int, accumulate: int) -> None:
+    def launch(self, stream_ptr: int, *values: int) -> None:
+        """One launch on ``stream_ptr`` with the kernel's parameters in order."""
         with self.lock:
-            _PACK(self.values, 0, act_ptr, other_ptr, out_ptr, *scratch, n, ld_act, ld_other, ld_out, accumulate)
+            self.pack(self.values, 0, *values)
             _launch_kernel(self.function, *self.grid, self.threads, 1, 1, self.shared_bytes, stream_ptr,
-                                self.pointers_address, 0)
+                           self.pointers_address, 0)
 
 
 @dataclasses.dataclass
@@ -126,7 +126,7 @@ class Plan:
     def launch(self, stream_ptr: int, act_ptr: int, other_ptr: int, out_ptr: int, sizes: tuple,
                accumulate: int) -> None:
         """One launch on ``stream_ptr``; ``sizes`` = (N, ld_act, ld_other, ld_out)."""
-        self.launcher.launch(stream_ptr, act_ptr, other_ptr, out_ptr, self.scratch_for(stream_ptr), *sizes, accumulate)
+        self.launcher.launch(stream_ptr, act_ptr, other_ptr, out_ptr, *self.scratch_for(stream_ptr), *sizes, accumulate)
 
     def scratch_for(self, stream_ptr: int) -> tuple:
         """Pointers to the tables and to this stream's workspace and counters (allocated once)."""
@@ -206,15 +206,14 @@ def _row_groups(index: BlockIndex, cols: int) -> np.ndarray:
     return entries
 
 
-def _column_groups(index: BlockIndex, pass_name: str, mode: str, n: int, aligned: bool, arch_key: str,
-                   feature_axis: int = 1):
+def _column_groups(index: BlockIndex, pass_name: str, mode: str, n: int, aligned: bool, arch_key: str):
     """(tile, cols, step table, steps per unit) of a column-group launch where one pays, else None.
 
-    updat: row groups (:func:`_row_groups`; steps per unit is None), feature axis 1 and a batch
-    past one step only, where the groups hold enough blocks on average.
+    updat: row groups (:func:`_row_groups`; steps per unit is None), a batch past one step only,
+    where the groups hold enough blocks on average.
     """
     tile = tile_for(mode, pass_name, index.block_size, n, arch_key, columns=True) if aligned else None
-    if tile is None or (pass_name == "updat" and (feature_axis != 1 or n <= tile[2])):
+    if tile is None or (pass_name == "updat" and n <= tile[2]):
         return None
     if pass_name == "updat":
         table, counts = _row_groups(index, tile[6]), None
@@ -231,7 +230,7 @@ def _build_plan(index: BlockIndex, pass_name: str, n: int, dtype: str, feature_a
     bs = index.block_size
     mode = math_mode(dtype, pass_name, bs, tf32)
     arch_key = f"sm{device.compute_capability}"
-    groups = _column_groups(index, pass_name, mode, n, aligned, arch_key, feature_axis)
+    groups = _column_groups(index, pass_name, mode, n, aligned, arch_key)
     tile, cols = (groups[0], groups[1]) if groups else (tile_for(mode, pass_name, bs, n, arch_key), 1)
     wgmma = _wgmma_tile(mode, pass_name, bs, n, feature_axis, aligned, arch_key) if not groups else None
     if wgmma is not None:
@@ -258,8 +257,11 @@ def _build_plan(index: BlockIndex, pass_name: str, n: int, dtype: str, feature_a
         n_units = len(table)
         tiles_per_unit = 1 if groups else (bs // bm) * (bs // bn)
         ctas_unsplit = max(1, n_units * tiles_per_unit)
-        # Few blocks and a long batch: cut the batch so every SM has work.
-        want_parts = max(1, min(math.ceil(target_ctas / ctas_unsplit), math.ceil(n / (4 * bk))))
+        # Few blocks and a long batch: cut the batch so that about updat_waves waves of resident
+        # thread blocks exist. Only then: each cut shortens every thread block's pipeline and adds
+        # a reduction (block 128 at 10 %, one resident block an SM: 3 parts ran slower than 1).
+        resident = device.attributes["MultiProcessorCount"] * _occupancy(kernel, variant)
+        want_parts = max(1, min(math.ceil(cfg["updat_waves"] * resident / ctas_unsplit), math.ceil(n / (4 * bk))))
         rows_per_part = bk * math.ceil(math.ceil(n / want_parts) / bk) if n else bk
         counts = np.full(n_units, n, dtype=np.int64)
         parts, unit_of, part_index = _parts(counts, rows_per_part)
@@ -311,6 +313,12 @@ def _build_plan(index: BlockIndex, pass_name: str, n: int, dtype: str, feature_a
         )
 
 
+def _occupancy(kernel, variant) -> int:
+    """Thread blocks of ``variant`` one SM holds at once."""
+    return max(1, cupy.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(
+        kernel.kernel.ptr, variant.threads, variant.shared_bytes))
+
+
 def _wgmma_tile(mode: str, pass_name: str, block_size: int, n: int, feature_axis: int, aligned: bool,
                arch_key: str) -> tuple | None:
     """The sm_90a warpgroup-MMA tile for this pass, or None where the mma.sync kernels run.
@@ -329,11 +337,67 @@ _PLANS: "weakref.WeakKeyDictionary[BlockIndex, dict]" = weakref.WeakKeyDictionar
 _PLAN_LOCK = threading.Lock()
 
 
+class TransposedUpdat:
+    """updat on feature axis 1 through transposed copies of x and dy: two launches of
+    ``cuda/bsmm_transpose.cu`` into a workspace, then the feature-axis-0 updat over them.
+
+    At block 16 (32) a row of x or dy holds a block's features as one 32 (64)-byte segment,
+    its own cache line, and those line requests, not the bytes, bound the pass; transposed,
+    every row of a tile is whole lines (T, fp16: block 16 5-6 -> 9-10 % efficiency, block 32
+    14-15 -> 15-18 %; ``results/RESULTS.md``, v8). Used for
+    the block sizes listed in ``[kernels] updat_transpose`` where the workspace, (C + K) x
+    N elements (N rounded up to 16 bytes with zeros), fits ``updat_transpose_max_bytes``;
+    the workspace is kept per stream, like a plan's (CUDA graphs capture its address).
+    Same launch interface as :class:`Plan`.
+    """
+
+    def __init__(self, index: BlockIndex, n: int, dtype: str, device):
+        self.n, self.C, self.K = n, index.C, index.K
+        self.ld = -(-n // 8) * 8  # 16-byte rows of 2-byte elements
+        self.plan = _build_plan(index, "updat", n, dtype, 0, False, True, device)
+        self.variant = self.plan.variant
+        kernel = load_kernel(_TRANSPOSE, device.id)
+        tile = TransposeVariant.TILE
+        self.transpose_x, self.transpose_dy = (
+            _Launcher(kernel, (-(-self.ld // tile), -(-features // tile), 1), TransposeVariant.threads, 0, 5)
+            for features in (self.C, self.K))
+        self.dtype = SUPPORTED_DTYPES[dtype]
+        self.workspaces: dict = {}  # stream -> (x transposed, dy transposed)
+
+    @staticmethod
+    def workspace_bytes(index: BlockIndex, n: int) -> int:
+        """Bytes of the two transposed copies for a batch of ``n`` rows."""
+        return (index.C + index.K) * (-(-n // 8) * 8) * 2
+
+    def workspace_for(self, stream_ptr: int) -> tuple:
+        entry = self.workspaces.get(stream_ptr)
+        if entry is None:
+            entry = self.workspaces[stream_ptr] = (
+                cupy.empty((self.C, self.ld), dtype=self.dtype), cupy.empty((self.K, self.ld), dtype=self.dtype))
+        return entry
+
+    def launch(self, stream_ptr: int, x_ptr: int, dy_ptr: int, out_ptr: int, sizes: tuple, accumulate: int) -> None:
+        x_t, dy_t = self.workspace_for(stream_ptr)
+        self.transpose_x.launch(stream_ptr, x_ptr, x_t.data.ptr, self.n, self.C, self.ld)
+        self.transpose_dy.launch(stream_ptr, dy_ptr, dy_t.data.ptr, self.n, self.K, self.ld)
+        self.plan.launch(stream_ptr, x_t.data.ptr, dy_t.data.ptr, out_ptr, (self.n, self.ld, self.ld, 0), accumulate)
+
+
+def _transposes(index: BlockIndex, n: int, dtype: str, feature_axis: int, tf32: bool, aligned: bool) -> bool:
+    """Whether updat takes :class:`TransposedUpdat` (see there)."""
+    cfg = settings()["kernels"]
+    return (feature_axis == 1 and aligned and dtype in ("float16", "bfloat16") and n > 64
+            and index.block_size in cfg["updat_transpose"]
+            and TransposedUpdat.workspace_bytes(index, n) <= cfg["updat_transpose_max_bytes"])
+
+
 def plan_for(index: BlockIndex, pass_name: str, n: int, dtype: str, feature_axis: int, tf32: bool,
-             aligned: bool, act_blocks: tuple | None = None, weight_blocks: BlockOrder | None = None) -> Plan:
-    """The cached plan for this pass on the current device, built on first use."""
+             aligned: bool, act_blocks: tuple | None = None, weight_blocks: BlockOrder | None = None,
+             transposed: bool = False) -> Plan:
+    """The cached plan for this pass on the current device, built on first use
+    (``transposed``: the :class:`TransposedUpdat` of an updat on feature axis 1)."""
     device_id = cupy.cuda.runtime.getDevice()
-    key = (pass_name, n, dtype, feature_axis, tf32, aligned, device_id, act_blocks, weight_blocks)
+    key = (pass_name, n, dtype, feature_axis, tf32, aligned, device_id, act_blocks, weight_blocks, transposed)
     plans = _PLANS.get(index)
     plan = plans.get(key) if plans is not None else None
     if plan is None:
@@ -341,8 +405,11 @@ def plan_for(index: BlockIndex, pass_name: str, n: int, dtype: str, feature_axis
             plans = _PLANS.setdefault(index, {})
             plan = plans.get(key)
             if plan is None:
-                plan = plans[key] = _build_plan(index, pass_name, n, dtype, feature_axis, tf32, aligned,
-                                                cupy.cuda.Device(device_id), act_blocks, weight_blocks)
+                device = cupy.cuda.Device(device_id)
+                plan = plans[key] = (
+                    TransposedUpdat(index, n, dtype, device) if transposed else
+                    _build_plan(index, pass_name, n, dtype, feature_axis, tf32, aligned, device, act_blocks,
+                                weight_blocks))
     return plan
 
 
@@ -433,7 +500,9 @@ def updat(index: BlockIndex, x, dy, out, feature_axis: int, accumulate: bool, tf
         return None
     n = x.shape[1 - feature_axis]
     dtype = DTYPE_NAMES[x.dtype]
-    plan = plan_for(index, "updat", n, dtype, feature_axis, tf32, _aligned(feature_axis, n, x, dy, out))
+    aligned = _aligned(feature_axis, n, x, dy, out)
+    plan = plan_for(index, "updat", n, dtype, feature_axis, tf32, aligned,
+                    transposed=_transposes(index, n, dtype, feature_axis, tf32, aligned))
     ld_x, ld_dy = (index.C, index.K) if feature_axis == 1 else (n, n)
     sizes = (n, ld_x, ld_dy, 0)
     plan.launch(_current_stream().ptr, x.data.ptr, dy.data.ptr, out.data.ptr, sizes, int(accumulate))
@@ -486,6 +555,7 @@ def shifted_pass(pass_name: str, index: BlockIndex, act, other, out, rows: int, 
 
 
 _GATHERS = {unit: GatherVariant(unit) for unit in (16, 8, 4, 2)}
+_TRANSPOSE = TransposeVariant()
 
 
 def gather_rows(dst, src, row_map) -> None:

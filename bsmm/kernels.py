@@ -2,7 +2,8 @@
 
 Kernel source lives in ``cuda/``. A *variant* (element type, block size, tile
 shape, math mode, pass, feature axis, alignment) is one template instance of
-``bsmm::bsmm_matmul`` (or of the convolution's row gather, :class:`GatherVariant`).
+``bsmm::bsmm_matmul`` (or of the convolution's row gather, :class:`GatherVariant`, or the
+transpose of :class:`TransposeVariant`).
 It is compiled with NVRTC (through CuPy's binding) for the exact architecture
 of the device (``sm_80`` ... ``sm_90a``), the cubin is kept in a disk cache
 keyed by source, options and NVRTC version, and loaded with ``cupy.RawModule``; loaded kernels are memoized per (device, variant).
@@ -23,7 +24,7 @@ from pathlib import Path
 
 from .config import CUDA_DIR
 
-__all__ = ["Variant", "GatherVariant", "compile_variant", "load_kernel", "arch_for", "cuda_include_dirs", "compile_options"]
+__all__ = ["Variant", "GatherVariant", "TransposeVariant", "compile_variant", "load_kernel", "arch_for", "cuda_include_dirs", "compile_options"]
 
 SOURCE_FILE = "bsmm_matmul.cu"
 MATH_MODES = {"simt": 0, "tensor16": 1, "tf32": 2, "wgmma16": 3}
@@ -100,6 +101,19 @@ class GatherVariant:
         return f"bsmm::gather_rows<{GATHER_UNITS[self.unit_bytes]}>"
 
 
+@dataclasses.dataclass(frozen=True)
+class TransposeVariant:
+    """``bsmm::transpose_tiles`` (``cuda/bsmm_transpose.cu``) over 2-byte elements: the
+    transposed copies of x and dy that block-16 updat reads on feature axis 1."""
+
+    source_file = "bsmm_transpose.cu"
+    math = "copy"
+    shared_bytes = 0
+    threads = 256
+    TILE = 64  # rows and columns of the matrix per thread block
+    name_expression = "bsmm::transpose_tiles<unsigned short>"
+
+
 def arch_for(compute_capability: str | int) -> str:
     """NVRTC's -arch for a device: sm_90a on Hopper (wgmma, setmaxnreg), sm_XY elsewhere."""
     cc = int(compute_capability)
@@ -151,7 +165,7 @@ def _source_digest() -> str:
     return digest.hexdigest()
 
 
-def compile_variant(variant: Variant | GatherVariant, arch: str) -> tuple[bytes, str, str]:
+def compile_variant(variant: Variant | GatherVariant | TransposeVariant, arch: str) -> tuple[bytes, str, str]:
     """Compile one variant with NVRTC: (cubin, lowered kernel name, compiler log). Needs no GPU."""
     from cupy_backends.cuda.libs import nvrtc
 
@@ -178,7 +192,7 @@ def _cache_dir() -> Path:
     return path
 
 
-def _cached_cubin(variant: Variant | GatherVariant, arch: str) -> tuple[Path, str]:
+def _cached_cubin(variant: Variant | GatherVariant | TransposeVariant, arch: str) -> tuple[Path, str]:
     """The variant's cubin file in the disk cache, compiling it on a miss."""
     from cupy_backends.cuda.libs import nvrtc
 
@@ -200,7 +214,7 @@ _LOADED: dict = {}
 _LOAD_LOCK = threading.Lock()
 
 
-def load_kernel(variant: Variant | GatherVariant, device_id: int):
+def load_kernel(variant: Variant | GatherVariant | TransposeVariant, device_id: int):
     """The loaded kernel for ``variant`` on ``device_id``, compiled or read from cache once."""
     key = (device_id, variant)
     kernel = _LOADED.get(key)

@@ -72,9 +72,9 @@ struct Kernel {
     static_assert(BK % VEC == 0 && BM % VEC == 0 && BN % VEC == 0, "tiles must be whole 16-byte chunks");
     static_assert(COLS > 1 || (BN <= BS && BS % BN == 0), "an output tile stays inside one block column");
     static_assert(COLS == 1 || (BN == COLS * BS && WARPS_N == COLS && ALIGNED_ && (MATH_ == TENSOR16 || MATH_ == TF32) &&
-                                (PASS_ == UPDAT ? BM == BS && AXIS1_ && !GROUPED_ : BK == BS)),
-                  "column groups: one block per warp column, one block row per step (updat: whole blocks, "
-                  "feature axis 1), aligned tensor-core copies");
+                                (PASS_ == UPDAT ? BM == BS && !GROUPED_ : BK == BS)),
+                  "column groups: one block per warp column, one block row per step (updat: whole blocks), "
+                  "aligned tensor-core copies");
     static_assert(MATH != TENSOR16 || (BK % 16 == 0 && WTM % 16 == 0 && WTN % 8 == 0), "m16n8k16 tiling");
     static_assert(MATH != TF32 || (BK % 8 == 0 && WTM % 16 == 0 && WTN % 8 == 0), "m16n8k8 tiling");
     static_assert(MATH != SIMT || (TY * TX == NT && TM * TY == BM && TN * TX == BN), "SIMT tiling");
@@ -239,8 +239,9 @@ struct FastLoader {
     long long ld_act, ld_other;
 
     // group (updat row groups, K::COLS > 1): the staged entry (block row, block column of each of
-    // the COLS blocks or -1, storage index of each or -1); tile column block j then reads dy's
-    // block column group[1 + j], a fixed offset from the step's base, and absent ones are never read.
+    // the COLS blocks or -1, storage index of each or -1); tile block j (columns of the B tile on
+    // feature axis 1, rows on axis 0) then reads dy's block group[1 + j], a fixed offset from the
+    // step's base, and absent ones are never read.
     __device__ __forceinline__ void init(const Operands<K, T, BS>& o, int tid, const int* group = nullptr) {
         ops = &o;
         ld_act = o.ld_act;
@@ -251,10 +252,11 @@ struct FastLoader {
         if constexpr (K::PASS == UPDAT && K::COLS > 1) {
 #pragma unroll
             for (int i = 0; i < decltype(b)::PER_THREAD; ++i) {
-                const int c = tid + i * K::NT, j = (c % (K::B_COLS / K::VEC)) * K::VEC / BS;
+                const int c = tid + i * K::NT;
+                const int j = (K::B_KMAJOR ? c / (K::B_COLS / K::VEC) : (c % (K::B_COLS / K::VEC)) * K::VEC) / BS;
                 const int kb = group[1 + j];
                 if (kb < 0) b.k[i] = decltype(b)::ABSENT;
-                else b.offset[i] += (long long)(kb - j) * BS;
+                else b.offset[i] += (long long)(kb - j) * BS * (K::B_KMAJOR ? ld_other : 1);
             }
         }
     }

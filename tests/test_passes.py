@@ -482,11 +482,26 @@ def test_column_groups(xp, bs, tile, dtype, monkeypatch):
         "an aligned plan did not use column groups"
 
 
+def check_updat_repeat_accumulate(xp, rng, case: Case, args: tuple) -> None:
+    """updat into a NaN-poisoned out= gives the reference, a second call the same bits, and
+    accumulate=True the reference added to fresh random contents."""
+    n, dtype = case.x.shape[1 - case.op.feature_axis], case.dtype
+    out = poisoned(xp, case.op.w_shape, case.x.dtype)
+    call(case.op, "updat", args, out=out)
+    assert_close(to_numpy(out), reference(case, "updat"), dtype, f"updat N={n}")
+    assert to_numpy(call(case.op, "updat", args)).tobytes() == to_numpy(out).tobytes(), "not bitwise repeatable"
+    start = random_data(rng, case.op.w_shape, dtype)
+    summed = to_xp(xp, start)
+    call(case.op, "updat", args, out=summed, accumulate=True)
+    assert_close(to_numpy(summed), as_float64(start) + reference(case, "updat"), dtype, f"updat += N={n}")
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("bs, cols", [(16, 8), (32, 4)])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("batch_parts", [False, True])
-def test_updat_row_groups(xp, bs, cols, dtype, batch_parts, monkeypatch):
+@pytest.mark.parametrize("feature_axis", [1, 0])
+def test_updat_row_groups(xp, bs, cols, dtype, batch_parts, feature_axis, monkeypatch):
     """GPU: updat tiles of several blocks of one block row sharing their x tile, forced for
     every layout: partial last groups, empty and full block rows, N off the tile depth, batches
     cut into parts (ordered reduction); NaN-poisoned output, bitwise repeat, accumulate."""
@@ -496,27 +511,58 @@ def test_updat_row_groups(xp, bs, cols, dtype, batch_parts, monkeypatch):
 
     kernels = bsmm.config.settings()["kernels"]
     monkeypatch.setitem(kernels, "group_min_blocks_per_step", 0)
-    # Few groups and a long batch: the batch is cut so that every SM has work (waves 0: never).
-    monkeypatch.setitem(kernels, "waves", 64 if batch_parts else 0)
+    monkeypatch.setitem(kernels, "updat_transpose", [])  # test_updat_through_transposed_copies
+    # Few groups and a long batch: the batch is cut so that every SM has work (0 waves: never).
+    monkeypatch.setitem(kernels, "updat_waves", 64 if batch_parts else 0)
     monkeypatch.setattr(cuda_backend, "_PLANS", type(cuda_backend._PLANS)())
-    rng = np.random.default_rng([bs, cols, len(dtype), batch_parts])
+    rng = np.random.default_rng([bs, cols, len(dtype), batch_parts, feature_axis])
     layout = random_layout(rng, 6, 2 * cols + 3, 0.5)
     layout[1, :] = 0
     layout[2, :] = 1
-    for n in (65, 130, 1000):
-        case = make_case(rng, layout, bs, n, dtype, 1)
-        args = device_inputs(xp, case, "updat")
-        out = poisoned(xp, case.op.w_shape, case.x.dtype)
-        call(case.op, "updat", args, out=out)
-        assert_close(to_numpy(out), reference(case, "updat"), dtype, f"updat N={n}")
-        assert to_numpy(call(case.op, "updat", args)).tobytes() == to_numpy(out).tobytes(), "not bitwise repeatable"
-        start = random_data(rng, case.op.w_shape, dtype)
-        summed = to_xp(xp, start)
-        call(case.op, "updat", args, out=summed, accumulate=True)
-        assert_close(to_numpy(summed), as_float64(start) + reference(case, "updat"), dtype, f"updat += N={n}")
+    # Feature axis 0 takes aligned copies only where a batch row is whole 16-byte chunks.
+    for n in (65, 130, 1000) if feature_axis == 1 else (72, 136, 1000):
+        case = make_case(rng, layout, bs, n, dtype, feature_axis)
+        check_updat_repeat_accumulate(xp, rng, case, device_inputs(xp, case, "updat"))
     plans = [p for key, p in cuda_backend._PLANS[case.op.index].items() if key[0] == "updat"]
     assert plans and all(p.variant.cols == cols for p in plans), "updat did not run on row groups"
     assert any(p.workspace_floats > 0 for p in plans) == batch_parts
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bs", [16, 32])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_updat_through_transposed_copies(xp, bs, dtype, monkeypatch):
+    """GPU: updat on feature axis 1 through transposed copies of x and dy (forced here for
+    blocks 16 and 32): the copies equal x and dy transposed with zero-padded batch columns
+    (N off 8 included), the result the reference; NaN-poisoned output, bitwise repeat,
+    accumulate, inputs unchanged; refused past the workspace limit."""
+    if xp is np:
+        pytest.skip("transposed copies are a GPU path")
+    from bsmm import cuda_backend
+
+    kernels = bsmm.config.settings()["kernels"]
+    monkeypatch.setitem(kernels, "updat_transpose", [bs])
+    monkeypatch.setattr(cuda_backend, "_PLANS", type(cuda_backend._PLANS)())
+    rng = np.random.default_rng([bs, len(dtype), 7])
+    layout = random_layout(rng, 5, 19, 0.4)
+    layout[1, :] = 0
+    layout[:, 3] = 0
+    layout[2, :] = 1
+    for n in (65, 130, 1001):
+        case = make_case(rng, layout, bs, n, dtype, 1)
+        args = device_inputs(xp, case, "updat")
+        before = [to_numpy(a).copy() for a in args]
+        check_updat_repeat_accumulate(xp, rng, case, args)
+        assert all(to_numpy(a).tobytes() == b.tobytes() for a, b in zip(args, before)), "input modified"
+        plan = next(p for key, p in cuda_backend._PLANS[case.op.index].items() if key[0] == "updat" and key[1] == n)
+        assert isinstance(plan, cuda_backend.TransposedUpdat), "updat did not take the transposed copies"
+        (x_t, dy_t), = plan.workspaces.values()
+        for copy, source in ((x_t, args[0]), (dy_t, args[1])):
+            padded = np.zeros((source.shape[1], -(-n // 8) * 8), dtype=case.x.dtype)
+            padded[:, :n] = to_numpy(source).T
+            assert to_numpy(copy).tobytes() == padded.tobytes(), f"transposed copy N={n}"
+    monkeypatch.setitem(kernels, "updat_transpose_max_bytes", 0)
+    assert not cuda_backend._transposes(case.op.index, 1001, dtype, 1, False, True)
 
 
 @pytest.mark.gpu

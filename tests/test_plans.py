@@ -67,14 +67,29 @@ def test_row_groups_cut_each_block_row_in_storage_order(cb, kb, cols, density):
     np.testing.assert_array_equal(entries, np.array(expected, dtype=np.int64).reshape(-1, 1 + 2 * cols))
 
 
-def test_row_groups_only_for_axis_1_long_batches_and_full_groups():
+def test_row_groups_only_for_long_batches_and_full_groups():
     layout = (np.random.default_rng(4).random((64, 64)) < 0.25).astype(np.uint8)
     index = bsmm.block_index(layout, 32)
     tile, cols, table, counts = cuda_backend._column_groups(index, "updat", "tensor16", 4096, True, "sm90")
     assert (cols, tile[1], counts) == (4, 4 * 32, None) and table.shape[1] == 1 + 2 * cols
-    assert cuda_backend._column_groups(index, "updat", "tensor16", 4096, True, "sm90", feature_axis=0) is None
     assert cuda_backend._column_groups(index, "updat", "tensor16", 64, True, "sm90") is None  # one step
     assert cuda_backend._column_groups(index, "updat", "tensor16", 4096, False, "sm90") is None
     assert cuda_backend._column_groups(index, "updat", "simt", 4096, True, "sm90") is None  # float32
     diagonal = bsmm.block_index(np.eye(64, dtype=np.uint8), 32)  # one block a row: nothing shared
     assert cuda_backend._column_groups(diagonal, "updat", "tensor16", 4096, True, "sm90") is None
+
+
+def test_updat_transposes_only_listed_half_precision_axis_1_long_batches(monkeypatch):
+    kernels = bsmm.config.settings()["kernels"]
+    monkeypatch.setitem(kernels, "updat_transpose", [16])
+    monkeypatch.setitem(kernels, "updat_transpose_max_bytes", 2 * (512 + 256) * 4096)
+    index = bsmm.block_index(np.ones((32, 16), dtype=np.uint8), 16)  # C = 512, K = 256
+    assert cuda_backend._transposes(index, 4096, "float16", 1, False, True)
+    assert cuda_backend._transposes(index, 4090, "bfloat16", 1, False, True)  # N padded to 4096
+    assert not cuda_backend._transposes(index, 4097, "float16", 1, False, True)  # past the workspace limit
+    assert not cuda_backend._transposes(index, 64, "float16", 1, False, True)  # one step: streamed blocks
+    assert not cuda_backend._transposes(index, 4096, "float16", 0, False, True)  # already transposed
+    assert not cuda_backend._transposes(index, 4096, "float16", 1, False, False)  # unaligned operands
+    assert not cuda_backend._transposes(index, 4096, "float32", 1, True, True)
+    assert not cuda_backend._transposes(bsmm.block_index(np.ones((16, 8), dtype=np.uint8), 32), 4096, "float16",
+                                        1, False, True)  # block 32 is not listed

@@ -14,12 +14,13 @@ import sys
 import time
 
 from bsmm.config import settings
-from bsmm.kernels import ARCH_ONLY_MODES, GATHER_UNITS, GatherVariant, Variant, _cached_cubin, compile_variant
+from bsmm.kernels import ARCH_ONLY_MODES, GATHER_UNITS, GatherVariant, TransposeVariant, Variant, _cached_cubin, compile_variant
 from bsmm.cuda_backend import math_mode, tile_for
 
 
-def all_variants() -> list[Variant | GatherVariant]:
+def all_variants() -> list[Variant | GatherVariant | TransposeVariant]:
     variants = {GatherVariant(unit) for unit in GATHER_UNITS}  # the convolution's row gathers
+    variants.add(TransposeVariant())  # updat's transposed operands (blocks 16, 32)
     block_sizes = settings()["limits"]["block_sizes"]
     for dtype, tf32_modes in (("float32", (False, True)), ("float16", (False,)), ("bfloat16", (False,))):
         for tf32 in tf32_modes:
@@ -37,8 +38,8 @@ def all_variants() -> list[Variant | GatherVariant]:
                                 variants.add(Variant(dtype, bs, tile, mode, pass_name, axis, aligned))
                             if pass_name == "updat":  # small batches stream blocks (aligned copies only)
                                 variants.add(Variant(dtype, bs, tile, mode, pass_name, axis, True, True))
-                            # Column groups (fprop/bprop) and row groups (updat, feature axis 1): aligned only.
-                            if columns and (pass_name != "updat" or axis == 1):
+                            # Column groups (fprop/bprop) and row groups (updat): aligned only.
+                            if columns:
                                 variants.add(Variant(dtype, bs, columns[:6], mode, pass_name, axis, True, False,
                                                      columns[6]))
     return sorted(variants, key=repr)
