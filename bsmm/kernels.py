@@ -70,7 +70,8 @@ class Variant:
         b_kmajor = (self.feature_axis == 0) if self.pass_name == "updat" else (self.pass_name == "bprop")
         a = (bm * (bk + vec)) if a_kmajor else (bk * (bm + vec))
         b = (bn * (bk + vec)) if b_kmajor else (bk * (bn + vec))
-        return stages * (a + b) * item
+        staging = bm * (bn + 4) * 4 if self.grouped and self.math != "simt" else 0  # finished tiles, as floats
+        return stages * (a + b) * item + staging
 
     @property
     def name_expression(self) -> str:
