@@ -135,6 +135,13 @@ struct Operands {
     int m0, n0;              // tile origin: rows of N (sparse K) or of the block (updat), columns of the block
     int2 block;              // updat: (block row c, block column k)
 
+    // Grouped updat on tensor cores: step s multiplies the same x tile as step s - 1 (consecutive
+    // blocks of one block row, the storage order); its copy and its fragment loads are skipped
+    // (main_loop keeps the fragments in registers).
+    __device__ __forceinline__ bool same_a(int step) const {
+        return K::GROUPED && K::MATH == TENSOR16 && step > 0 && table[step].x == table[step - 1].x;
+    }
+
     // Sparse K: step s covers K positions [s*BK, s*BK + BK) of the concatenated blocks;
     // table is the segment's slice of the step table, staged in shared memory.
     __device__ __forceinline__ bool locate(int kg, int2& entry, int& kin) const {
@@ -292,7 +299,7 @@ struct FastLoader {
             k_limit = present ? K::BK : 0;
         }
         // Weights are read once: they bypass L1 (see BSMM_ACT_L1 for the activations).
-        a.copy<BSMM_ACT_L1 && K::PASS != UPDAT>(sa, a_base, k_limit, tid);
+        if (!o.same_a(step)) a.copy<BSMM_ACT_L1 && K::PASS != UPDAT>(sa, a_base, k_limit, tid);
         b.copy<false>(sb, b_base, k_limit, tid);
     }
 };
@@ -379,14 +386,20 @@ struct Stages {
 // The main loop: a STAGES-deep cp.async pipeline feeding tensor-core or SIMT math.
 // load(step, a_stage, b_stage) issues the copies of one step's A and B tiles.
 // skip(step): this warp has nothing to multiply in that step (column groups).
-template <class K, typename T, class Load, class After, class Skip>
+// keep_a(step) (grouped updat): the A fragments of the previous step still hold this step's A
+// tile; they stay in registers and the stage's A tile (not copied) is not read.
+template <class K, typename T, class Load, class After, class Skip, class KeepA>
 __device__ __forceinline__ void main_loop(Load&& load, int n_steps, T* smem, float (&acc)[K::ACC], After&& after,
-                                          Skip&& skip) {
+                                          Skip&& skip, KeepA&& keep_a) {
     const int tid = threadIdx.x;
     const Stages<K, T, Load> stages(smem, load);
     stages.template zero_and_start<K::STAGES - 1>(acc, n_steps);
     const int warp = tid / 32, lane = tid % 32;
     const int wm0 = (warp % K::WARPS_M) * K::WTM, wn0 = (warp / K::WARPS_M) * K::WTN;
+    // Tensor-core A fragments of a whole step, kept across steps where keep_a allows (grouped
+    // updat only: one BK-deep step, few registers); other kernels load them per 16-deep slice.
+    constexpr int A_KEPT = K::GROUPED && K::MATH == TENSOR16 ? K::BK / 16 : 1;
+    unsigned a_frags[A_KEPT][K::MI > 0 ? K::MI : 1][4];  // (SIMT tiles have no MI)
     for (int step = 0; step < n_steps; ++step) {
         cp_async_wait<K::STAGES - 2>();
         __syncthreads();
@@ -397,16 +410,20 @@ __device__ __forceinline__ void main_loop(Load&& load, int n_steps, T* smem, flo
         T* a = stages.a(step);
         T* b = stages.b(step);
         if constexpr (K::MATH == TENSOR16) {
+            const bool load_a = A_KEPT == 1 || !keep_a(step);
 #pragma unroll
             for (int kk = 0; kk < K::BK; kk += 16) {
-                unsigned af[K::MI][4], bf[K::NJ][2];
+                unsigned(&af)[K::MI][4] = a_frags[A_KEPT == 1 ? 0 : kk / 16];
+                unsigned bf[K::NJ][2];
+                if (load_a) {
 #pragma unroll
-                for (int i = 0; i < K::MI; ++i) {
-                    const int mb = wm0 + i * 16;
-                    if (K::A_KMAJOR)
-                        ldmatrix_x4<false>(af[i], K::a_at(a, mb + lane % 16, kk + (lane / 16) * 8));
-                    else
-                        ldmatrix_x4<true>(af[i], K::a_at(a, mb + ((lane / 8) % 2) * 8, kk + lane % 8 + (lane / 16) * 8));
+                    for (int i = 0; i < K::MI; ++i) {
+                        const int mb = wm0 + i * 16;
+                        if (K::A_KMAJOR)
+                            ldmatrix_x4<false>(af[i], K::a_at(a, mb + lane % 16, kk + (lane / 16) * 8));
+                        else
+                            ldmatrix_x4<true>(af[i], K::a_at(a, mb + ((lane / 8) % 2) * 8, kk + lane % 8 + (lane / 16) * 8));
+                    }
                 }
 #pragma unroll
                 for (int j = 0; j + 1 < K::NJ; j += 2) {
@@ -529,6 +546,12 @@ __device__ __forceinline__ void main_loop_wgmma(Load&& load, int n_steps, T* sme
     wgmma_wait<0>();
     fence_registers(acc);
     cp_async_wait<0>();
+}
+
+template <class K, typename T, class Load, class After, class Skip>
+__device__ __forceinline__ void main_loop(Load&& load, int n_steps, T* smem, float (&acc)[K::ACC], After&& after,
+                                          Skip&& skip) {
+    main_loop<K, T>(load, n_steps, smem, acc, after, skip, [](int) { return false; });
 }
 
 template <class K, typename T, class Load, class After>
@@ -669,7 +692,7 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N * 32)
                 store_block_tile<K, T, BS>(block_out, sums, ops.m0, ops.n0, accumulate);
 #pragma unroll
             for (int i = 0; i < K::ACC; ++i) sums[i] = 0.f;
-        });
+        }, [](int) { return false; }, [&](int step) { return ops.same_a(step); });
         return;
     }
     const int unit = seg.x, part = seg.w;
