@@ -513,7 +513,8 @@ def test_updat_row_groups(xp, bs, cols, dtype, batch_parts, feature_axis, monkey
     monkeypatch.setitem(kernels, "group_min_blocks_per_step", 0)
     monkeypatch.setitem(kernels, "updat_transpose", [])  # test_updat_through_transposed_copies
     # Few groups and a long batch: the batch is cut so that every SM has work (0 waves: never).
-    monkeypatch.setitem(kernels, "updat_waves", 64 if batch_parts else 0)
+    monkeypatch.setitem(kernels, "waves", 64 if batch_parts else 0)
+    monkeypatch.setitem(kernels, "updat_cut_gain", 0)
     monkeypatch.setattr(cuda_backend, "_PLANS", type(cuda_backend._PLANS)())
     rng = np.random.default_rng([bs, cols, len(dtype), batch_parts, feature_axis])
     layout = random_layout(rng, 6, 2 * cols + 3, 0.5)

@@ -93,3 +93,14 @@ def test_updat_transposes_only_listed_half_precision_axis_1_long_batches(monkeyp
     assert not cuda_backend._transposes(index, 4096, "float32", 1, True, True)
     assert not cuda_backend._transposes(bsmm.block_index(np.ones((16, 8), dtype=np.uint8), 32), 4096, "float16",
                                         1, False, True)  # block 32 is not listed
+
+
+def test_updat_batch_parts_fill_idle_waves_only_where_that_pays(monkeypatch):
+    monkeypatch.setitem(bsmm.config.settings()["kernels"], "updat_cut_gain", 0.25)
+    parts = cuda_backend._batch_parts
+    assert parts(410, 132, 3) == 1  # 3.1 waves: cutting saves under a quarter
+    assert parts(819, 132, 2) == 1
+    assert parts(288, 264, 8) == 5  # 1.09 waves: 2 -> 1.2 waves of full length
+    assert parts(20, 264, 16) == 12  # a fraction of one wave: fill it (13 fills it best, 12 within 10 %)
+    assert parts(20, 264, 1) == 1  # the batch is too short to cut
+    assert 120 <= parts(1, 132, 200) <= 132
