@@ -361,8 +361,9 @@ class TransposedUpdat:
     its own cache line, and those line requests, not the bytes, bound the pass; transposed,
     every row of a tile is whole lines (T, fp16: block 16 5-6 -> 9-10 % efficiency, block 32
     14-15 -> 15-18 %; ``results/RESULTS.md``, v8). Used for
-    the block sizes listed in ``[kernels] updat_transpose`` where the workspace, (C + K) x
-    N elements (N rounded up to 16 bytes with zeros), fits ``updat_transpose_max_bytes``;
+    the block sizes listed in ``[kernels] updat_transpose``, batches of at least
+    ``updat_transpose_min_rows`` rows and where the workspace, (C + K) x N elements (N
+    rounded up to 16 bytes with zeros), fits ``updat_transpose_max_bytes``;
     the workspace is kept per stream, like a plan's (CUDA graphs capture its address).
     Same launch interface as :class:`Plan`.
     """
@@ -402,7 +403,7 @@ class TransposedUpdat:
 def _transposes(index: BlockIndex, n: int, dtype: str, feature_axis: int, tf32: bool, aligned: bool) -> bool:
     """Whether updat takes :class:`TransposedUpdat` (see there)."""
     cfg = settings()["kernels"]
-    return (feature_axis == 1 and aligned and dtype in ("float16", "bfloat16") and n > 64
+    return (feature_axis == 1 and aligned and dtype in ("float16", "bfloat16") and n >= cfg["updat_transpose_min_rows"]
             and index.block_size in cfg["updat_transpose"]
             and TransposedUpdat.workspace_bytes(index, n) <= cfg["updat_transpose_max_bytes"])
 

@@ -543,6 +543,7 @@ def test_updat_through_transposed_copies(xp, bs, dtype, monkeypatch):
 
     kernels = bsmm.config.settings()["kernels"]
     monkeypatch.setitem(kernels, "updat_transpose", [bs])
+    monkeypatch.setitem(kernels, "updat_transpose_min_rows", 65)
     monkeypatch.setattr(cuda_backend, "_PLANS", type(cuda_backend._PLANS)())
     rng = np.random.default_rng([bs, len(dtype), 7])
     layout = random_layout(rng, 5, 19, 0.4)
