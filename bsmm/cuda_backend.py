@@ -188,25 +188,34 @@ def _group_steps(index: BlockIndex, by_column: bool, cols: int) -> tuple[np.ndar
     return entries, counts
 
 
-def _row_groups(index: BlockIndex, cols: int) -> np.ndarray:
+def _row_groups(index: BlockIndex, cols: int, window: int | None = None) -> np.ndarray:
     """updat row groups: each block row's blocks, in storage order, cut into groups of ``cols``.
 
+    ``window`` (block columns): groups stay inside windows of that many block columns and are
+    ordered window by window, so the thread blocks running at one time read the dy panels of
+    one window (sized to stay in L2) instead of all of dy.
     Returns (groups, 1 + 2 cols) = (block row, block column of each block or -1, its storage
     index or -1): the blocks of a group share their x tile.
     """
-    counts = np.diff(index.indptr).astype(np.int64)
-    per_row = -(-counts // cols)
-    first_group = np.cumsum(per_row) - per_row
-    place = np.arange(index.nnzb) - np.repeat(index.indptr[:-1].astype(np.int64), counts)
-    group, slot = first_group[index.rows] + place // cols, place % cols
-    entries = np.full((int(per_row.sum()), 1 + 2 * cols), -1, dtype=np.int64)
-    entries[group, 0] = index.rows
-    entries[group, 1 + slot] = index.indices
-    entries[group, 1 + cols + slot] = np.arange(index.nnzb)
+    rows, columns = index.rows.astype(np.int64), index.indices.astype(np.int64)
+    band = columns // window if window else np.zeros_like(columns)
+    order = np.lexsort((columns, rows, band))  # storage order within a (window, row) run
+    run_key = band[order] * index.n_block_rows + rows[order]
+    starts = np.flatnonzero(np.r_[True, run_key[1:] != run_key[:-1]])
+    lengths = np.diff(np.r_[starts, len(order)])
+    per_run = -(-lengths // cols)
+    place = np.arange(len(order)) - np.repeat(starts, lengths)
+    group = np.repeat(np.cumsum(per_run) - per_run, lengths) + place // cols
+    slot = place % cols
+    entries = np.full((int(per_run.sum()), 1 + 2 * cols), -1, dtype=np.int64)
+    entries[group, 0] = rows[order]
+    entries[group, 1 + slot] = columns[order]
+    entries[group, 1 + cols + slot] = order
     return entries
 
 
-def _column_groups(index: BlockIndex, pass_name: str, mode: str, n: int, aligned: bool, arch_key: str):
+def _column_groups(index: BlockIndex, pass_name: str, mode: str, n: int, aligned: bool, arch_key: str,
+                   item_bytes: int = 2):
     """(tile, cols, step table, steps per unit) of a column-group launch where one pays, else None.
 
     updat: row groups (:func:`_row_groups`; steps per unit is None), a batch past one step only,
@@ -216,7 +225,9 @@ def _column_groups(index: BlockIndex, pass_name: str, mode: str, n: int, aligned
     if tile is None or (pass_name == "updat" and n <= tile[2]):
         return None
     if pass_name == "updat":
-        table, counts = _row_groups(index, tile[6]), None
+        panel = n * index.block_size * item_bytes  # one block column of dy
+        window = max(1, settings()["kernels"]["updat_l2_window_bytes"] // panel)
+        table, counts = _row_groups(index, tile[6], window), None
     else:
         table, counts = _group_steps(index, pass_name == "fprop", tile[6])
     if index.nnzb < settings()["kernels"]["group_min_blocks_per_step"] * max(1, len(table)):
@@ -230,7 +241,7 @@ def _build_plan(index: BlockIndex, pass_name: str, n: int, dtype: str, feature_a
     bs = index.block_size
     mode = math_mode(dtype, pass_name, bs, tf32)
     arch_key = f"sm{device.compute_capability}"
-    groups = _column_groups(index, pass_name, mode, n, aligned, arch_key)
+    groups = _column_groups(index, pass_name, mode, n, aligned, arch_key, SUPPORTED_DTYPES[dtype].itemsize)
     tile, cols = (groups[0], groups[1]) if groups else (tile_for(mode, pass_name, bs, n, arch_key), 1)
     wgmma = _wgmma_tile(mode, pass_name, bs, n, feature_axis, aligned, arch_key) if not groups else None
     if wgmma is not None:

@@ -67,6 +67,24 @@ def test_row_groups_cut_each_block_row_in_storage_order(cb, kb, cols, density):
     np.testing.assert_array_equal(entries, np.array(expected, dtype=np.int64).reshape(-1, 1 + 2 * cols))
 
 
+@pytest.mark.parametrize("window", [1, 3, 7])
+def test_row_groups_in_column_windows(window):
+    layout = (np.random.default_rng([window, 2]).random((9, 20)) < 0.6).astype(np.uint8)
+    index = bsmm.block_index(layout, 16)
+    entries = cuda_backend._row_groups(index, 4, window)
+    ids = entries[:, 5:][entries[:, 5:] >= 0]
+    assert sorted(ids) == list(range(index.nnzb))  # every block once
+    np.testing.assert_array_equal(index.rows[entries[:, 5:]][entries[:, 5:] >= 0],
+                                  np.repeat(entries[:, 0], (entries[:, 5:] >= 0).sum(1)))
+    np.testing.assert_array_equal(index.indices[ids], entries[:, 1:5][entries[:, 1:5] >= 0])
+    bands = [set(row[1:5][row[1:5] >= 0] // window) for row in entries]
+    assert all(len(b) == 1 for b in bands)  # a group stays in one window
+    keys = [(b.pop(), row[0]) for b, row in zip(bands, entries)]
+    assert keys == sorted(keys)  # window by window, block rows in order inside
+    wide = cuda_backend._row_groups(index, 4, 20)
+    np.testing.assert_array_equal(wide, cuda_backend._row_groups(index, 4))
+
+
 def test_row_groups_only_for_long_batches_and_full_groups():
     layout = (np.random.default_rng(4).random((64, 64)) < 0.25).astype(np.uint8)
     index = bsmm.block_index(layout, 32)
