@@ -23,8 +23,23 @@
 #define BSMM_ACT_L1 1
 #endif
 
-
 namespace bsmm {
+
+// fprop/bprop: (segment, row tile) of this thread block when the output is visited in bands of
+// band_rows row tiles: consecutive thread blocks take one segment (block column part) for every
+// row tile of the band, then the next segment. Those running at one time then share a few weight
+// columns and activation row tiles in L2, where launch order alone (x fastest) streams every
+// weight column once per row tile (T at 50 %: 32 x 64 MB). A bijection of the grid; band_rows 1
+// is launch order.
+__device__ __forceinline__ int2 banded_tile(int band_rows) {
+    const long long id = blockIdx.x + (long long)gridDim.x * blockIdx.y;
+    const long long band_size = (long long)band_rows * gridDim.x;
+    const int band = (int)(id / band_size);
+    const int first_row = band * band_rows;
+    const int rows_here = min(band_rows, (int)gridDim.y - first_row);
+    const int within = (int)(id - band * band_size);
+    return make_int2(within / rows_here, first_row + within % rows_here);
+}
 
 enum Pass { FPROP = 0, BPROP = 1, UPDAT = 2 };
 // WGMMA: float16/bfloat16 fprop/bprop on sm_90a warpgroup MMA (bsmm_wgmma.cuh).
@@ -650,7 +665,7 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N * 32)
     bsmm_matmul(const T* __restrict__ act, const T* __restrict__ other, T* __restrict__ out,
                 const int4* __restrict__ segments, const int2* __restrict__ units, const int2* __restrict__ table,
                 float* __restrict__ workspace, int* __restrict__ counters, int n_rows, int ld_act, int ld_other,
-                int ld_out, int accumulate) {
+                int ld_out, int accumulate, int band_rows) {
     using K = Kernel<T, BS, BM, BN, BK, WARPS_M, WARPS_N, STAGES, MATH, PASS, AXIS1, ALIGNED, GROUPED, COLS>;
     extern __shared__ __align__(16) unsigned char smem_raw[];
     // wgmma reads swizzle atoms that must start on 1024-byte boundaries (SMEM_BYTES has the slack).
@@ -662,7 +677,9 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N * 32)
     __shared__ int2 part_table[(PASS == UPDAT && !GROUPED) || COLS > 1 ? 1 : BSMM_MAX_PART];
     __shared__ int group_steps[COLS > 1 ? (PASS == UPDAT ? 2 * COLS + 1 : BSMM_MAX_PART * (COLS + 1)) : 1];
 
-    const int4 seg = segments[blockIdx.x];
+    // updat: y and z index sub-tiles of one weight block, nothing to reorder.
+    const int2 tile = PASS == UPDAT ? make_int2(blockIdx.x, blockIdx.y) : banded_tile(band_rows);
+    const int4 seg = segments[tile.x];
     if constexpr (GROUPED) {
         // seg = (first weight block, end block, -, -); every block takes the whole batch in one step.
         const int count = seg.y - seg.x;
@@ -698,7 +715,7 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N * 32)
     const int unit = seg.x, part = seg.w;
     const int2 unit_info = units[unit];
     const int tiles_per_unit = gridDim.y * gridDim.z;
-    const int tile_in_unit = blockIdx.z * gridDim.y + blockIdx.y;
+    const int tile_in_unit = blockIdx.z * gridDim.y + tile.y;
 
     Operands<K, T, BS> ops;
     ops.act = act;
@@ -709,7 +726,7 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N * 32)
     ops.ld_other = ld_other;
     ops.seg_begin = seg.y;
     ops.seg_end = seg.z;
-    ops.m0 = blockIdx.y * BM;
+    ops.m0 = tile.y * BM;
     ops.n0 = blockIdx.z * BN;
     int n_steps;
     if constexpr (PASS == UPDAT && COLS > 1) {
