@@ -327,15 +327,18 @@ def _build_plan(index: BlockIndex, pass_name: str, n: int, dtype: str, feature_a
 
 def _band_rows(index: BlockIndex, pass_name: str, dtype: str) -> int:
     """Row tiles per band of fprop/bprop's visiting order (``banded_tile`` in the kernel): banded
-    where the weights outgrow ``[kernels] band_min_weight_bytes`` (about half the L2), else 1.
+    at the block sizes of ``[kernels] band_block_sizes`` where the weights outgrow
+    ``band_min_weight_bytes`` (about half the L2), else 1.
 
     T fp16, 50 % (weights 64 MiB), bands of 8: block 64 1.05 -> 0.94 ms, block 128 750 -> 666 us
     fprop; at 10 % (13 MiB, in L2) bands lost 5-14 % (the longest-first order of the
-    segments is kept only within a band).
+    segments is kept only within a band); block 16 at 50 % lost 10 % (there the activation
+    tiles that neighbouring thread blocks share are the larger stream).
     """
     cfg = settings()["kernels"]
     weight_bytes = index.nnzb * index.block_size ** 2 * SUPPORTED_DTYPES[dtype].itemsize
-    banded = pass_name != "updat" and weight_bytes > cfg["band_min_weight_bytes"]
+    banded = (pass_name != "updat" and index.block_size in cfg["band_block_sizes"]
+              and weight_bytes > cfg["band_min_weight_bytes"])
     return cfg["band_rows"] if banded else 1
 
 

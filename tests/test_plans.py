@@ -123,3 +123,18 @@ def test_updat_batch_parts_fill_idle_waves_only_where_that_pays(monkeypatch):
     assert parts(20, 264, 16) == 12  # a fraction of one wave: fill it (13 fills it best, 12 within 10 %)
     assert parts(20, 264, 1) == 1  # the batch is too short to cut
     assert 120 <= parts(1, 132, 200) <= 132
+
+
+def test_fprop_bprop_bands_only_for_large_blocks_whose_weights_outgrow_the_l2(monkeypatch):
+    kernels = bsmm.config.settings()["kernels"]
+    monkeypatch.setitem(kernels, "band_rows", 8)
+    monkeypatch.setitem(kernels, "band_block_sizes", [64, 128])
+    monkeypatch.setitem(kernels, "band_min_weight_bytes", 2**20)
+    full = bsmm.block_index(np.ones((16, 16), dtype=np.uint8), 64)  # 2 MiB of float16 weights
+    assert cuda_backend._band_rows(full, "fprop", "float16") == 8
+    assert cuda_backend._band_rows(full, "bprop", "bfloat16") == 8
+    assert cuda_backend._band_rows(full, "updat", "float16") == 1
+    sparse = bsmm.block_index(np.eye(16, dtype=np.uint8), 64)  # 128 KiB: stays in L2
+    assert cuda_backend._band_rows(sparse, "fprop", "float16") == 1
+    small_blocks = bsmm.block_index(np.ones((64, 64), dtype=np.uint8), 16)  # 2 MiB, block 16
+    assert cuda_backend._band_rows(small_blocks, "fprop", "float16") == 1
