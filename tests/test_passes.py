@@ -482,6 +482,41 @@ def test_column_groups(xp, bs, tile, dtype, monkeypatch):
         "an aligned plan did not use column groups"
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("bs, dtype", [(16, "float16"), (32, "bfloat16"), (64, "float16"), (128, "bfloat16"),
+                                       (32, "float32")])
+def test_banded_order_matches_launch_order(xp, bs, dtype, monkeypatch):
+    """GPU: fprop/bprop visiting their tiles in bands of row tiles (forced; 3 rows a band over
+    8 row tiles leaves a short last band), with columns cut into parts: the reference, and
+    bitwise the result of launch order."""
+    if xp is np:
+        pytest.skip("the visiting order is a GPU launch detail")
+    from bsmm import cuda_backend
+
+    kernels = bsmm.config.settings()["kernels"]
+    monkeypatch.setitem(kernels, "min_part_blocks", 2)
+    monkeypatch.setitem(kernels, "band_block_sizes", [bs])
+    monkeypatch.setitem(kernels, "band_min_weight_bytes", 0)
+    rng = np.random.default_rng([bs, len(dtype), 3])
+    layout = random_layout(rng, 7, 5, 0.6)
+    layout[:, 1] = 1
+    case = make_case(rng, layout, bs, 1000, dtype, 1)
+    for pass_name in ("fprop", "bprop"):
+        args = device_inputs(xp, case, pass_name)
+        results = []
+        for band_rows in (3, 1):
+            monkeypatch.setitem(kernels, "band_rows", band_rows)
+            monkeypatch.setattr(cuda_backend, "_PLANS", type(cuda_backend._PLANS)())
+            case.op._gpu_calls.clear()  # the repeat-call path would keep the first plan
+            out = poisoned(xp, reference(case, pass_name).shape, case.x.dtype)
+            call(case.op, pass_name, args, out=out)
+            plan = next(p for key, p in cuda_backend._PLANS[case.op.index].items() if key[0] == pass_name)
+            assert plan.band_rows == band_rows and plan.launcher.grid[1] == -(-1000 // plan.variant.tile[0])
+            results.append(to_numpy(out))
+        assert_close(results[0], reference(case, pass_name), dtype, f"{pass_name} in bands")
+        assert results[0].tobytes() == results[1].tobytes(), f"{pass_name}: bands changed the result"
+
+
 def check_updat_repeat_accumulate(xp, rng, case: Case, args: tuple) -> None:
     """updat into a NaN-poisoned out= gives the reference, a second call the same bits, and
     accumulate=True the reference added to fresh random contents."""
