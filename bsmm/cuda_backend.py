@@ -431,7 +431,7 @@ class TransposedUpdat:
         self.plan.launch(stream_ptr, x_t.data.ptr, dy_t.data.ptr, out_ptr, (self.n, self.ld, self.ld, 0), accumulate)
 
 
-def _transposes(index: BlockIndex, n: int, dtype: str, feature_axis: int, tf32: bool, aligned: bool) -> bool:
+def _transposes(index: BlockIndex, n: int, dtype: str, feature_axis: int, aligned: bool) -> bool:
     """Whether updat takes :class:`TransposedUpdat` (see there)."""
     cfg = settings()["kernels"]
     return (feature_axis == 1 and aligned and dtype in ("float16", "bfloat16") and n >= cfg["updat_transpose_min_rows"]
@@ -550,7 +550,7 @@ def updat(index: BlockIndex, x, dy, out, feature_axis: int, accumulate: bool, tf
     dtype = DTYPE_NAMES[x.dtype]
     aligned = _aligned(feature_axis, n, x, dy, out)
     plan = plan_for(index, "updat", n, dtype, feature_axis, tf32, aligned,
-                    transposed=_transposes(index, n, dtype, feature_axis, tf32, aligned))
+                    transposed=_transposes(index, n, dtype, feature_axis, aligned))
     ld_x, ld_dy = (index.C, index.K) if feature_axis == 1 else (n, n)
     sizes = (n, ld_x, ld_dy, 0)
     plan.launch(_current_stream().ptr, x.data.ptr, dy.data.ptr, out.data.ptr, sizes, int(accumulate))

@@ -105,7 +105,7 @@ class GatherVariant:
 @dataclasses.dataclass(frozen=True)
 class TransposeVariant:
     """``bsmm::transpose_tiles`` (``cuda/bsmm_transpose.cu``) over 2-byte elements: the
-    transposed copies of x and dy that block-16 updat reads on feature axis 1."""
+    transposed copies of x and dy that updat reads on feature axis 1 at blocks 16 and 32."""
 
     source_file = "bsmm_transpose.cu"
     math = "copy"

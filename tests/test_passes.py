@@ -599,7 +599,7 @@ def test_updat_through_transposed_copies(xp, bs, dtype, monkeypatch):
             padded[:, :n] = to_numpy(source).T
             assert to_numpy(copy).tobytes() == padded.tobytes(), f"transposed copy N={n}"
     monkeypatch.setitem(kernels, "updat_transpose_max_bytes", 0)
-    assert not cuda_backend._transposes(case.op.index, 1001, dtype, 1, False, True)
+    assert not cuda_backend._transposes(case.op.index, 1001, dtype, 1, True)
 
 
 @pytest.mark.gpu

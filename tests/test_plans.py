@@ -103,15 +103,15 @@ def test_updat_transposes_only_listed_half_precision_axis_1_long_batches(monkeyp
     monkeypatch.setitem(kernels, "updat_transpose_max_bytes", 2 * (512 + 256) * 4096)
     monkeypatch.setitem(kernels, "updat_transpose_min_rows", 128)
     index = bsmm.block_index(np.ones((32, 16), dtype=np.uint8), 16)  # C = 512, K = 256
-    assert cuda_backend._transposes(index, 4096, "float16", 1, False, True)
-    assert cuda_backend._transposes(index, 4090, "bfloat16", 1, False, True)  # N padded to 4096
-    assert not cuda_backend._transposes(index, 4097, "float16", 1, False, True)  # past the workspace limit
-    assert not cuda_backend._transposes(index, 127, "float16", 1, False, True)  # a short batch
-    assert not cuda_backend._transposes(index, 4096, "float16", 0, False, True)  # already transposed
-    assert not cuda_backend._transposes(index, 4096, "float16", 1, False, False)  # unaligned operands
-    assert not cuda_backend._transposes(index, 4096, "float32", 1, True, True)
+    assert cuda_backend._transposes(index, 4096, "float16", 1, True)
+    assert cuda_backend._transposes(index, 4090, "bfloat16", 1, True)  # N padded to 4096
+    assert not cuda_backend._transposes(index, 4097, "float16", 1, True)  # past the workspace limit
+    assert not cuda_backend._transposes(index, 127, "float16", 1, True)  # a short batch
+    assert not cuda_backend._transposes(index, 4096, "float16", 0, True)  # already transposed
+    assert not cuda_backend._transposes(index, 4096, "float16", 1, False)  # unaligned operands
+    assert not cuda_backend._transposes(index, 4096, "float32", 1, True)
     assert not cuda_backend._transposes(bsmm.block_index(np.ones((16, 8), dtype=np.uint8), 32), 4096, "float16",
-                                        1, False, True)  # block 32 is not listed
+                                        1, True)  # block 32 is not listed
 
 
 def test_updat_batch_parts_fill_idle_waves_only_where_that_pays(monkeypatch):

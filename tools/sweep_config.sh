@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Device call: `bsmm bench` once per configuration override, each a BSMM_CONFIG file of one key.
-#   tools/sweep_config.sh kernels.updat_waves=1 kernels.updat_waves=8 -- --workloads T --block-size 128
+#   tools/sweep_config.sh kernels.updat_cut_gain=0.25 kernels.updat_cut_gain=0 -- --workloads T --block-size 128
+#   tools/sweep_config.sh "kernels.default.tf32.sparse.64={large=[128,64,32,4,2,3]}" -- --workloads T \
+#     --block-size 64 --dtype tf32      (a launch-table tile: the whole entry of that block size)
 # "default" runs without an override. Prints the rows of the passes matching $PASSES (default
 # all); full tables and JSON under $OUT.
 set -uo pipefail
