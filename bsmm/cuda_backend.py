@@ -27,6 +27,7 @@ from .config import settings
 from .dtypes import DTYPE_NAMES, SUPPORTED_DTYPES
 from .kernels import MAX_PART_BLOCKS, GatherVariant, TransposeVariant, Variant, load_kernel
 from .strided import BlockOrder, check_strided_operands, virtual_width
+from .tensor_maps import MAP_BYTES, tensor_map
 
 __all__ = ["FastCall", "fprop", "bprop", "updat", "strided_pass", "shifted_pass", "gather_rows", "plan_for",
            "tile_for"]
@@ -87,24 +88,31 @@ class _Launcher:
     CuPy's generic launch converts every argument on every call (tens of
     microseconds for 14 arguments); here the values are packed into a fixed
     buffer whose slot addresses were computed once. ``cuLaunchKernel`` copies
-    the parameters, so the buffer is free again when it returns.
+    the parameters, so the buffer is free again when it returns. ``map_count``
+    128-byte TMA tensor maps (:mod:`bsmm.tensor_maps`) follow the 8-byte slots.
     """
 
-    def __init__(self, kernel, grid, threads: int, shared_bytes: int, arg_count: int = _ARG_COUNT):
+    def __init__(self, kernel, grid, threads: int, shared_bytes: int, arg_count: int = _ARG_COUNT,
+                 map_count: int = 0):
         self.function = kernel.kernel.ptr
         self.grid, self.threads, self.shared_bytes = grid, threads, shared_bytes
         # Each parameter gets an 8-byte slot; int parameters are read from the low 4 bytes (little-endian).
         self.pack = struct.Struct(f"<{arg_count}Q").pack_into
         self.values = (ctypes.c_uint64 * arg_count)()
+        self.maps = [(ctypes.c_uint64 * (MAP_BYTES // 8))() for _ in range(map_count)]
         base = ctypes.addressof(self.values)
-        self.pointers = (ctypes.c_uint64 * arg_count)(*(base + 8 * i for i in range(arg_count)))
+        self.map_addresses = [ctypes.addressof(m) for m in self.maps]
+        self.pointers = (ctypes.c_uint64 * (arg_count + map_count))(
+            *(base + 8 * i for i in range(arg_count)), *self.map_addresses)
         self.pointers_address = ctypes.addressof(self.pointers)
         self.lock = threading.Lock()
 
-    def launch(self, stream_ptr: int, *values: int) -> None:
-        """One launch on ``stream_ptr`` with the kernel's parameters in order."""
+    def launch(self, stream_ptr: int, *values: int, maps: tuple = ()) -> None:
+        """One launch on ``stream_ptr`` with the kernel's parameters in order (``maps``: the tensor maps' bytes)."""
         with self.lock:
             self.pack(self.values, 0, *values)
+            for address, data in zip(self.map_addresses, maps):
+                ctypes.memmove(address, data, MAP_BYTES)
             _launch_kernel(self.function, *self.grid, self.threads, 1, 1, self.shared_bytes, stream_ptr,
                            self.pointers_address, 0)
 
@@ -141,6 +149,25 @@ class Plan:
                         workspace.data.ptr, counters.data.ptr)
             entry = self.scratch[stream_ptr] = (pointers, (workspace, counters))
         return entry[0]
+
+
+@dataclasses.dataclass
+class TmaPlan(Plan):
+    """A :class:`Plan` of ``bsmm_matmul_tma`` (Hopper fprop/bprop): each launch also passes TMA
+    tensor maps of the activations (N rows of ld_act elements, boxes of 64 features x BM rows)
+    and of the weights (nnzb x block rows of block elements, boxes of 64 x ``weight_box_rows``)."""
+
+    act_box_rows: int = 0
+    weight_rows: int = 0
+    weight_box_rows: int = 0
+
+    def launch(self, stream_ptr: int, act_ptr: int, other_ptr: int, out_ptr: int, sizes: tuple,
+               accumulate: int) -> None:
+        n, ld_act, bs = sizes[0], sizes[1], self.variant.block_size
+        maps = (tensor_map(act_ptr, ld_act, n, 2 * ld_act, 64, self.act_box_rows),
+                tensor_map(other_ptr, bs, self.weight_rows, 2 * bs, 64, self.weight_box_rows))
+        self.launcher.launch(stream_ptr, act_ptr, other_ptr, out_ptr, *self.scratch_for(stream_ptr), *sizes, accumulate,
+                             self.band_rows, maps=maps)
 
 
 def _parts(counts: np.ndarray, part_length: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -246,12 +273,15 @@ def _build_plan(index: BlockIndex, pass_name: str, n: int, dtype: str, feature_a
     groups = _column_groups(index, pass_name, mode, n, aligned, arch_key, SUPPORTED_DTYPES[dtype].itemsize)
     tile, cols = (groups[0], groups[1]) if groups else (tile_for(mode, pass_name, bs, n, arch_key), 1)
     wgmma = _wgmma_tile(mode, pass_name, bs, n, feature_axis, aligned, arch_key) if not groups else None
+    tma = None
     if wgmma is not None:
         mode, tile = "wgmma16", wgmma
+        tma = _tma_tile(index, pass_name, n, arch_key, act_blocks, weight_blocks)
+        tile = tma or tile
     bm, bn, bk = tile[:3]
     # A batch no deeper than one step: stream many weight blocks through each thread block.
     grouped = pass_name == "updat" and aligned and 0 < n <= bk
-    variant = Variant(dtype, bs, tile, mode, pass_name, feature_axis, aligned, grouped, cols)
+    variant = Variant(dtype, bs, tile, mode, pass_name, feature_axis, aligned, grouped, cols, tma is not None)
     kernel = load_kernel(variant, device.id)
     cfg = settings()["kernels"]
     target_ctas = cfg["waves"] * device.attributes["MultiProcessorCount"]
@@ -312,16 +342,19 @@ def _build_plan(index: BlockIndex, pass_name: str, n: int, dtype: str, feature_a
     units = _unit_table(parts)
     split_parts = int(np.where(parts > 1, parts, 0).sum())
     grid = (len(segments), *grid_yz)
+    tma_fields = {} if tma is None else dict(
+        act_box_rows=bm, weight_rows=index.nnzb * bs, weight_box_rows=bk if pass_name == "fprop" else bn)
     with device:
-        return Plan(
+        return (TmaPlan if tma else Plan)(
             variant=variant,
-            launcher=_Launcher(kernel, grid, variant.threads, variant.shared_bytes),
+            launcher=_Launcher(kernel, grid, variant.threads, variant.shared_bytes, map_count=2 if tma else 0),
             segments=cupy.asarray(segments),
             units=cupy.asarray(units),
             table=cupy.asarray(np.ascontiguousarray(table, dtype=np.int32)),
             workspace_floats=split_parts * tiles_per_unit * bm * bn,
             counter_count=len(parts) * tiles_per_unit,
             band_rows=_band_rows(index, pass_name, dtype),
+            **tma_fields,
         )
 
 
@@ -378,6 +411,19 @@ def _wgmma_tile(mode: str, pass_name: str, block_size: int, n: int, feature_axis
             or os.environ.get("BSMM_WGMMA", "1") == "0"):
         return None
     return tile_for("wgmma16", pass_name, block_size, n, arch_key, optional=True)
+
+
+def _tma_tile(index: BlockIndex, pass_name: str, n: int, arch_key: str, act_blocks, weight_blocks) -> tuple | None:
+    """The tile of ``bsmm_matmul_tma`` for a wgmma fprop/bprop (:class:`TmaPlan`), or None.
+
+    Plain layouts only: the step tables of shifted passes (convolutions) may point an
+    activation block past the rows a tensor map would describe. Where ``bsmm.toml`` has a
+    ``tma16`` tile; ``BSMM_TMA=0`` turns it off, to compare both on one GPU.
+    """
+    if (pass_name == "updat" or act_blocks is not None or weight_blocks is not None or index.nnzb == 0
+            or os.environ.get("BSMM_TMA", "1") == "0"):
+        return None
+    return tile_for("tma16", pass_name, index.block_size, n, arch_key, optional=True)
 
 
 _PLANS: "weakref.WeakKeyDictionary[BlockIndex, dict]" = weakref.WeakKeyDictionary()

@@ -2,7 +2,7 @@
 
 Kernel source lives in ``cuda/``. A *variant* (element type, block size, tile
 shape, math mode, pass, feature axis, alignment) is one template instance of
-``bsmm::bsmm_matmul`` (or of the convolution's row gather, :class:`GatherVariant`, or the
+``bsmm::bsmm_matmul`` (``bsmm_matmul_tma`` on Hopper, or of the convolution's row gather, :class:`GatherVariant`, or the
 transpose of :class:`TransposeVariant`).
 It is compiled with NVRTC (through CuPy's binding) for the exact architecture
 of the device (``sm_80`` ... ``sm_90a``), the cubin is kept in a disk cache
@@ -51,12 +51,15 @@ class Variant:
     aligned: bool  # 16-byte vector copies are legal for every operand
     grouped: bool = False  # updat only: a thread block streams a group of blocks, whole batch per step
     cols: int = 1  # fprop/bprop: block columns (rows) per output tile, stepping over their union
+    # wgmma16 fprop/bprop: ``bsmm_matmul_tma``, stages filled by TMA from a copy warp (one more
+    # warp than the tile's) and tensor maps passed by value after the 14 common parameters.
+    tma: bool = False
 
     source_file = SOURCE_FILE
 
     @property
     def threads(self) -> int:
-        return self.tile[3] * self.tile[4] * 32
+        return self.tile[3] * self.tile[4] * 32 + (32 if self.tma else 0)
 
     @property
     def shared_bytes(self) -> int:
@@ -77,7 +80,7 @@ class Variant:
     def name_expression(self) -> str:
         bm, bn, bk, wm, wn, stages = self.tile
         return (
-            f"bsmm::bsmm_matmul<{C_TYPES[self.dtype]}, {self.block_size}, {bm}, {bn}, {bk}, {wm}, {wn}, {stages}, "
+            f"bsmm::bsmm_matmul{'_tma' if self.tma else ''}<{C_TYPES[self.dtype]}, {self.block_size}, {bm}, {bn}, {bk}, {wm}, {wn}, {stages}, "
             f"{MATH_MODES[self.math]}, {PASS_IDS[self.pass_name]}, {int(self.feature_axis == 1)}, {int(self.aligned)}, "
             f"{int(self.grouped)}, {self.cols}>"
         )

@@ -68,6 +68,13 @@ __device__ __forceinline__ void cp_async16_l1(void* dst, const void* src, int sr
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 template <int N> __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
 
+// A barrier among the first THREADS threads of the block only (barrier 1; __syncthreads is 0):
+// lets a kernel's copy warp leave early while the others still synchronise.
+template <int THREADS>
+__device__ __forceinline__ void sync_threads_named() {
+    asm volatile("bar.sync 1, %0;\n" ::"n"(THREADS) : "memory");
+}
+
 // ---- ldmatrix and mma (16-bit operands) -----------------------------------------------------
 template <bool TRANS>
 __device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], const void* p) {

@@ -14,6 +14,7 @@
 // them (features, N); the loaders and the epilogue read either through address
 // functions, so the same main loop serves both.
 #include "bsmm_common.cuh"
+#include "bsmm_tma.cuh"
 #include "bsmm_wgmma.cuh"
 
 // Activation tiles of fprop/bprop go through L1: thread blocks on one SM walk their block
@@ -511,6 +512,39 @@ __device__ __forceinline__ void main_loop(Load&& load, int n_steps, T* smem, flo
     cp_async_wait<0>();
 }
 
+// One BK-deep step of a warpgroup on Hopper: its 64 rows of the A stage times the B stage, issued
+// as asynchronous wgmma and committed as one group (the caller waits for it).
+template <class K, typename T>
+__device__ __forceinline__ void wgmma_step(float (&acc)[K::ACC], const T* a_stage, const T* b) {
+    // This warpgroup's 64 rows of A: 64 K-major rows, or (updat, M-major) one 64-column panel.
+    const T* a = a_stage + (threadIdx.x / 128) * 64 * K::BK;
+    wgmma_fence();
+    fence_registers(acc);
+#pragma unroll
+    for (int kk = 0; kk < K::BK; kk += 16) {
+        // A: K-major rows of 128 bytes, atoms 1024 bytes apart along M; M-major (updat): rows
+        // along K, atoms 1024 bytes apart along K, a single atom along M.
+        const unsigned long long a_desc =
+            K::A_KMAJOR ? wgmma_descriptor(a + kk, 16, 1024) : wgmma_descriptor(a + kk * 64, 1024, 1024);
+#pragma unroll
+        for (int nc = 0; nc < K::BN / K::WN; ++nc) {
+            float(&d)[K::WN / 2] = *reinterpret_cast<float(*)[K::WN / 2]>(&acc[nc * K::WN / 2]);
+            if constexpr (K::B_KMAJOR) {  // bprop: rows along N, K contiguous
+                Wgmma<T, K::WN>::template run<false, false>(d, a_desc, wgmma_descriptor(b + nc * K::WN * 64 + kk, 16, 1024));
+            } else {  // fprop, updat: rows along K, N contiguous, 64-column panels BK rows long
+                // N-major descriptor: leading offset = stride between 64-column panels along N
+                // (measured on the H100: the swapped assignment fails), stride offset = 1024
+                // bytes between 8-row atoms along K. A 64-wide instruction sees one panel.
+                constexpr unsigned PANEL = K::WN == 64 ? 1024 : K::BK * 64 * sizeof(T);
+                Wgmma<T, K::WN>::template run<!K::A_KMAJOR, true>(
+                    d, a_desc, wgmma_descriptor(b + nc * (K::WN / 64) * K::BK * 64 + kk * 64, PANEL, 1024));
+            }
+        }
+    }
+    wgmma_commit();
+    fence_registers(acc);
+}
+
 // The sm_90a main loop: cp.async fills swizzled stages, each warpgroup multiplies its 64 rows
 // with asynchronous wgmma and keeps one step's group in flight while the next is issued.
 // The copies therefore run STAGES - 2 steps ahead (not STAGES - 1): the stage read one step
@@ -521,41 +555,13 @@ __device__ __forceinline__ void main_loop_wgmma(Load&& load, int n_steps, T* sme
     constexpr int AHEAD = K::STAGES - 2;
     const Stages<K, T, Load> stages(smem, load);
     stages.template zero_and_start<AHEAD>(acc, n_steps);
-    const int group_row = (threadIdx.x / 128) * 64;  // this warpgroup's first tile row
     for (int step = 0; step < n_steps; ++step) {
         cp_async_wait<AHEAD - 1>();
         fence_proxy_async();
         __syncthreads();
         if (step + AHEAD < n_steps) stages.fill(step + AHEAD);
         cp_async_commit();
-        // This warpgroup's 64 rows of A: 64 K-major rows, or (updat, M-major) one 64-column panel.
-        const T* a = stages.a(step) + group_row * K::BK;
-        const T* b = stages.b(step);
-        wgmma_fence();
-        fence_registers(acc);
-#pragma unroll
-        for (int kk = 0; kk < K::BK; kk += 16) {
-            // A: K-major rows of 128 bytes, atoms 1024 bytes apart along M; M-major (updat): rows
-            // along K, atoms 1024 bytes apart along K, a single atom along M.
-            const unsigned long long a_desc =
-                K::A_KMAJOR ? wgmma_descriptor(a + kk, 16, 1024) : wgmma_descriptor(a + kk * 64, 1024, 1024);
-#pragma unroll
-            for (int nc = 0; nc < K::BN / K::WN; ++nc) {
-                float(&d)[K::WN / 2] = *reinterpret_cast<float(*)[K::WN / 2]>(&acc[nc * K::WN / 2]);
-                if constexpr (K::B_KMAJOR) {  // bprop: rows along N, K contiguous
-                    Wgmma<T, K::WN>::template run<false, false>(d, a_desc, wgmma_descriptor(b + nc * K::WN * 64 + kk, 16, 1024));
-                } else {  // fprop, updat: rows along K, N contiguous, 64-column panels BK rows long
-                    // N-major descriptor: leading offset = stride between 64-column panels along N
-                    // (measured on the H100: the swapped assignment fails), stride offset = 1024
-                    // bytes between 8-row atoms along K. A 64-wide instruction sees one panel.
-                    constexpr unsigned PANEL = K::WN == 64 ? 1024 : K::BK * 64 * sizeof(T);
-                    Wgmma<T, K::WN>::template run<!K::A_KMAJOR, true>(
-                        d, a_desc, wgmma_descriptor(b + nc * (K::WN / 64) * K::BK * 64 + kk * 64, PANEL, 1024));
-                }
-            }
-        }
-        wgmma_commit();
-        fence_registers(acc);
+        wgmma_step<K, T>(acc, stages.a(step), stages.b(step));
         wgmma_wait<1>();
     }
     wgmma_wait<0>();
@@ -654,6 +660,64 @@ __device__ __forceinline__ void store_block_tile_staged(T* block_out, const floa
         for (int e = 0; e < K::VEC; ++e) v[e] = Elem<T>::from_float(sums[e] + (accumulate ? Elem<T>::to_float(v[e]) : 0.f));
         *reinterpret_cast<uint4*>(dst) = pack;
     }
+}
+
+// A unit cut into parts: parks this part's sums in the workspace; the last part to arrive adds
+// all parts in part order into acc and returns true, the others return false. Called by the
+// K::NT threads that hold accumulators (all of the block, or the consumers of bsmm_matmul_tma).
+template <class K>
+__device__ __forceinline__ bool reduce_parts(float (&acc)[K::ACC], float* __restrict__ workspace, int* __restrict__ counters,
+                                             int2 unit_info, int unit, int part, int tiles_per_unit, int tile_in_unit,
+                                             int& last_part) {
+    const long long slot_stride = (long long)K::ACC * K::NT;
+    float* mine = workspace + ((long long)(unit_info.x + part) * tiles_per_unit + tile_in_unit) * slot_stride;
+#pragma unroll
+    for (int i = 0; i < K::ACC; ++i) mine[i * K::NT + threadIdx.x] = acc[i];
+    __threadfence();
+    sync_threads_named<K::NT>();
+    if (threadIdx.x == 0) {
+        int* counter = counters + (long long)unit * tiles_per_unit + tile_in_unit;
+        const int arrived = atomicAdd(counter, 1);
+        last_part = arrived == unit_info.y - 1;
+        if (last_part) *counter = 0;  // ready for the next launch
+    }
+    sync_threads_named<K::NT>();
+    if (!last_part) return false;
+    __threadfence();
+#pragma unroll
+    for (int i = 0; i < K::ACC; ++i) acc[i] = 0.f;
+    for (int p = 0; p < unit_info.y; ++p) {
+        const float* theirs = workspace + ((long long)(unit_info.x + p) * tiles_per_unit + tile_in_unit) * slot_stride;
+#pragma unroll
+        for (int i = 0; i < K::ACC; ++i) acc[i] += __ldcg(theirs + i * K::NT + threadIdx.x);
+    }
+    return true;
+}
+
+// Writes (or adds, if accumulate) an fprop/bprop output tile: rows m0.. of the batch, columns
+// n0.. of output block column (row) `unit`.
+template <class K, typename T, int BS>
+__device__ __forceinline__ void store_sparse_tile(T* __restrict__ out, const float (&acc)[K::ACC], int unit, int m0, int n0,
+                                                  int n_rows, int ld_other, int ld_out, int accumulate) {
+    // Column groups: the last group may reach past the output; ld_other (unused by fprop and
+    // bprop otherwise) carries how many output blocks exist.
+    // Tensor-core fragments hold column pairs (i, i + 1) = (n, n + 1): with features along rows
+    // and aligned rows, each pair is one 4- or 8-byte access (and so is the read of accumulate).
+    constexpr bool PAIRS = K::AXIS1 && K::ALIGNED && K::MATH != SIMT;
+    for_each_acc<K>([&](int i, int m, int n) {
+        if (PAIRS && i % 2) return;
+        const int row = m0 + m;
+        if (row >= n_rows) return;
+        const long long feature = (long long)unit * (K::COLS > 1 ? K::BN : BS) + n0 + n;
+        if (K::COLS > 1 && feature >= (long long)ld_other * BS) return;
+        T* dst = K::AXIS1 ? out + (long long)row * ld_out + feature : out + feature * ld_out + row;
+        // accumulate: added in float and rounded once (strided convolutions sum their offsets here).
+        if constexpr (PAIRS) {
+            store_pair(dst, acc[i], acc[i + 1], accumulate);
+        } else {
+            *dst = Elem<T>::from_float(accumulate ? acc[i] + Elem<T>::to_float(*dst) : acc[i]);
+        }
+    });
 }
 
 // Segment table entry: (output unit, begin, end, part). For fprop/bprop a unit is an
@@ -785,32 +849,9 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N * 32)
             n_steps, smem, acc);
     }
 
-    // A unit cut into parts: park this part's sums, and let the last part to arrive add
-    // all parts in part order.
-    if (unit_info.y > 1) {
-        const long long slot_stride = (long long)K::ACC * K::NT;
-        float* mine = workspace + ((long long)(unit_info.x + part) * tiles_per_unit + tile_in_unit) * slot_stride;
-#pragma unroll
-        for (int i = 0; i < K::ACC; ++i) mine[i * K::NT + threadIdx.x] = acc[i];
-        __threadfence();
-        __syncthreads();
-        if (threadIdx.x == 0) {
-            int* counter = counters + (long long)unit * tiles_per_unit + tile_in_unit;
-            const int arrived = atomicAdd(counter, 1);
-            last_part = arrived == unit_info.y - 1;
-            if (last_part) *counter = 0;  // ready for the next launch
-        }
-        __syncthreads();
-        if (!last_part) return;
-        __threadfence();
-#pragma unroll
-        for (int i = 0; i < K::ACC; ++i) acc[i] = 0.f;
-        for (int p = 0; p < unit_info.y; ++p) {
-            const float* theirs = workspace + ((long long)(unit_info.x + p) * tiles_per_unit + tile_in_unit) * slot_stride;
-#pragma unroll
-            for (int i = 0; i < K::ACC; ++i) acc[i] += __ldcg(theirs + i * K::NT + threadIdx.x);
-        }
-    }
+    if (unit_info.y > 1 && !reduce_parts<K>(acc, workspace, counters, unit_info, unit, part, tiles_per_unit, tile_in_unit,
+                                            last_part))
+        return;
 
     if constexpr (PASS == UPDAT && COLS > 1) {
         for_each_acc<K>([&](int i, int m, int n) {
@@ -822,25 +863,103 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N * 32)
         store_block_tile<K, T, BS>(out + (long long)unit * BS * BS, acc, ops.m0, ops.n0, accumulate);
         return;
     }
-    // Column groups: the last group may reach past the output; ld_other (unused by fprop and
-    // bprop otherwise) carries how many output blocks exist.
-    // Tensor-core fragments hold column pairs (i, i + 1) = (n, n + 1): with features along rows
-    // and aligned rows, each pair is one 4- or 8-byte access (and so is the read of accumulate).
-    constexpr bool PAIRS = AXIS1 && ALIGNED && MATH != SIMT;
-    for_each_acc<K>([&](int i, int m, int n) {
-        if (PAIRS && i % 2) return;
-        const int row = ops.m0 + m;
-        if (row >= n_rows) return;
-        const long long feature = (long long)unit * (COLS > 1 ? BN : BS) + ops.n0 + n;
-        if (COLS > 1 && feature >= (long long)ld_other * BS) return;
-        T* dst = AXIS1 ? out + (long long)row * ld_out + feature : out + feature * ld_out + row;
-        // accumulate: added in float and rounded once (strided convolutions sum their offsets here).
-        if constexpr (PAIRS) {
-            store_pair(dst, acc[i], acc[i + 1], accumulate);
-        } else {
-            *dst = Elem<T>::from_float(accumulate ? acc[i] + Elem<T>::to_float(*dst) : acc[i]);
+    store_sparse_tile<K, T, BS>(out, acc, unit, ops.m0, ops.n0, n_rows, ld_other, ld_out, accumulate);
+}
+
+// fprop/bprop on Hopper with a copy warp: warp NT / 32 (one thread of it) fills the stages with
+// TMA copies of whole swizzled tiles, counted in bytes on a "full" barrier per stage; the
+// K::NT threads of the warpgroups only wait on it, multiply (wgmma_step) and release the stage
+// on its "empty" barrier once their wgmma group has read it. No thread computes copy addresses
+// and no block-wide barrier runs per step, so the stages run STAGES - 1 steps ahead of the
+// tensor cores (main_loop_wgmma: STAGES - 2, after a barrier a step).
+// Half precision, feature axis 1, aligned, one block column (row) a tile, plain layouts
+// (no act_blocks / weight_blocks). act_map: the activations (N rows, features), box BK x BM;
+// weight_map: the weight blocks as (blocks x BS rows, BS columns), box 64 x BK (fprop, one
+// 64-column panel) or BK x BN (bprop, K-major). Same other parameters as bsmm_matmul.
+template <typename T, int BS, int BM, int BN, int BK, int WARPS_M, int WARPS_N, int STAGES, int MATH, int PASS, int AXIS1,
+          int ALIGNED, int GROUPED, int COLS>
+__global__ void __launch_bounds__(WARPS_M* WARPS_N * 32 + 32)
+    bsmm_matmul_tma(const T* __restrict__ act, const T* __restrict__ other, T* __restrict__ out,
+                    const int4* __restrict__ segments, const int2* __restrict__ units, const int2* __restrict__ table,
+                    float* __restrict__ workspace, int* __restrict__ counters, int n_rows, int ld_act, int ld_other,
+                    int ld_out, int accumulate, int band_rows, const __grid_constant__ TensorMap act_map,
+                    const __grid_constant__ TensorMap weight_map) {
+    using K = Kernel<T, BS, BM, BN, BK, WARPS_M, WARPS_N, STAGES, MATH, PASS, AXIS1, ALIGNED, GROUPED, COLS>;
+    static_assert(MATH == WGMMA && PASS != UPDAT && COLS == 1 && BS % BK == 0, "TMA: wgmma fprop/bprop, whole steps");
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    // The 128-byte swizzle TMA writes and wgmma reads repeats every 1024 bytes from an aligned base.
+    T* smem = reinterpret_cast<T*>((reinterpret_cast<size_t>(smem_raw) + 1023) & ~size_t(1023));
+    T* const sa = smem;
+    T* const sb = smem + STAGES * K::A_STAGE;
+    __shared__ __align__(8) unsigned long long full[STAGES], empty[STAGES];
+    __shared__ int last_part;
+    __shared__ int2 part_table[BSMM_MAX_PART];
+
+    const int2 tile = banded_tile(band_rows);
+    const int4 seg = segments[tile.x];
+    const int unit = seg.x, part = seg.w, blocks = seg.z - seg.y;
+    for (int i = threadIdx.x; i < blocks; i += K::NT + 32) part_table[i] = table[seg.y + i];
+    if (threadIdx.x == K::NT) {
+#pragma unroll
+        for (int s = 0; s < STAGES; ++s) {
+            mbarrier_init(&full[s], 1);               // the copy thread's arrive, then the bytes
+            mbarrier_init(&empty[s], K::NT / 32);     // one arrive per multiplying warp
         }
-    });
+        mbarrier_init_fence();
+    }
+    __syncthreads();
+    const int n_steps = blocks * (BS / BK);
+    const int m0 = tile.y * BM, n0 = blockIdx.z * BN;
+
+    if (threadIdx.x >= K::NT) {  // the copy warp
+        if (threadIdx.x == K::NT) {
+            tma_prefetch_map(&act_map);
+            tma_prefetch_map(&weight_map);
+            for (int step = 0; step < n_steps; ++step) {
+                const int s = step % STAGES;
+                // Refilling stage s waits for the warps' release of its previous use.
+                if (step >= STAGES) mbarrier_wait(&empty[s], (step / STAGES - 1) & 1);
+                mbarrier_arrive_expect_tx(&full[s], (K::A_STAGE + K::B_STAGE) * sizeof(T));
+                const int2 entry = part_table[step / (BS / BK)];  // (weight block, activation feature block)
+                const int kin = (step % (BS / BK)) * BK;
+                tma_load_2d(sa + s * K::A_STAGE, &act_map, entry.y * BS + kin, m0, &full[s]);
+                T* b = sb + s * K::B_STAGE;
+                const int w_row = entry.x * BS;
+                if constexpr (PASS == FPROP) {  // B(k, n) = W_b[kin + k][n0 + n]: 64-column panels
+#pragma unroll
+                    for (int p = 0; p < BN / 64; ++p) tma_load_2d(b + p * BK * 64, &weight_map, n0 + p * 64, w_row + kin, &full[s]);
+                } else {  // bprop: B(k, n) = W_b[n0 + n][kin + k], K-major rows
+                    tma_load_2d(b, &weight_map, kin, w_row + n0, &full[s]);
+                }
+            }
+        }
+        return;
+    }
+
+    float acc[K::ACC];
+#pragma unroll
+    for (int i = 0; i < K::ACC; ++i) acc[i] = 0.f;
+    for (int step = 0; step < n_steps; ++step) {
+        const int s = step % STAGES;
+        mbarrier_wait(&full[s], (step / STAGES) & 1);
+        wgmma_step<K, T>(acc, sa + s * K::A_STAGE, sb + s * K::B_STAGE);
+        wgmma_wait<1>();  // the previous step's group has read its stage: release it
+        if (step > 0 && threadIdx.x % 32 == 0) mbarrier_arrive(&empty[(step - 1) % STAGES]);
+    }
+    wgmma_wait<0>();
+    fence_registers(acc);
+
+    const int2 unit_info = units[unit];
+    const int tiles_per_unit = gridDim.y * gridDim.z;
+    const int tile_in_unit = blockIdx.z * gridDim.y + tile.y;
+    if (unit_info.y > 1 && !reduce_parts<K>(acc, workspace, counters, unit_info, unit, part, tiles_per_unit, tile_in_unit,
+                                            last_part))
+        return;
+    store_sparse_tile<K, T, BS>(out, acc, unit, m0, n0, n_rows, ld_other, ld_out, accumulate);
+#else
+    __trap();  // TMA variants are built for sm_90a only
+#endif
 }
 
 }  // namespace bsmm

@@ -603,13 +603,15 @@ def test_updat_through_transposed_copies(xp, bs, dtype, monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("tma", [True, False], ids=["tma", "cp_async"])
 @pytest.mark.parametrize("min_part_blocks", [None, 1], ids=["default", "shortest"])
 @pytest.mark.parametrize("bs", [64, 128])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-def test_wgmma_passes(xp, dtype, bs, min_part_blocks, monkeypatch):
+def test_wgmma_passes(xp, dtype, bs, min_part_blocks, tma, monkeypatch):
     """GPU, Hopper: the three passes on warpgroup MMA (sm_90a) for N past one tile, N not a
     multiple of the tile, empty and dense block columns/rows, columns (batches) cut into parts;
-    NaN-poisoned outputs, reference, bitwise repeat, accumulate. Checks that wgmma ran."""
+    NaN-poisoned outputs, reference, bitwise repeat, accumulate. Checks that wgmma ran, and
+    that fprop/bprop took the TMA kernel (bsmm_matmul_tma) or, with BSMM_TMA=0, did not."""
     if xp is np:
         pytest.skip("wgmma is a GPU kernel")
     from bsmm import cuda_backend
@@ -617,6 +619,7 @@ def test_wgmma_passes(xp, dtype, bs, min_part_blocks, monkeypatch):
     if xp.cuda.Device().compute_capability != "90":
         pytest.skip("wgmma kernels run on compute capability 9.0 only")
     monkeypatch.delenv("BSMM_WGMMA", raising=False)
+    monkeypatch.setenv("BSMM_TMA", "1" if tma else "0")
     if min_part_blocks is not None:
         monkeypatch.setitem(bsmm.config.settings()["kernels"], "min_part_blocks", min_part_blocks)
     monkeypatch.setattr(cuda_backend, "_PLANS", type(cuda_backend._PLANS)())
@@ -641,8 +644,45 @@ def test_wgmma_passes(xp, dtype, bs, min_part_blocks, monkeypatch):
     plans = cuda_backend._PLANS[case.op.index]
     used = {key[0] for key, p in plans.items() if p.variant.math == "wgmma16"}
     assert used == set(PASSES), f"wgmma ran for {used or 'no pass'}"
+    with_tma = {key[0] for key, p in plans.items() if p.variant.tma}
+    assert with_tma == ({"fprop", "bprop"} if tma else set()), f"TMA ran for {with_tma or 'no pass'}"
     if min_part_blocks == 1:
         assert any(p.workspace_floats > 0 for p in plans.values()), "no column was cut into parts"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bs", [64, 128])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_tma_matches_cp_async_bitwise(xp, dtype, bs, monkeypatch):
+    """GPU, Hopper: fprop/bprop through the TMA kernel give bitwise what the cp.async wgmma
+    kernel gives (same steps, same instructions, only the copies differ), with a batch that
+    ends inside a tile and a column cut into parts."""
+    if xp is np:
+        pytest.skip("TMA is a GPU kernel")
+    from bsmm import cuda_backend
+
+    if xp.cuda.Device().compute_capability != "90":
+        pytest.skip("TMA kernels run on compute capability 9.0 only")
+    monkeypatch.delenv("BSMM_WGMMA", raising=False)
+    monkeypatch.setitem(bsmm.config.settings()["kernels"], "min_part_blocks", 2)
+    rng = np.random.default_rng([bs, len(dtype), 7])
+    layout = random_layout(rng, 8, 6, 0.5)
+    layout[:, 3] = 1
+    case = make_case(rng, layout, bs, 777, dtype, 1)
+    for pass_name in ("fprop", "bprop"):
+        args = device_inputs(xp, case, pass_name)
+        results = {}
+        for tma in ("1", "0"):
+            monkeypatch.setenv("BSMM_TMA", tma)
+            monkeypatch.setattr(cuda_backend, "_PLANS", type(cuda_backend._PLANS)())
+            case.op._gpu_calls.clear()  # the repeat-call path would keep the first plan
+            out = poisoned(xp, reference(case, pass_name).shape, case.x.dtype)
+            call(case.op, pass_name, args, out=out)
+            plan = next(p for key, p in cuda_backend._PLANS[case.op.index].items() if key[0] == pass_name)
+            assert plan.variant.tma == (tma == "1") and plan.variant.math == "wgmma16"
+            results[tma] = to_numpy(out)
+        assert_close(results["1"], reference(case, pass_name), dtype, f"{pass_name} TMA")
+        assert results["1"].tobytes() == results["0"].tobytes(), f"{pass_name}: TMA and cp.async differ"
 
 
 # -- a bigger case: many chunks on many threads ----------------------------------------------
