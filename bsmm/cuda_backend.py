@@ -153,21 +153,26 @@ class Plan:
 
 @dataclasses.dataclass
 class TmaPlan(Plan):
-    """A :class:`Plan` of ``bsmm_matmul_tma`` (Hopper fprop/bprop): each launch also passes TMA
-    tensor maps of the activations (N rows of ld_act elements, boxes of 64 features x BM rows)
-    and of the weights (nnzb x block rows of block elements, boxes of 64 x ``weight_box_rows``)."""
+    """A :class:`Plan` of ``bsmm_matmul_tma`` (Hopper): each launch also passes TMA tensor maps
+    (:mod:`bsmm.tensor_maps`) of the activations, N rows of ld_act elements in boxes of 64 x
+    ``act_box_rows``, and of the other operand: fprop/bprop, the weights as ``weight_rows`` rows
+    of one block each, boxes of 64 x ``other_box_rows``; updat, dy as N rows of ld_other."""
 
     act_box_rows: int = 0
+    other_box_rows: int = 0
     weight_rows: int = 0
-    weight_box_rows: int = 0
 
     def launch(self, stream_ptr: int, act_ptr: int, other_ptr: int, out_ptr: int, sizes: tuple,
                accumulate: int) -> None:
-        n, ld_act, bs = sizes[0], sizes[1], self.variant.block_size
-        maps = (tensor_map(act_ptr, ld_act, n, 2 * ld_act, 64, self.act_box_rows),
-                tensor_map(other_ptr, bs, self.weight_rows, 2 * bs, 64, self.weight_box_rows))
+        n, ld_act, ld_other = sizes[0], sizes[1], sizes[2]
+        act_map = tensor_map(act_ptr, ld_act, n, 2 * ld_act, 64, self.act_box_rows)
+        if self.weight_rows:
+            bs = self.variant.block_size
+            other_map = tensor_map(other_ptr, bs, self.weight_rows, 2 * bs, 64, self.other_box_rows)
+        else:
+            other_map = tensor_map(other_ptr, ld_other, n, 2 * ld_other, 64, self.other_box_rows)
         self.launcher.launch(stream_ptr, act_ptr, other_ptr, out_ptr, *self.scratch_for(stream_ptr), *sizes, accumulate,
-                             self.band_rows, maps=maps)
+                             self.band_rows, maps=(act_map, other_map))
 
 
 def _parts(counts: np.ndarray, part_length: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -343,7 +348,9 @@ def _build_plan(index: BlockIndex, pass_name: str, n: int, dtype: str, feature_a
     split_parts = int(np.where(parts > 1, parts, 0).sum())
     grid = (len(segments), *grid_yz)
     tma_fields = {} if tma is None else dict(
-        act_box_rows=bm, weight_rows=index.nnzb * bs, weight_box_rows=bk if pass_name == "fprop" else bn)
+        act_box_rows=bk if pass_name == "updat" else bm,
+        other_box_rows=bn if pass_name == "bprop" else bk,
+        weight_rows=0 if pass_name == "updat" else index.nnzb * bs)
     with device:
         return (TmaPlan if tma else Plan)(
             variant=variant,
@@ -414,13 +421,13 @@ def _wgmma_tile(mode: str, pass_name: str, block_size: int, n: int, feature_axis
 
 
 def _tma_tile(index: BlockIndex, pass_name: str, n: int, arch_key: str, act_blocks, weight_blocks) -> tuple | None:
-    """The tile of ``bsmm_matmul_tma`` for a wgmma fprop/bprop (:class:`TmaPlan`), or None.
+    """The tile of ``bsmm_matmul_tma`` for a wgmma pass (:class:`TmaPlan`), or None.
 
     Plain layouts only: the step tables of shifted passes (convolutions) may point an
     activation block past the rows a tensor map would describe. Where ``bsmm.toml`` has a
     ``tma16`` tile; ``BSMM_TMA=0`` turns it off, to compare both on one GPU.
     """
-    if (pass_name == "updat" or act_blocks is not None or weight_blocks is not None or index.nnzb == 0
+    if (act_blocks is not None or weight_blocks is not None or index.nnzb == 0
             or os.environ.get("BSMM_TMA", "1") == "0"):
         return None
     return tile_for("tma16", pass_name, index.block_size, n, arch_key, optional=True)

@@ -866,16 +866,17 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N * 32)
     store_sparse_tile<K, T, BS>(out, acc, unit, ops.m0, ops.n0, n_rows, ld_other, ld_out, accumulate);
 }
 
-// fprop/bprop on Hopper with a copy warp: warp NT / 32 (one thread of it) fills the stages with
-// TMA copies of whole swizzled tiles, counted in bytes on a "full" barrier per stage; the
+// The three passes on Hopper with a copy warp: warp NT / 32 (one thread of it) fills the stages
+// with TMA copies of whole swizzled tiles, counted in bytes on a "full" barrier per stage; the
 // K::NT threads of the warpgroups only wait on it, multiply (wgmma_step) and release the stage
 // on its "empty" barrier once their wgmma group has read it. No thread computes copy addresses
 // and no block-wide barrier runs per step, so the stages run STAGES - 1 steps ahead of the
 // tensor cores (main_loop_wgmma: STAGES - 2, after a barrier a step).
-// Half precision, feature axis 1, aligned, one block column (row) a tile, plain layouts
-// (no act_blocks / weight_blocks). act_map: the activations (N rows, features), box BK x BM;
-// weight_map: the weight blocks as (blocks x BS rows, BS columns), box 64 x BK (fprop, one
-// 64-column panel) or BK x BN (bprop, K-major). Same other parameters as bsmm_matmul.
+// Half precision, feature axis 1, aligned, plain layouts (no act_blocks / weight_blocks).
+// act_map: the activations (N rows, features), boxes of 64 features x BM rows (fprop, bprop)
+// or x 64 batch rows (updat). other_map: fprop/bprop, the weight blocks as (blocks x BS rows,
+// BS columns), boxes of 64 x BK (fprop: one 64-column panel) or 64 x BN (bprop: K-major);
+// updat, dy as (N rows, K features), boxes of 64 x 64. Other parameters as bsmm_matmul's.
 template <typename T, int BS, int BM, int BN, int BK, int WARPS_M, int WARPS_N, int STAGES, int MATH, int PASS, int AXIS1,
           int ALIGNED, int GROUPED, int COLS>
 __global__ void __launch_bounds__(WARPS_M* WARPS_N * 32 + 32)
@@ -883,9 +884,10 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N * 32 + 32)
                     const int4* __restrict__ segments, const int2* __restrict__ units, const int2* __restrict__ table,
                     float* __restrict__ workspace, int* __restrict__ counters, int n_rows, int ld_act, int ld_other,
                     int ld_out, int accumulate, int band_rows, const __grid_constant__ TensorMap act_map,
-                    const __grid_constant__ TensorMap weight_map) {
+                    const __grid_constant__ TensorMap other_map) {
     using K = Kernel<T, BS, BM, BN, BK, WARPS_M, WARPS_N, STAGES, MATH, PASS, AXIS1, ALIGNED, GROUPED, COLS>;
-    static_assert(MATH == WGMMA && PASS != UPDAT && COLS == 1 && BS % BK == 0, "TMA: wgmma fprop/bprop, whole steps");
+    static_assert(MATH == WGMMA && COLS == 1 && !GROUPED && (PASS == UPDAT || BS % BK == 0),
+                  "TMA: wgmma, one block (column) a tile, whole steps");
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     extern __shared__ __align__(16) unsigned char smem_raw[];
     // The 128-byte swizzle TMA writes and wgmma reads repeats every 1024 bytes from an aligned base.
@@ -894,43 +896,58 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N * 32 + 32)
     T* const sb = smem + STAGES * K::A_STAGE;
     __shared__ __align__(8) unsigned long long full[STAGES], empty[STAGES];
     __shared__ int last_part;
-    __shared__ int2 part_table[BSMM_MAX_PART];
+    __shared__ int2 part_table[PASS == UPDAT ? 1 : BSMM_MAX_PART];
 
-    const int2 tile = banded_tile(band_rows);
+    // updat: y and z index sub-tiles of one weight block, nothing to reorder.
+    const int2 tile = PASS == UPDAT ? make_int2(blockIdx.x, blockIdx.y) : banded_tile(band_rows);
     const int4 seg = segments[tile.x];
-    const int unit = seg.x, part = seg.w, blocks = seg.z - seg.y;
-    for (int i = threadIdx.x; i < blocks; i += K::NT + 32) part_table[i] = table[seg.y + i];
+    const int unit = seg.x, part = seg.w;
+    const int m0 = tile.y * BM, n0 = blockIdx.z * BN;
+    // fprop/bprop: the part's (weight block, activation feature block) entries, BS / BK steps
+    // each; updat: the part's batch rows [seg.y, seg.z), BK a step, of block (row, column).
+    const int n_steps = PASS == UPDAT ? (seg.z - seg.y + BK - 1) / BK : (seg.z - seg.y) * (BS / BK);
+    if constexpr (PASS != UPDAT)
+        for (int i = threadIdx.x; i < seg.z - seg.y; i += K::NT + 32) part_table[i] = table[seg.y + i];
     if (threadIdx.x == K::NT) {
 #pragma unroll
         for (int s = 0; s < STAGES; ++s) {
-            mbarrier_init(&full[s], 1);               // the copy thread's arrive, then the bytes
-            mbarrier_init(&empty[s], K::NT / 32);     // one arrive per multiplying warp
+            mbarrier_init(&full[s], 1);            // the copy thread's arrive, then the bytes
+            mbarrier_init(&empty[s], K::NT / 32);  // one arrive per multiplying warp
         }
         mbarrier_init_fence();
     }
     __syncthreads();
-    const int n_steps = blocks * (BS / BK);
-    const int m0 = tile.y * BM, n0 = blockIdx.z * BN;
 
     if (threadIdx.x >= K::NT) {  // the copy warp
         if (threadIdx.x == K::NT) {
             tma_prefetch_map(&act_map);
-            tma_prefetch_map(&weight_map);
+            tma_prefetch_map(&other_map);
+            const int2 block = PASS == UPDAT ? table[unit] : make_int2(0, 0);
             for (int step = 0; step < n_steps; ++step) {
                 const int s = step % STAGES;
                 // Refilling stage s waits for the warps' release of its previous use.
                 if (step >= STAGES) mbarrier_wait(&empty[s], (step / STAGES - 1) & 1);
                 mbarrier_arrive_expect_tx(&full[s], (K::A_STAGE + K::B_STAGE) * sizeof(T));
-                const int2 entry = part_table[step / (BS / BK)];  // (weight block, activation feature block)
-                const int kin = (step % (BS / BK)) * BK;
-                tma_load_2d(sa + s * K::A_STAGE, &act_map, entry.y * BS + kin, m0, &full[s]);
+                T* a = sa + s * K::A_STAGE;
                 T* b = sb + s * K::B_STAGE;
-                const int w_row = entry.x * BS;
-                if constexpr (PASS == FPROP) {  // B(k, n) = W_b[kin + k][n0 + n]: 64-column panels
+                if constexpr (PASS == UPDAT) {
+                    // A(m, k) = x[n, c·BS + m0 + m], B(k, n') = dy[n, k·BS + n0 + n']: 64-column
+                    // panels BK batch rows deep; rows past N arrive as zeros (parts end on steps).
+                    const int n = seg.y + step * BK;
 #pragma unroll
-                    for (int p = 0; p < BN / 64; ++p) tma_load_2d(b + p * BK * 64, &weight_map, n0 + p * 64, w_row + kin, &full[s]);
-                } else {  // bprop: B(k, n) = W_b[n0 + n][kin + k], K-major rows
-                    tma_load_2d(b, &weight_map, kin, w_row + n0, &full[s]);
+                    for (int p = 0; p < BM / 64; ++p) tma_load_2d(a + p * BK * 64, &act_map, block.x * BS + m0 + p * 64, n, &full[s]);
+#pragma unroll
+                    for (int p = 0; p < BN / 64; ++p) tma_load_2d(b + p * BK * 64, &other_map, block.y * BS + n0 + p * 64, n, &full[s]);
+                } else {
+                    const int2 entry = part_table[step / (BS / BK)];  // (weight block, activation feature block)
+                    const int kin = (step % (BS / BK)) * BK, w_row = entry.x * BS;
+                    tma_load_2d(a, &act_map, entry.y * BS + kin, m0, &full[s]);
+                    if constexpr (PASS == FPROP) {  // B(k, n) = W_b[kin + k][n0 + n]: 64-column panels
+#pragma unroll
+                        for (int p = 0; p < BN / 64; ++p) tma_load_2d(b + p * BK * 64, &other_map, n0 + p * 64, w_row + kin, &full[s]);
+                    } else {  // bprop: B(k, n) = W_b[n0 + n][kin + k], K-major rows
+                        tma_load_2d(b, &other_map, kin, w_row + n0, &full[s]);
+                    }
                 }
             }
         }
@@ -956,7 +973,10 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N * 32 + 32)
     if (unit_info.y > 1 && !reduce_parts<K>(acc, workspace, counters, unit_info, unit, part, tiles_per_unit, tile_in_unit,
                                             last_part))
         return;
-    store_sparse_tile<K, T, BS>(out, acc, unit, m0, n0, n_rows, ld_other, ld_out, accumulate);
+    if constexpr (PASS == UPDAT)
+        store_block_tile<K, T, BS>(out + (long long)unit * BS * BS, acc, m0, n0, accumulate);
+    else
+        store_sparse_tile<K, T, BS>(out, acc, unit, m0, n0, n_rows, ld_other, ld_out, accumulate);
 #else
     __trap();  // TMA variants are built for sm_90a only
 #endif

@@ -611,7 +611,7 @@ def test_wgmma_passes(xp, dtype, bs, min_part_blocks, tma, monkeypatch):
     """GPU, Hopper: the three passes on warpgroup MMA (sm_90a) for N past one tile, N not a
     multiple of the tile, empty and dense block columns/rows, columns (batches) cut into parts;
     NaN-poisoned outputs, reference, bitwise repeat, accumulate. Checks that wgmma ran, and
-    that fprop/bprop took the TMA kernel (bsmm_matmul_tma) or, with BSMM_TMA=0, did not."""
+    that the passes took the TMA kernel (bsmm_matmul_tma) or, with BSMM_TMA=0, did not."""
     if xp is np:
         pytest.skip("wgmma is a GPU kernel")
     from bsmm import cuda_backend
@@ -645,7 +645,7 @@ def test_wgmma_passes(xp, dtype, bs, min_part_blocks, tma, monkeypatch):
     used = {key[0] for key, p in plans.items() if p.variant.math == "wgmma16"}
     assert used == set(PASSES), f"wgmma ran for {used or 'no pass'}"
     with_tma = {key[0] for key, p in plans.items() if p.variant.tma}
-    assert with_tma == ({"fprop", "bprop"} if tma else set()), f"TMA ran for {with_tma or 'no pass'}"
+    assert with_tma == (set(PASSES) if tma else set()), f"TMA ran for {with_tma or 'no pass'}"
     if min_part_blocks == 1:
         assert any(p.workspace_floats > 0 for p in plans.values()), "no column was cut into parts"
 
@@ -654,9 +654,9 @@ def test_wgmma_passes(xp, dtype, bs, min_part_blocks, tma, monkeypatch):
 @pytest.mark.parametrize("bs", [64, 128])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_tma_matches_cp_async_bitwise(xp, dtype, bs, monkeypatch):
-    """GPU, Hopper: fprop/bprop through the TMA kernel give bitwise what the cp.async wgmma
+    """GPU, Hopper: the passes through the TMA kernel give bitwise what the cp.async wgmma
     kernel gives (same steps, same instructions, only the copies differ), with a batch that
-    ends inside a tile and a column cut into parts."""
+    ends inside a tile (updat: inside a step) and columns (batches) cut into parts."""
     if xp is np:
         pytest.skip("TMA is a GPU kernel")
     from bsmm import cuda_backend
@@ -669,7 +669,7 @@ def test_tma_matches_cp_async_bitwise(xp, dtype, bs, monkeypatch):
     layout = random_layout(rng, 8, 6, 0.5)
     layout[:, 3] = 1
     case = make_case(rng, layout, bs, 777, dtype, 1)
-    for pass_name in ("fprop", "bprop"):
+    for pass_name in PASSES:
         args = device_inputs(xp, case, pass_name)
         results = {}
         for tma in ("1", "0"):
@@ -680,6 +680,7 @@ def test_tma_matches_cp_async_bitwise(xp, dtype, bs, monkeypatch):
             call(case.op, pass_name, args, out=out)
             plan = next(p for key, p in cuda_backend._PLANS[case.op.index].items() if key[0] == pass_name)
             assert plan.variant.tma == (tma == "1") and plan.variant.math == "wgmma16"
+            assert pass_name != "updat" or plan.workspace_floats > 0, "updat's batch was not cut into parts"
             results[tma] = to_numpy(out)
         assert_close(results["1"], reference(case, pass_name), dtype, f"{pass_name} TMA")
         assert results["1"].tobytes() == results["0"].tobytes(), f"{pass_name}: TMA and cp.async differ"

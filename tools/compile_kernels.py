@@ -34,7 +34,7 @@ def all_variants() -> list[Variant | GatherVariant | TransposeVariant]:
                         if mode == "tensor16" and wgmma and n > 64:
                             variants.add(Variant(dtype, bs, wgmma, "wgmma16", pass_name, 1, True))
                             tma = tile_for("tma16", pass_name, bs, n, "sm90", optional=True)
-                            if tma and pass_name != "updat":  # bsmm_matmul_tma (cuda_backend._tma_tile)
+                            if tma:  # bsmm_matmul_tma (cuda_backend._tma_tile)
                                 variants.add(Variant(dtype, bs, tma, "wgmma16", pass_name, 1, True, tma=True))
                         for axis in (0, 1):
                             for aligned in (True, False):
