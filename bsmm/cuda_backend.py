@@ -154,25 +154,34 @@ class Plan:
 @dataclasses.dataclass
 class TmaPlan(Plan):
     """A :class:`Plan` of ``bsmm_matmul_tma`` (Hopper): each launch also passes TMA tensor maps
-    (:mod:`bsmm.tensor_maps`) of the activations, N rows of ld_act elements in boxes of 64 x
-    ``act_box_rows``, and of the other operand: fprop/bprop, the weights as ``weight_rows`` rows
-    of one block each, boxes of 64 x ``other_box_rows``; updat, dy as N rows of ld_other."""
+    (:mod:`bsmm.tensor_maps`) of the activations, N rows of ld_act elements, and of the other
+    operand: fprop/bprop, the weights as ``weight_rows`` rows of one block each; updat, dy as
+    N rows of ld_other. Boxes are (elements, rows)."""
 
-    act_box_rows: int = 0
-    other_box_rows: int = 0
+    act_box: tuple = (64, 64)
+    other_box: tuple = (64, 64)
     weight_rows: int = 0
 
     def launch(self, stream_ptr: int, act_ptr: int, other_ptr: int, out_ptr: int, sizes: tuple,
                accumulate: int) -> None:
         n, ld_act, ld_other = sizes[0], sizes[1], sizes[2]
-        act_map = tensor_map(act_ptr, ld_act, n, 2 * ld_act, 64, self.act_box_rows)
+        act_map = tensor_map(act_ptr, ld_act, n, 2 * ld_act, *self.act_box)
         if self.weight_rows:
             bs = self.variant.block_size
-            other_map = tensor_map(other_ptr, bs, self.weight_rows, 2 * bs, 64, self.other_box_rows)
+            other_map = tensor_map(other_ptr, bs, self.weight_rows, 2 * bs, *self.other_box)
         else:
-            other_map = tensor_map(other_ptr, ld_other, n, 2 * ld_other, 64, self.other_box_rows)
+            other_map = tensor_map(other_ptr, ld_other, n, 2 * ld_other, *self.other_box)
         self.launcher.launch(stream_ptr, act_ptr, other_ptr, out_ptr, *self.scratch_for(stream_ptr), *sizes, accumulate,
                              self.band_rows, maps=(act_map, other_map))
+
+    @staticmethod
+    def boxes(variant: Variant) -> tuple[tuple, tuple]:
+        """(activation box, other box) of ``bsmm_matmul_tma``'s copies (its BOX-column panels)."""
+        bm, bn, bk = variant.tile[:3]
+        box = 64 if variant.math == "wgmma16" else 32  # 128- or 64-byte rows
+        if variant.pass_name == "updat":
+            return (box, bk), (box, bk)
+        return (bk, bm), ((box, bk) if variant.pass_name == "fprop" else (bk, bn))
 
 
 def _parts(counts: np.ndarray, part_length: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -281,8 +290,10 @@ def _build_plan(index: BlockIndex, pass_name: str, n: int, dtype: str, feature_a
     tma = None
     if wgmma is not None:
         mode, tile = "wgmma16", wgmma
-        tma = _tma_tile(index, pass_name, n, arch_key, act_blocks, weight_blocks)
-        tile = tma or tile
+        tma = _tma_tile("tma16", index, pass_name, n, arch_key, act_blocks, weight_blocks)
+    elif mode == "tensor16" and not groups and feature_axis == 1 and aligned and arch_key == "sm90" and pass_name != "updat":
+        tma = _tma_tile("tma_mma16", index, pass_name, n, arch_key, act_blocks, weight_blocks)
+    tile = tma or tile
     bm, bn, bk = tile[:3]
     # A batch no deeper than one step: stream many weight blocks through each thread block.
     grouped = pass_name == "updat" and aligned and 0 < n <= bk
@@ -348,9 +359,7 @@ def _build_plan(index: BlockIndex, pass_name: str, n: int, dtype: str, feature_a
     split_parts = int(np.where(parts > 1, parts, 0).sum())
     grid = (len(segments), *grid_yz)
     tma_fields = {} if tma is None else dict(
-        act_box_rows=bk if pass_name == "updat" else bm,
-        other_box_rows=bn if pass_name == "bprop" else bk,
-        weight_rows=0 if pass_name == "updat" else index.nnzb * bs)
+        zip(("act_box", "other_box"), TmaPlan.boxes(variant)), weight_rows=0 if pass_name == "updat" else index.nnzb * bs)
     with device:
         return (TmaPlan if tma else Plan)(
             variant=variant,
@@ -420,17 +429,19 @@ def _wgmma_tile(mode: str, pass_name: str, block_size: int, n: int, feature_axis
     return tile_for("wgmma16", pass_name, block_size, n, arch_key, optional=True)
 
 
-def _tma_tile(index: BlockIndex, pass_name: str, n: int, arch_key: str, act_blocks, weight_blocks) -> tuple | None:
-    """The tile of ``bsmm_matmul_tma`` for a wgmma pass (:class:`TmaPlan`), or None.
+def _tma_tile(table: str, index: BlockIndex, pass_name: str, n: int, arch_key: str, act_blocks,
+              weight_blocks) -> tuple | None:
+    """The tile of ``bsmm_matmul_tma`` (:class:`TmaPlan`) from launch table ``table`` (``tma16``:
+    wgmma passes, ``tma_mma16``: mma.sync fprop/bprop), or None.
 
     Plain layouts only: the step tables of shifted passes (convolutions) may point an
-    activation block past the rows a tensor map would describe. Where ``bsmm.toml`` has a
-    ``tma16`` tile; ``BSMM_TMA=0`` turns it off, to compare both on one GPU.
+    activation block past the rows a tensor map would describe. ``BSMM_TMA=0`` turns it off,
+    to compare both on one GPU.
     """
     if (act_blocks is not None or weight_blocks is not None or index.nnzb == 0
             or os.environ.get("BSMM_TMA", "1") == "0"):
         return None
-    return tile_for("tma16", pass_name, index.block_size, n, arch_key, optional=True)
+    return tile_for(table, pass_name, index.block_size, n, arch_key, optional=True)
 
 
 _PLANS: "weakref.WeakKeyDictionary[BlockIndex, dict]" = weakref.WeakKeyDictionary()

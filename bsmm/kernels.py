@@ -28,7 +28,8 @@ __all__ = ["Variant", "GatherVariant", "TransposeVariant", "compile_variant", "l
 
 SOURCE_FILE = "bsmm_matmul.cu"
 MATH_MODES = {"simt": 0, "tensor16": 1, "tf32": 2, "wgmma16": 3}
-#: Math modes whose instructions exist only on one architecture (compiled for it alone).
+#: Math modes whose instructions exist only on one architecture (compiled for it alone);
+#: TMA variants (``Variant.tma``) are built for sm_90a only as well.
 ARCH_ONLY_MODES = {"wgmma16": "sm_90a"}
 PASS_IDS = {"fprop": 0, "bprop": 1, "updat": 2}
 #: Longest part of a block column (row) one thread block takes; its step-table slice is staged in
@@ -51,8 +52,9 @@ class Variant:
     aligned: bool  # 16-byte vector copies are legal for every operand
     grouped: bool = False  # updat only: a thread block streams a group of blocks, whole batch per step
     cols: int = 1  # fprop/bprop: block columns (rows) per output tile, stepping over their union
-    # wgmma16 fprop/bprop: ``bsmm_matmul_tma``, stages filled by TMA from a copy warp (one more
-    # warp than the tile's) and tensor maps passed by value after the 14 common parameters.
+    # ``bsmm_matmul_tma`` (sm_90a): stages filled by TMA from a copy warp (one more warp than the
+    # tile's), tensor maps passed by value after the 14 common parameters; wgmma16 passes, or
+    # tensor16 fprop/bprop one block a step (small batches).
     tma: bool = False
 
     source_file = SOURCE_FILE
@@ -66,7 +68,7 @@ class Variant:
         """Dynamic shared memory: the cp.async pipeline's stages (mirrors Kernel::SMEM_BYTES)."""
         bm, bn, bk, _, _, stages = self.tile
         item = ELEMENT_BYTES[self.dtype]
-        if self.math == "wgmma16":  # swizzled, unpadded stages + 1 KiB to align them
+        if self.math == "wgmma16" or self.tma:  # swizzled, unpadded stages + 1 KiB to align them
             return stages * (bm * bk + bk * bn) * item + 1024
         vec = 16 // item
         a_kmajor = (self.feature_axis == 0) if self.pass_name == "updat" else (self.feature_axis == 1)

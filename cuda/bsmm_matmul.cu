@@ -47,7 +47,7 @@ enum Pass { FPROP = 0, BPROP = 1, UPDAT = 2 };
 enum Math { SIMT = 0, TENSOR16 = 1, TF32 = 2, WGMMA = 3 };
 
 template <typename T, int BS, int BM_, int BN_, int BK_, int WARPS_M_, int WARPS_N_, int STAGES_, int MATH_, int PASS_,
-          int AXIS1_, int ALIGNED_, int GROUPED_, int COLS_>
+          int AXIS1_, int ALIGNED_, int GROUPED_, int COLS_, int TMA_ = 0>
 struct Kernel {
     static constexpr int BM = BM_, BN = BN_, BK = BK_, WARPS_M = WARPS_M_, WARPS_N = WARPS_N_, STAGES = STAGES_;
     static constexpr int MATH = MATH_, PASS = PASS_;
@@ -69,8 +69,12 @@ struct Kernel {
     static constexpr bool B_KMAJOR = PASS == UPDAT ? !AXIS1 : PASS == BPROP;
     static constexpr int A_ROWS = A_KMAJOR ? BM : BK, A_COLS = A_KMAJOR ? BK : BM;
     static constexpr int B_ROWS = B_KMAJOR ? BN : BK, B_COLS = B_KMAJOR ? BK : BN;
-    // One 16-byte pad a row avoids bank conflicts; wgmma tiles are swizzled instead.
-    static constexpr int PAD = MATH == WGMMA ? 0 : VEC;
+    // Stages filled by TMA (bsmm_matmul_tma) arrive swizzled: 128-byte rows (wgmma) or, for
+    // mma.sync, 64-byte rows with the 16-byte chunk c of row r at c ^ ((r / 2) % 4).
+    static constexpr bool TMA = TMA_ != 0;
+    static constexpr bool SWIZZLE64 = TMA && MATH != WGMMA;
+    // One 16-byte pad a row avoids bank conflicts; swizzled tiles need none.
+    static constexpr int PAD = MATH == WGMMA || TMA ? 0 : VEC;
     static constexpr int A_PITCH = A_COLS + PAD, B_PITCH = B_COLS + PAD;
     static constexpr int A_STAGE = A_ROWS * A_PITCH, B_STAGE = B_ROWS * B_PITCH;
     // Grouped updat on tensor cores stores each finished tile through a float staging tile
@@ -80,7 +84,7 @@ struct Kernel {
     static constexpr int STAGING_BYTES = STAGED_STORE ? BM * STAGING_PITCH * 4 : 0;
     // wgmma: 1 KiB to align the stages to the swizzle atom.
     static constexpr int SMEM_BYTES =
-        STAGES * (A_STAGE + B_STAGE) * sizeof(T) + STAGING_BYTES + (MATH == WGMMA ? 1024 : 0);
+        STAGES * (A_STAGE + B_STAGE) * sizeof(T) + STAGING_BYTES + (MATH == WGMMA || TMA ? 1024 : 0);
 
     // Tensor-core warp tiling.
     static constexpr int WTM = BM / WARPS_M, WTN = BN / WARPS_N;
@@ -114,8 +118,16 @@ struct Kernel {
         return row * PITCH + col;
     }
 
-    __device__ __forceinline__ static T* a_at(T* s, int m, int k) { return A_KMAJOR ? s + m * A_PITCH + k : s + k * A_PITCH + m; }
-    __device__ __forceinline__ static T* b_at(T* s, int k, int n) { return B_KMAJOR ? s + n * B_PITCH + k : s + k * B_PITCH + n; }
+    static_assert(!SWIZZLE64 || (A_COLS * sizeof(T) == 64 && B_COLS * sizeof(T) == 64), "64-byte swizzle: 64-byte rows");
+    // Element (row, col) of a stage tile, COLS contiguous: padded rows, or TMA's 64-byte swizzle
+    // (callers pass columns on 8-element chunks or within one).
+    template <int PITCH>
+    __device__ __forceinline__ static int at(int row, int col) {
+        if constexpr (SWIZZLE64) return row * PITCH + (((col >> 3) ^ ((row >> 1) & 3)) << 3) + (col & 7);
+        return row * PITCH + col;
+    }
+    __device__ __forceinline__ static T* a_at(T* s, int m, int k) { return s + (A_KMAJOR ? at<A_PITCH>(m, k) : at<A_PITCH>(k, m)); }
+    __device__ __forceinline__ static T* b_at(T* s, int k, int n) { return s + (B_KMAJOR ? at<B_PITCH>(n, k) : at<B_PITCH>(k, n)); }
 };
 
 // Copies a ROWS x COLS tile (COLS contiguous) into shared memory. src(row, col, valid)
@@ -399,6 +411,55 @@ struct Stages {
     }
 };
 
+// One step of mma.sync m16n8k16 on a stage: this warp's WTM x WTN of A[BM x BK] · B[BK x BN].
+// a_frags (A_KEPT > 1, grouped updat) keeps a step's A fragments: with load_a false they are
+// reused instead of read again from the stage.
+template <class K, typename T, int A_KEPT>
+__device__ __forceinline__ void mma16_step(float (&acc)[K::ACC], T* a, T* b, unsigned (&a_frags)[A_KEPT][K::MI][4],
+                                           bool load_a) {
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int wm0 = (warp % K::WARPS_M) * K::WTM, wn0 = (warp / K::WARPS_M) * K::WTN;
+#pragma unroll
+    for (int kk = 0; kk < K::BK; kk += 16) {
+        unsigned(&af)[K::MI][4] = a_frags[A_KEPT == 1 ? 0 : kk / 16];
+        unsigned bf[K::NJ][2];
+        if (load_a) {
+#pragma unroll
+            for (int i = 0; i < K::MI; ++i) {
+                const int mb = wm0 + i * 16;
+                if (K::A_KMAJOR)
+                    ldmatrix_x4<false>(af[i], K::a_at(a, mb + lane % 16, kk + (lane / 16) * 8));
+                else
+                    ldmatrix_x4<true>(af[i], K::a_at(a, mb + ((lane / 8) % 2) * 8, kk + lane % 8 + (lane / 16) * 8));
+            }
+        }
+#pragma unroll
+        for (int j = 0; j + 1 < K::NJ; j += 2) {
+            const int nb = wn0 + j * 8, mat = lane / 8;
+            unsigned r[4];
+            if (K::B_KMAJOR)
+                ldmatrix_x4<false>(r, K::b_at(b, kk + (mat % 2) * 8, nb + lane % 8 + (mat / 2) * 8));
+            else
+                ldmatrix_x4<true>(r, K::b_at(b, kk + lane % 8 + (mat % 2) * 8, nb + (mat / 2) * 8));
+            bf[j][0] = r[0]; bf[j][1] = r[1]; bf[j + 1][0] = r[2]; bf[j + 1][1] = r[3];
+        }
+        if constexpr (K::NJ % 2 == 1) {
+            const int nb = wn0 + (K::NJ - 1) * 8, mat = (lane / 8) % 2;
+            if (K::B_KMAJOR)
+                ldmatrix_x2<false>(bf[K::NJ - 1], K::b_at(b, kk + mat * 8, nb + lane % 8));
+            else
+                ldmatrix_x2<true>(bf[K::NJ - 1], K::b_at(b, kk + lane % 8 + mat * 8, nb));
+        }
+#pragma unroll
+        for (int i = 0; i < K::MI; ++i)
+#pragma unroll
+            for (int j = 0; j < K::NJ; ++j) {
+                float(&d)[4] = *reinterpret_cast<float(*)[4]>(&acc[(i * K::NJ + j) * 4]);
+                Mma<T>::run(d, af[i], bf[j]);
+            }
+    }
+}
+
 // The main loop: a STAGES-deep cp.async pipeline feeding tensor-core or SIMT math.
 // load(step, a_stage, b_stage) issues the copies of one step's A and B tiles.
 // skip(step): this warp has nothing to multiply in that step (column groups).
@@ -426,46 +487,7 @@ __device__ __forceinline__ void main_loop(Load&& load, int n_steps, T* smem, flo
         T* a = stages.a(step);
         T* b = stages.b(step);
         if constexpr (K::MATH == TENSOR16) {
-            const bool load_a = A_KEPT == 1 || !keep_a(step);
-#pragma unroll
-            for (int kk = 0; kk < K::BK; kk += 16) {
-                unsigned(&af)[K::MI][4] = a_frags[A_KEPT == 1 ? 0 : kk / 16];
-                unsigned bf[K::NJ][2];
-                if (load_a) {
-#pragma unroll
-                    for (int i = 0; i < K::MI; ++i) {
-                        const int mb = wm0 + i * 16;
-                        if (K::A_KMAJOR)
-                            ldmatrix_x4<false>(af[i], K::a_at(a, mb + lane % 16, kk + (lane / 16) * 8));
-                        else
-                            ldmatrix_x4<true>(af[i], K::a_at(a, mb + ((lane / 8) % 2) * 8, kk + lane % 8 + (lane / 16) * 8));
-                    }
-                }
-#pragma unroll
-                for (int j = 0; j + 1 < K::NJ; j += 2) {
-                    const int nb = wn0 + j * 8, mat = lane / 8;
-                    unsigned r[4];
-                    if (K::B_KMAJOR)
-                        ldmatrix_x4<false>(r, K::b_at(b, kk + (mat % 2) * 8, nb + lane % 8 + (mat / 2) * 8));
-                    else
-                        ldmatrix_x4<true>(r, K::b_at(b, kk + lane % 8 + (mat % 2) * 8, nb + (mat / 2) * 8));
-                    bf[j][0] = r[0]; bf[j][1] = r[1]; bf[j + 1][0] = r[2]; bf[j + 1][1] = r[3];
-                }
-                if constexpr (K::NJ % 2 == 1) {
-                    const int nb = wn0 + (K::NJ - 1) * 8, mat = (lane / 8) % 2;
-                    if (K::B_KMAJOR)
-                        ldmatrix_x2<false>(bf[K::NJ - 1], K::b_at(b, kk + mat * 8, nb + lane % 8));
-                    else
-                        ldmatrix_x2<true>(bf[K::NJ - 1], K::b_at(b, kk + lane % 8 + mat * 8, nb));
-                }
-#pragma unroll
-                for (int i = 0; i < K::MI; ++i)
-#pragma unroll
-                    for (int j = 0; j < K::NJ; ++j) {
-                        float(&d)[4] = *reinterpret_cast<float(*)[4]>(&acc[(i * K::NJ + j) * 4]);
-                        Mma<T>::run(d, af[i], bf[j]);
-                    }
-            }
+            mma16_step<K, T, A_KEPT>(acc, a, b, a_frags, A_KEPT == 1 || !keep_a(step));
         } else if constexpr (K::MATH == TF32) {
 #pragma unroll
             for (int kk = 0; kk < K::BK; kk += 8) {
@@ -885,9 +907,12 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N * 32 + 32)
                     float* __restrict__ workspace, int* __restrict__ counters, int n_rows, int ld_act, int ld_other,
                     int ld_out, int accumulate, int band_rows, const __grid_constant__ TensorMap act_map,
                     const __grid_constant__ TensorMap other_map) {
-    using K = Kernel<T, BS, BM, BN, BK, WARPS_M, WARPS_N, STAGES, MATH, PASS, AXIS1, ALIGNED, GROUPED, COLS>;
-    static_assert(MATH == WGMMA && COLS == 1 && !GROUPED && (PASS == UPDAT || BS % BK == 0),
-                  "TMA: wgmma, one block (column) a tile, whole steps");
+    using K = Kernel<T, BS, BM, BN, BK, WARPS_M, WARPS_N, STAGES, MATH, PASS, AXIS1, ALIGNED, GROUPED, COLS, 1>;
+    static_assert(COLS == 1 && !GROUPED && AXIS1 && ALIGNED && sizeof(T) == 2 &&
+                      (MATH == WGMMA ? PASS == UPDAT || BS % BK == 0 : MATH == TENSOR16 && PASS != UPDAT && BK == BS),
+                  "TMA: wgmma passes, or mma.sync fprop/bprop one block a step; one block (column) a tile");
+    // Columns of a box: 128 (wgmma) or 64 (mma.sync, BK = BN = 32) bytes, the swizzle span.
+    constexpr int BOX = MATH == WGMMA ? 64 : 32;
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     extern __shared__ __align__(16) unsigned char smem_raw[];
     // The 128-byte swizzle TMA writes and wgmma reads repeats every 1024 bytes from an aligned base.
@@ -935,16 +960,16 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N * 32 + 32)
                     // panels BK batch rows deep; rows past N arrive as zeros (parts end on steps).
                     const int n = seg.y + step * BK;
 #pragma unroll
-                    for (int p = 0; p < BM / 64; ++p) tma_load_2d(a + p * BK * 64, &act_map, block.x * BS + m0 + p * 64, n, &full[s]);
+                    for (int p = 0; p < BM / BOX; ++p) tma_load_2d(a + p * BK * BOX, &act_map, block.x * BS + m0 + p * BOX, n, &full[s]);
 #pragma unroll
-                    for (int p = 0; p < BN / 64; ++p) tma_load_2d(b + p * BK * 64, &other_map, block.y * BS + n0 + p * 64, n, &full[s]);
+                    for (int p = 0; p < BN / BOX; ++p) tma_load_2d(b + p * BK * BOX, &other_map, block.y * BS + n0 + p * BOX, n, &full[s]);
                 } else {
                     const int2 entry = part_table[step / (BS / BK)];  // (weight block, activation feature block)
                     const int kin = (step % (BS / BK)) * BK, w_row = entry.x * BS;
                     tma_load_2d(a, &act_map, entry.y * BS + kin, m0, &full[s]);
-                    if constexpr (PASS == FPROP) {  // B(k, n) = W_b[kin + k][n0 + n]: 64-column panels
+                    if constexpr (PASS == FPROP) {  // B(k, n) = W_b[kin + k][n0 + n]: BOX-column panels
 #pragma unroll
-                        for (int p = 0; p < BN / 64; ++p) tma_load_2d(b + p * BK * 64, &other_map, n0 + p * 64, w_row + kin, &full[s]);
+                        for (int p = 0; p < BN / BOX; ++p) tma_load_2d(b + p * BK * BOX, &other_map, n0 + p * BOX, w_row + kin, &full[s]);
                     } else {  // bprop: B(k, n) = W_b[n0 + n][kin + k], K-major rows
                         tma_load_2d(b, &other_map, kin, w_row + n0, &full[s]);
                     }
@@ -960,12 +985,22 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N * 32 + 32)
     for (int step = 0; step < n_steps; ++step) {
         const int s = step % STAGES;
         mbarrier_wait(&full[s], (step / STAGES) & 1);
-        wgmma_step<K, T>(acc, sa + s * K::A_STAGE, sb + s * K::B_STAGE);
-        wgmma_wait<1>();  // the previous step's group has read its stage: release it
-        if (step > 0 && threadIdx.x % 32 == 0) mbarrier_arrive(&empty[(step - 1) % STAGES]);
+        if constexpr (MATH == WGMMA) {
+            wgmma_step<K, T>(acc, sa + s * K::A_STAGE, sb + s * K::B_STAGE);
+            wgmma_wait<1>();  // the previous step's group has read its stage: release it
+            if (step > 0 && threadIdx.x % 32 == 0) mbarrier_arrive(&empty[(step - 1) % STAGES]);
+        } else {
+            unsigned a_frags[1][K::MI][4];
+            mma16_step<K, T, 1>(acc, sa + s * K::A_STAGE, sb + s * K::B_STAGE, a_frags, true);
+            // ldmatrix has read the stage into registers; the arrive orders those reads before it.
+            __syncwarp();
+            if (threadIdx.x % 32 == 0) mbarrier_arrive(&empty[s]);
+        }
     }
-    wgmma_wait<0>();
-    fence_registers(acc);
+    if constexpr (MATH == WGMMA) {
+        wgmma_wait<0>();
+        fence_registers(acc);
+    }
 
     const int2 unit_info = units[unit];
     const int tiles_per_unit = gridDim.y * gridDim.z;

@@ -36,6 +36,9 @@ def all_variants() -> list[Variant | GatherVariant | TransposeVariant]:
                             tma = tile_for("tma16", pass_name, bs, n, "sm90", optional=True)
                             if tma:  # bsmm_matmul_tma (cuda_backend._tma_tile)
                                 variants.add(Variant(dtype, bs, tma, "wgmma16", pass_name, 1, True, tma=True))
+                        tma_mma = tile_for("tma_mma16", pass_name, bs, n, "sm90", optional=True)
+                        if mode == "tensor16" and tma_mma and pass_name != "updat":  # mma.sync fed by TMA
+                            variants.add(Variant(dtype, bs, tma_mma, mode, pass_name, 1, True, tma=True))
                         for axis in (0, 1):
                             for aligned in (True, False):
                                 variants.add(Variant(dtype, bs, tile, mode, pass_name, axis, aligned))
@@ -81,7 +84,8 @@ def main() -> int:
     variants = all_variants()
     if args.limit:
         variants = variants[: args.limit]
-    jobs = [(v, a, args.populate_cache) for v in variants for a in archs if ARCH_ONLY_MODES.get(v.math, a) == a]
+    jobs = [(v, a, args.populate_cache) for v in variants for a in archs
+            if ARCH_ONLY_MODES.get(v.math, "sm_90a" if getattr(v, "tma", False) else a) == a]
     failures, spills = 0, 0
     start = time.perf_counter()
     with concurrent.futures.ProcessPoolExecutor(args.jobs) as pool:
