@@ -666,6 +666,8 @@ def test_tma_matches_cp_async_bitwise(xp, dtype, bs, n, monkeypatch):
         pytest.skip("TMA kernels run on compute capability 9.0 only")
     monkeypatch.delenv("BSMM_WGMMA", raising=False)
     monkeypatch.setitem(bsmm.config.settings()["kernels"], "min_part_blocks", 2)
+    # updat's cut of the batch depends on the kernel's occupancy, which differs between the two.
+    monkeypatch.setattr(cuda_backend, "_batch_parts", lambda ctas, resident, most: min(3, most))
     rng = np.random.default_rng([bs, len(dtype), 7])
     layout = random_layout(rng, 8, 6, 0.5)
     layout[:, 3] = 1
