@@ -300,7 +300,9 @@ def _build_plan(index: BlockIndex, pass_name: str, n: int, dtype: str, feature_a
         mode, tile = "wgmma16", wgmma
         tma = _tma_tile("tma16", index, pass_name, n, arch_key, act_blocks, weight_blocks)
     elif (mode == "tensor16" and not groups and feature_axis == 1 and aligned and arch_key == "sm90"
-          and pass_name != "updat" and index.nnzb <= cfg["tma_mma_max_column_blocks"] * index.n_block_cols):
+          and pass_name != "updat"
+          and cfg["tma_mma_min_column_blocks"] * index.n_block_cols <= index.nnzb
+          and index.nnzb <= cfg["tma_mma_max_column_blocks"] * index.n_block_cols):
         tma = _tma_tile("tma_mma16", index, pass_name, n, arch_key, act_blocks, weight_blocks)
     tile = tma or tile
     bm, bn, bk = tile[:3]
