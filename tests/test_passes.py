@@ -665,7 +665,10 @@ def test_tma_matches_cp_async_bitwise(xp, dtype, bs, n, monkeypatch):
     if xp.cuda.Device().compute_capability != "90":
         pytest.skip("TMA kernels run on compute capability 9.0 only")
     monkeypatch.delenv("BSMM_WGMMA", raising=False)
-    monkeypatch.setitem(bsmm.config.settings()["kernels"], "min_part_blocks", 2)
+    kernels = bsmm.config.settings()["kernels"]
+    monkeypatch.setitem(kernels, "min_part_blocks", 2)
+    monkeypatch.setitem(kernels, "tma_mma_min_column_blocks", 0)  # any layout takes the small-batch TMA kernel
+    monkeypatch.setitem(kernels, "tma_mma_max_column_blocks", 1 << 30)
     # updat's cut of the batch depends on the kernel's occupancy, which differs between the two.
     monkeypatch.setattr(cuda_backend, "_batch_parts", lambda ctas, resident, most: min(3, most))
     rng = np.random.default_rng([bs, len(dtype), 7])
