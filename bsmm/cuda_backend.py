@@ -166,8 +166,8 @@ class TmaPlan(Plan):
     act_box: tuple = (64, 64)
     other_box: tuple = (64, 64)
     weight_rows: int = 0
-    # The kernel is persistent: launcher.grid holds the resident thread blocks, which take the
-    # segment_count x row_tiles output tiles from a counter (the first two of the counters).
+    # The kernel is persistent: launcher.grid holds the resident thread blocks, which loop over
+    # segment_count x row_tiles output tiles.
     segment_count: int = 0
     row_tiles: int = 1
 
@@ -389,8 +389,7 @@ def _build_plan(index: BlockIndex, pass_name: str, n: int, dtype: str, feature_a
             units=cupy.asarray(units),
             table=cupy.asarray(np.ascontiguousarray(table, dtype=np.int32)),
             workspace_floats=split_parts * tiles_per_unit * bm * bn,
-            # TMA: two more, ahead of the part counters: the persistent kernel's tile scheduler.
-            counter_count=len(parts) * tiles_per_unit + (2 if tma else 0),
+            counter_count=len(parts) * tiles_per_unit,
             band_rows=_band_rows(index, pass_name, dtype),
             **tma_fields,
         )

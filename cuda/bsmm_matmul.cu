@@ -891,12 +891,9 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N * 32)
     store_sparse_tile<K, T, BS>(out, acc, unit, ops.m0, ops.n0, n_rows, ld_other, ld_out, accumulate);
 }
 
-// The three passes on Hopper with a copy warp, persistent: each thread block takes the next of
-// the `segments` x `row_tiles` output tiles (updat: row_tiles 1, banded_tile_of's order) from a
-// counter, counters[0], until none is left (tiles differ in length: a fixed share per thread
-// block left the last ones running alone); the last thread block to finish resets it, and the
-// part counters follow it. The copy lane hands each tile id to the warps through a two-slot
-// queue in shared memory (tile_full / tile_empty barriers). Warp NT / 32 copies: its lanes read 32
+// The three passes on Hopper with a copy warp, persistent: each thread block takes tiles
+// blockIdx.x, blockIdx.x + gridDim.x, ... of the `segments` x `row_tiles` output tiles (updat:
+// row_tiles 1), in the banded order of banded_tile_of. Warp NT / 32 copies: its lanes read 32
 // step-table entries at a time and one lane issues TMA copies of whole swizzled tiles into a
 // ring of STAGES stages, counted in bytes on each stage's "full" barrier. The K::NT threads of
 // the warpgroups wait on it, multiply (wgmma_step, or mma16_step for mma.sync) and release the
@@ -930,27 +927,22 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N * 32 + 32)
     T* smem = reinterpret_cast<T*>((reinterpret_cast<size_t>(smem_raw) + 1023) & ~size_t(1023));
     T* const sa = smem;
     T* const sb = smem + STAGES * K::A_STAGE;
-    __shared__ __align__(8) unsigned long long full[STAGES], empty[STAGES], tile_full[2], tile_empty[2];
-    __shared__ int last_part, tile_queue[2];
+    __shared__ __align__(8) unsigned long long full[STAGES], empty[STAGES];
+    __shared__ int last_part;
     if (threadIdx.x == K::NT) {
 #pragma unroll
         for (int s = 0; s < STAGES; ++s) {
             mbarrier_init(&full[s], 1);            // the copy lane's arrive, then the bytes
             mbarrier_init(&empty[s], K::NT / 32);  // one arrive per multiplying warp
         }
-        for (int s = 0; s < 2; ++s) {
-            mbarrier_init(&tile_full[s], 1);
-            mbarrier_init(&tile_empty[s], K::NT / 32);
-        }
         mbarrier_init_fence();
     }
     __syncthreads();
-    int* const scheduler = counters;  // (next tile, thread blocks done)
-    const int tiles = segment_count * row_tiles;
+    const long long tiles = (long long)segment_count * row_tiles;
     // The tile's segment and row tile; its steps: fprop/bprop, BS / BK per step-table entry of
     // the segment; updat, BK batch rows each of [seg.y, seg.z), one weight block.
-    auto tile_at = [&](int t) {
-        return PASS == UPDAT ? make_int2(t, 0) : banded_tile_of(t, segment_count, row_tiles, band_rows);
+    auto tile_at = [&](long long t) {
+        return PASS == UPDAT ? make_int2((int)t, 0) : banded_tile_of(t, segment_count, row_tiles, band_rows);
     };
     auto steps_of = [](int4 seg) { return PASS == UPDAT ? (seg.z - seg.y + BK - 1) / BK : (seg.z - seg.y) * STEPS_PER_BLOCK; };
 
@@ -961,17 +953,7 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N * 32 + 32)
             tma_prefetch_map(&other_map);
         }
         int ring = 0;  // steps issued so far, over all tiles: stage ring % STAGES, pass ring / STAGES
-        for (int round = 0;; ++round) {
-            int taken = -1;
-            if (lane == 0) {
-                taken = atomicAdd(&scheduler[0], 1);
-                if (taken >= tiles) taken = -1;  // none left: the warps stop at -1
-                if (round >= 2) mbarrier_wait(&tile_empty[round % 2], (round / 2 - 1) & 1);
-                tile_queue[round % 2] = taken;
-                mbarrier_arrive(&tile_full[round % 2]);
-            }
-            const int t = __shfl_sync(0xffffffffu, taken, 0);
-            if (t < 0) break;
+        for (long long t = blockIdx.x; t < tiles; t += gridDim.x) {
             const int2 tile = tile_at(t);
             const int4 seg = segments[tile.x];
             const int m0 = tile.y * BM;
@@ -1012,21 +994,11 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N * 32 + 32)
                 }
             }
         }
-        // The last thread block to stop resets the counter for the next launch (stream order).
-        if (lane == 0 && atomicAdd(&scheduler[1], 1) == (int)gridDim.x - 1) {
-            scheduler[0] = 0;
-            scheduler[1] = 0;
-        }
         return;
     }
 
     int ring = 0;
-    for (int round = 0;; ++round) {
-        mbarrier_wait(&tile_full[round % 2], (round / 2) & 1);
-        const int t = tile_queue[round % 2];
-        __syncwarp();
-        if (threadIdx.x % 32 == 0) mbarrier_arrive(&tile_empty[round % 2]);
-        if (t < 0) break;
+    for (long long t = blockIdx.x; t < tiles; t += gridDim.x) {
         const int2 tile = tile_at(t);
         const int4 seg = segments[tile.x];
         const int unit = seg.x, part = seg.w, m0 = tile.y * BM;
@@ -1055,8 +1027,7 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N * 32 + 32)
             if (n_steps > 0 && threadIdx.x % 32 == 0) mbarrier_arrive(&empty[(ring - 1) % STAGES]);
         }
         const int2 unit_info = units[unit];
-        if (unit_info.y > 1 &&
-            !reduce_parts<K>(acc, workspace, counters + 2, unit_info, unit, part, row_tiles, tile.y, last_part))
+        if (unit_info.y > 1 && !reduce_parts<K>(acc, workspace, counters, unit_info, unit, part, row_tiles, tile.y, last_part))
             continue;
         if constexpr (PASS == UPDAT)
             store_block_tile<K, T, BS>(out + (long long)unit * BS * BS, acc, 0, 0, accumulate);
