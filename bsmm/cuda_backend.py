@@ -166,15 +166,11 @@ class TmaPlan(Plan):
     act_box: tuple = (64, 64)
     other_box: tuple = (64, 64)
     weight_rows: int = 0
-    # The kernel is persistent: launcher.grid holds the resident thread blocks, which loop over
-    # segment_count x row_tiles output tiles.
-    segment_count: int = 0
-    row_tiles: int = 1
 
     def launch(self, stream_ptr: int, act_ptr: int, other_ptr: int, out_ptr: int, sizes: tuple,
                accumulate: int) -> None:
         self.launcher.launch(stream_ptr, act_ptr, other_ptr, out_ptr, *self.scratch_for(stream_ptr), *sizes, accumulate,
-                             self.band_rows, self.segment_count, self.row_tiles, map_key=(act_ptr, other_ptr, sizes),
+                             self.band_rows, map_key=(act_ptr, other_ptr, sizes),
                              make_maps=lambda: self.maps(act_ptr, other_ptr, sizes))
 
     def maps(self, act_ptr: int, other_ptr: int, sizes: tuple) -> tuple[bytes, bytes]:
@@ -373,18 +369,12 @@ def _build_plan(index: BlockIndex, pass_name: str, n: int, dtype: str, feature_a
     units = _unit_table(parts)
     split_parts = int(np.where(parts > 1, parts, 0).sum())
     grid = (len(segments), *grid_yz)
-    tma_fields = {}
-    if tma is not None:  # persistent: as many thread blocks as are resident, each looping over tiles
-        tma_fields = dict(zip(("act_box", "other_box"), TmaPlan.boxes(variant)),
-                          weight_rows=0 if pass_name == "updat" else index.nnzb * bs,
-                          segment_count=len(segments), row_tiles=grid_yz[0])
-        resident = device.attributes["MultiProcessorCount"] * _occupancy(kernel, variant)
-        grid = (max(1, min(len(segments) * grid_yz[0], resident)), 1, 1)
+    tma_fields = {} if tma is None else dict(
+        zip(("act_box", "other_box"), TmaPlan.boxes(variant)), weight_rows=0 if pass_name == "updat" else index.nnzb * bs)
     with device:
         return (TmaPlan if tma else Plan)(
             variant=variant,
-            launcher=_Launcher(kernel, grid, variant.threads, variant.shared_bytes,
-                               _ARG_COUNT + (2 if tma else 0), map_count=2 if tma else 0),
+            launcher=_Launcher(kernel, grid, variant.threads, variant.shared_bytes, map_count=2 if tma else 0),
             segments=cupy.asarray(segments),
             units=cupy.asarray(units),
             table=cupy.asarray(np.ascontiguousarray(table, dtype=np.int32)),

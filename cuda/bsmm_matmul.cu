@@ -32,17 +32,14 @@ namespace bsmm {
 // columns and activation row tiles in L2, where launch order alone (x fastest) streams every
 // weight column once per row tile (T at 50 %: 32 x 64 MB). A bijection of the grid; band_rows 1
 // is launch order.
-// banded_tile_of: the same for tile `id` of a grid of `segments` x `row_tiles` (persistent kernels).
-__device__ __forceinline__ int2 banded_tile_of(long long id, int segments, int row_tiles, int band_rows) {
-    const long long band_size = (long long)band_rows * segments;
+__device__ __forceinline__ int2 banded_tile(int band_rows) {
+    const long long id = blockIdx.x + (long long)gridDim.x * blockIdx.y;
+    const long long band_size = (long long)band_rows * gridDim.x;
     const int band = (int)(id / band_size);
     const int first_row = band * band_rows;
-    const int rows_here = min(band_rows, row_tiles - first_row);
+    const int rows_here = min(band_rows, (int)gridDim.y - first_row);
     const int within = (int)(id - band * band_size);
     return make_int2(within / rows_here, first_row + within % rows_here);
-}
-__device__ __forceinline__ int2 banded_tile(int band_rows) {
-    return banded_tile_of(blockIdx.x + (long long)gridDim.x * blockIdx.y, gridDim.x, gridDim.y, band_rows);
 }
 
 enum Pass { FPROP = 0, BPROP = 1, UPDAT = 2 };
@@ -891,105 +888,90 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N * 32)
     store_sparse_tile<K, T, BS>(out, acc, unit, ops.m0, ops.n0, n_rows, ld_other, ld_out, accumulate);
 }
 
-// The three passes on Hopper with a copy warp, persistent: each thread block takes tiles
-// blockIdx.x, blockIdx.x + gridDim.x, ... of the `segments` x `row_tiles` output tiles (updat:
-// row_tiles 1), in the banded order of banded_tile_of. Warp NT / 32 copies: its lanes read 32
-// step-table entries at a time and one lane issues TMA copies of whole swizzled tiles into a
-// ring of STAGES stages, counted in bytes on each stage's "full" barrier. The K::NT threads of
-// the warpgroups wait on it, multiply (wgmma_step, or mma16_step for mma.sync) and release the
-// stage on its "empty" barrier once it has been read. The ring runs on across tiles, so the
-// next tile's copies are in flight while the warps store the last one, and no thread block
-// starts cold; no thread computes copy addresses and no block-wide barrier runs per step.
+// The three passes on Hopper with a copy warp: warp NT / 32 (one thread of it) fills the stages
+// with TMA copies of whole swizzled tiles, counted in bytes on a "full" barrier per stage; the
+// K::NT threads of the warpgroups only wait on it, multiply (wgmma_step) and release the stage
+// on its "empty" barrier once their wgmma group has read it. No thread computes copy addresses
+// and no block-wide barrier runs per step, so the stages run STAGES - 1 steps ahead of the
+// tensor cores (main_loop_wgmma: STAGES - 2, after a barrier a step).
 // Half precision, feature axis 1, aligned, plain layouts (no act_blocks / weight_blocks).
-// act_map: the activations (N rows, features), boxes of BK features x BM rows (fprop, bprop)
-// or BOX x BK batch rows (updat). other_map: fprop/bprop, the weight blocks as (blocks x BS
-// rows, BS columns), boxes of BOX x BK (fprop: one BOX-column panel) or BK x BN (bprop:
-// K-major); updat, dy as (N rows, K features), boxes of BOX x BK. Other parameters as
-// bsmm_matmul's; a tile's grid position comes from the loop, not from blockIdx.
+// act_map: the activations (N rows, features), boxes of 64 features x BM rows (fprop, bprop)
+// or x 64 batch rows (updat). other_map: fprop/bprop, the weight blocks as (blocks x BS rows,
+// BS columns), boxes of 64 x BK (fprop: one 64-column panel) or 64 x BN (bprop: K-major);
+// updat, dy as (N rows, K features), boxes of 64 x 64. Other parameters as bsmm_matmul's.
 template <typename T, int BS, int BM, int BN, int BK, int WARPS_M, int WARPS_N, int STAGES, int MATH, int PASS, int AXIS1,
           int ALIGNED, int GROUPED, int COLS>
 __global__ void __launch_bounds__(WARPS_M* WARPS_N * 32 + 32)
     bsmm_matmul_tma(const T* __restrict__ act, const T* __restrict__ other, T* __restrict__ out,
                     const int4* __restrict__ segments, const int2* __restrict__ units, const int2* __restrict__ table,
                     float* __restrict__ workspace, int* __restrict__ counters, int n_rows, int ld_act, int ld_other,
-                    int ld_out, int accumulate, int band_rows, int segment_count, int row_tiles,
-                    const __grid_constant__ TensorMap act_map, const __grid_constant__ TensorMap other_map) {
+                    int ld_out, int accumulate, int band_rows, const __grid_constant__ TensorMap act_map,
+                    const __grid_constant__ TensorMap other_map) {
     using K = Kernel<T, BS, BM, BN, BK, WARPS_M, WARPS_N, STAGES, MATH, PASS, AXIS1, ALIGNED, GROUPED, COLS, 1>;
-    static_assert(COLS == 1 && !GROUPED && AXIS1 && ALIGNED && sizeof(T) == 2 && BN == BS && (PASS != UPDAT || BM == BS) &&
+    static_assert(COLS == 1 && !GROUPED && AXIS1 && ALIGNED && sizeof(T) == 2 &&
                       (MATH == WGMMA ? PASS == UPDAT || BS % BK == 0 : MATH == TENSOR16 && PASS != UPDAT && BK == BS),
-                  "TMA: wgmma passes, or mma.sync fprop/bprop one block a step; a whole block (column) a tile");
+                  "TMA: wgmma passes, or mma.sync fprop/bprop one block a step; one block (column) a tile");
     // Columns of a box: 128 (wgmma) or 64 (mma.sync, BK = BN = 32) bytes, the swizzle span.
     constexpr int BOX = MATH == WGMMA ? 64 : 32;
-    constexpr int STEPS_PER_BLOCK = PASS == UPDAT ? 1 : BS / BK;
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     extern __shared__ __align__(16) unsigned char smem_raw[];
-    // The swizzle TMA writes and the warps read repeats every 1024 (512) bytes from an aligned base.
+    // The 128-byte swizzle TMA writes and wgmma reads repeats every 1024 bytes from an aligned base.
     T* smem = reinterpret_cast<T*>((reinterpret_cast<size_t>(smem_raw) + 1023) & ~size_t(1023));
     T* const sa = smem;
     T* const sb = smem + STAGES * K::A_STAGE;
     __shared__ __align__(8) unsigned long long full[STAGES], empty[STAGES];
     __shared__ int last_part;
+    __shared__ int2 part_table[PASS == UPDAT ? 1 : BSMM_MAX_PART];
+
+    // updat: y and z index sub-tiles of one weight block, nothing to reorder.
+    const int2 tile = PASS == UPDAT ? make_int2(blockIdx.x, blockIdx.y) : banded_tile(band_rows);
+    const int4 seg = segments[tile.x];
+    const int unit = seg.x, part = seg.w;
+    const int m0 = tile.y * BM, n0 = blockIdx.z * BN;
+    // fprop/bprop: the part's (weight block, activation feature block) entries, BS / BK steps
+    // each; updat: the part's batch rows [seg.y, seg.z), BK a step, of block (row, column).
+    const int n_steps = PASS == UPDAT ? (seg.z - seg.y + BK - 1) / BK : (seg.z - seg.y) * (BS / BK);
+    if constexpr (PASS != UPDAT)
+        for (int i = threadIdx.x; i < seg.z - seg.y; i += K::NT + 32) part_table[i] = table[seg.y + i];
     if (threadIdx.x == K::NT) {
 #pragma unroll
         for (int s = 0; s < STAGES; ++s) {
-            mbarrier_init(&full[s], 1);            // the copy lane's arrive, then the bytes
+            mbarrier_init(&full[s], 1);            // the copy thread's arrive, then the bytes
             mbarrier_init(&empty[s], K::NT / 32);  // one arrive per multiplying warp
         }
         mbarrier_init_fence();
     }
     __syncthreads();
-    const long long tiles = (long long)segment_count * row_tiles;
-    // The tile's segment and row tile; its steps: fprop/bprop, BS / BK per step-table entry of
-    // the segment; updat, BK batch rows each of [seg.y, seg.z), one weight block.
-    auto tile_at = [&](long long t) {
-        return PASS == UPDAT ? make_int2((int)t, 0) : banded_tile_of(t, segment_count, row_tiles, band_rows);
-    };
-    auto steps_of = [](int4 seg) { return PASS == UPDAT ? (seg.z - seg.y + BK - 1) / BK : (seg.z - seg.y) * STEPS_PER_BLOCK; };
 
     if (threadIdx.x >= K::NT) {  // the copy warp
-        const int lane = threadIdx.x % 32;
-        if (lane == 0) {
+        if (threadIdx.x == K::NT) {
             tma_prefetch_map(&act_map);
             tma_prefetch_map(&other_map);
-        }
-        int ring = 0;  // steps issued so far, over all tiles: stage ring % STAGES, pass ring / STAGES
-        for (long long t = blockIdx.x; t < tiles; t += gridDim.x) {
-            const int2 tile = tile_at(t);
-            const int4 seg = segments[tile.x];
-            const int m0 = tile.y * BM;
-            const int2 block = PASS == UPDAT ? table[seg.x] : make_int2(0, 0);
-            const int n_steps = steps_of(seg);
-            int2 entries = make_int2(0, 0);  // lane i: entry (first + i) of the current 32
-            for (int step = 0; step < n_steps; ++step, ++ring) {
-                const int j = step / STEPS_PER_BLOCK;  // fprop/bprop: entry of the segment
-                if (PASS != UPDAT && j % 32 == 0 && step % STEPS_PER_BLOCK == 0)
-                    entries = seg.y + j + lane < seg.z ? table[seg.y + j + lane] : make_int2(0, 0);
-                const int2 entry = PASS == UPDAT ? make_int2(0, 0)
-                                                 : make_int2(__shfl_sync(0xffffffffu, entries.x, j % 32),
-                                                             __shfl_sync(0xffffffffu, entries.y, j % 32));
-                if (lane != 0) continue;
-                const int s = ring % STAGES;
+            const int2 block = PASS == UPDAT ? table[unit] : make_int2(0, 0);
+            for (int step = 0; step < n_steps; ++step) {
+                const int s = step % STAGES;
                 // Refilling stage s waits for the warps' release of its previous use.
-                if (ring >= STAGES) mbarrier_wait(&empty[s], (ring / STAGES - 1) & 1);
+                if (step >= STAGES) mbarrier_wait(&empty[s], (step / STAGES - 1) & 1);
                 mbarrier_arrive_expect_tx(&full[s], (K::A_STAGE + K::B_STAGE) * sizeof(T));
                 T* a = sa + s * K::A_STAGE;
                 T* b = sb + s * K::B_STAGE;
                 if constexpr (PASS == UPDAT) {
-                    // A(m, k) = x[n, c·BS + m], B(k, n') = dy[n, k·BS + n']: BOX-column panels
-                    // BK batch rows deep; rows past N arrive as zeros (parts end on steps).
+                    // A(m, k) = x[n, c·BS + m0 + m], B(k, n') = dy[n, k·BS + n0 + n']: 64-column
+                    // panels BK batch rows deep; rows past N arrive as zeros (parts end on steps).
                     const int n = seg.y + step * BK;
 #pragma unroll
-                    for (int p = 0; p < BM / BOX; ++p) tma_load_2d(a + p * BK * BOX, &act_map, block.x * BS + p * BOX, n, &full[s]);
+                    for (int p = 0; p < BM / BOX; ++p) tma_load_2d(a + p * BK * BOX, &act_map, block.x * BS + m0 + p * BOX, n, &full[s]);
 #pragma unroll
-                    for (int p = 0; p < BN / BOX; ++p) tma_load_2d(b + p * BK * BOX, &other_map, block.y * BS + p * BOX, n, &full[s]);
-                } else {  // entry = (weight block, activation feature block)
-                    const int kin = (step % STEPS_PER_BLOCK) * BK, w_row = entry.x * BS;
+                    for (int p = 0; p < BN / BOX; ++p) tma_load_2d(b + p * BK * BOX, &other_map, block.y * BS + n0 + p * BOX, n, &full[s]);
+                } else {
+                    const int2 entry = part_table[step / (BS / BK)];  // (weight block, activation feature block)
+                    const int kin = (step % (BS / BK)) * BK, w_row = entry.x * BS;
                     tma_load_2d(a, &act_map, entry.y * BS + kin, m0, &full[s]);
-                    if constexpr (PASS == FPROP) {  // B(k, n) = W_b[kin + k][n]: BOX-column panels
+                    if constexpr (PASS == FPROP) {  // B(k, n) = W_b[kin + k][n0 + n]: BOX-column panels
 #pragma unroll
-                        for (int p = 0; p < BN / BOX; ++p) tma_load_2d(b + p * BK * BOX, &other_map, p * BOX, w_row + kin, &full[s]);
-                    } else {  // bprop: B(k, n) = W_b[n][kin + k], K-major rows
-                        tma_load_2d(b, &other_map, kin, w_row, &full[s]);
+                        for (int p = 0; p < BN / BOX; ++p) tma_load_2d(b + p * BK * BOX, &other_map, n0 + p * BOX, w_row + kin, &full[s]);
+                    } else {  // bprop: B(k, n) = W_b[n0 + n][kin + k], K-major rows
+                        tma_load_2d(b, &other_map, kin, w_row + n0, &full[s]);
                     }
                 }
             }
@@ -997,43 +979,39 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N * 32 + 32)
         return;
     }
 
-    int ring = 0;
-    for (long long t = blockIdx.x; t < tiles; t += gridDim.x) {
-        const int2 tile = tile_at(t);
-        const int4 seg = segments[tile.x];
-        const int unit = seg.x, part = seg.w, m0 = tile.y * BM;
-        const int n_steps = steps_of(seg);
-        float acc[K::ACC];
+    float acc[K::ACC];
 #pragma unroll
-        for (int i = 0; i < K::ACC; ++i) acc[i] = 0.f;
-        for (int step = 0; step < n_steps; ++step, ++ring) {
-            const int s = ring % STAGES;
-            mbarrier_wait(&full[s], (ring / STAGES) & 1);
-            if constexpr (MATH == WGMMA) {
-                wgmma_step<K, T>(acc, sa + s * K::A_STAGE, sb + s * K::B_STAGE);
-                wgmma_wait<1>();  // the previous step's group has read its stage: release it
-                if (step > 0 && threadIdx.x % 32 == 0) mbarrier_arrive(&empty[(ring - 1) % STAGES]);
-            } else {
-                unsigned a_frags[1][K::MI][4];
-                mma16_step<K, T, 1>(acc, sa + s * K::A_STAGE, sb + s * K::B_STAGE, a_frags, true);
-                // ldmatrix has read the stage into registers; the arrive orders those reads before it.
-                __syncwarp();
-                if (threadIdx.x % 32 == 0) mbarrier_arrive(&empty[s]);
-            }
-        }
+    for (int i = 0; i < K::ACC; ++i) acc[i] = 0.f;
+    for (int step = 0; step < n_steps; ++step) {
+        const int s = step % STAGES;
+        mbarrier_wait(&full[s], (step / STAGES) & 1);
         if constexpr (MATH == WGMMA) {
-            wgmma_wait<0>();
-            fence_registers(acc);
-            if (n_steps > 0 && threadIdx.x % 32 == 0) mbarrier_arrive(&empty[(ring - 1) % STAGES]);
+            wgmma_step<K, T>(acc, sa + s * K::A_STAGE, sb + s * K::B_STAGE);
+            wgmma_wait<1>();  // the previous step's group has read its stage: release it
+            if (step > 0 && threadIdx.x % 32 == 0) mbarrier_arrive(&empty[(step - 1) % STAGES]);
+        } else {
+            unsigned a_frags[1][K::MI][4];
+            mma16_step<K, T, 1>(acc, sa + s * K::A_STAGE, sb + s * K::B_STAGE, a_frags, true);
+            // ldmatrix has read the stage into registers; the arrive orders those reads before it.
+            __syncwarp();
+            if (threadIdx.x % 32 == 0) mbarrier_arrive(&empty[s]);
         }
-        const int2 unit_info = units[unit];
-        if (unit_info.y > 1 && !reduce_parts<K>(acc, workspace, counters, unit_info, unit, part, row_tiles, tile.y, last_part))
-            continue;
-        if constexpr (PASS == UPDAT)
-            store_block_tile<K, T, BS>(out + (long long)unit * BS * BS, acc, 0, 0, accumulate);
-        else
-            store_sparse_tile<K, T, BS>(out, acc, unit, m0, 0, n_rows, ld_other, ld_out, accumulate);
     }
+    if constexpr (MATH == WGMMA) {
+        wgmma_wait<0>();
+        fence_registers(acc);
+    }
+
+    const int2 unit_info = units[unit];
+    const int tiles_per_unit = gridDim.y * gridDim.z;
+    const int tile_in_unit = blockIdx.z * gridDim.y + tile.y;
+    if (unit_info.y > 1 && !reduce_parts<K>(acc, workspace, counters, unit_info, unit, part, tiles_per_unit, tile_in_unit,
+                                            last_part))
+        return;
+    if constexpr (PASS == UPDAT)
+        store_block_tile<K, T, BS>(out + (long long)unit * BS * BS, acc, m0, n0, accumulate);
+    else
+        store_sparse_tile<K, T, BS>(out, acc, unit, m0, n0, n_rows, ld_other, ld_out, accumulate);
 #else
     __trap();  // TMA variants are built for sm_90a only
 #endif

@@ -511,8 +511,7 @@ def test_banded_order_matches_launch_order(xp, bs, dtype, monkeypatch):
             out = poisoned(xp, reference(case, pass_name).shape, case.x.dtype)
             call(case.op, pass_name, args, out=out)
             plan = next(p for key, p in cuda_backend._PLANS[case.op.index].items() if key[0] == pass_name)
-            row_tiles = plan.row_tiles if plan.variant.tma else plan.launcher.grid[1]  # TMA: persistent grid
-            assert plan.band_rows == band_rows and row_tiles == -(-1000 // plan.variant.tile[0])
+            assert plan.band_rows == band_rows and plan.launcher.grid[1] == -(-1000 // plan.variant.tile[0])
             results.append(to_numpy(out))
         assert_close(results[0], reference(case, pass_name), dtype, f"{pass_name} in bands")
         assert results[0].tobytes() == results[1].tobytes(), f"{pass_name}: bands changed the result"

@@ -2,7 +2,7 @@
 # One call on the lent GPU: compile every kernel variant into the cache, a fast correctness
 # sweep, the GPU test suite, and the benchmark. Full logs go to $OUT; a short table is printed last.
 #   tools/gpu_check.sh [smoke|tests|bench|all|note|conv|models] [bench args...]
-# note: compile, GPU tests, memcheck of the column-group, row-group, transposed-updat, TMA, part-reduction,
+# note: compile, GPU tests, memcheck of the column-group, row-group, transposed-updat, part-reduction,
 # wgmma, shifted-pass, row-gather and convolution tests, bench, then the convolution benchmark against cuDNN.
 # conv: compile, the convolution, row-gather and strided GPU tests, their memcheck, the conv bench.
 # models: the small-world LSTM experiment ($LSTM_BUDGET s, default 240); its table.
@@ -41,7 +41,7 @@ if [[ $stage == note || $stage == conv ]]; then
   t0=$(date +%s)
   compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -q -m gpu tests/test_passes.py \
     tests/test_strided.py tests/test_row_maps.py tests/test_conv.py \
-    -k "column_groups or row_groups or transposed or long_block or wgmma or tma or shifted or gather or 3x3-p1 or 3x3-valid or 3x3-s2-p1" \
+    -k "column_groups or row_groups or transposed or long_block or wgmma or shifted or gather or 3x3-p1 or 3x3-valid or 3x3-s2-p1" \
     -p no:cacheprovider >"$OUT/memcheck.log" 2>&1 || status=1
   echo "memcheck: $(grep -E "ERROR SUMMARY" "$OUT/memcheck.log" | sort | uniq -c | tr -s ' ') $(tail -1 "$OUT/memcheck.log") [$(( $(date +%s) - t0 ))s]"
 fi
