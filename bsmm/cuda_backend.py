@@ -111,7 +111,7 @@ class _Launcher:
     def launch(self, stream_ptr: int, *values: int, map_key=None, make_maps=None) -> None:
         """One launch on ``stream_ptr`` with the kernel's parameters in order. ``make_maps()`` gives
         the tensor maps' bytes; it is called only where ``map_key`` differs from the last launch's
-        (an eager loop over the same arrays skips it: workload S at 2 %, 1.8 us a call)."""
+        (an eager loop over the same arrays skips it)."""
         with self.lock:
             self.pack(self.values, 0, *values)
             if map_key != self.map_key:
@@ -299,10 +299,8 @@ def _build_plan(index: BlockIndex, pass_name: str, n: int, dtype: str, feature_a
     if wgmma is not None:
         mode, tile = "wgmma16", wgmma
         tma = _tma_tile("tma16", index, pass_name, n, arch_key, act_blocks, weight_blocks)
-    elif (mode == "tensor16" and not groups and feature_axis == 1 and aligned and arch_key == "sm90"
-          and pass_name != "updat"
-          and cfg["tma_mma_min_column_blocks"] * index.n_block_cols <= index.nnzb
-          and index.nnzb <= cfg["tma_mma_max_column_blocks"] * index.n_block_cols):
+    elif mode == "tensor16" and not groups and feature_axis == 1 and aligned and pass_name != "updat" and (
+            cfg["tma_mma_min_column_blocks"] <= index.nnzb / max(1, index.n_block_cols) <= cfg["tma_mma_max_column_blocks"]):
         tma = _tma_tile("tma_mma16", index, pass_name, n, arch_key, act_blocks, weight_blocks)
     tile = tma or tile
     bm, bn, bk = tile[:3]
@@ -310,7 +308,6 @@ def _build_plan(index: BlockIndex, pass_name: str, n: int, dtype: str, feature_a
     grouped = pass_name == "updat" and aligned and 0 < n <= bk
     variant = Variant(dtype, bs, tile, mode, pass_name, feature_axis, aligned, grouped, cols, tma is not None)
     kernel = load_kernel(variant, device.id)
-    cfg = settings()["kernels"]
     target_ctas = cfg["waves"] * device.attributes["MultiProcessorCount"]
 
     if grouped:

@@ -888,17 +888,20 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N * 32)
     store_sparse_tile<K, T, BS>(out, acc, unit, ops.m0, ops.n0, n_rows, ld_other, ld_out, accumulate);
 }
 
-// The three passes on Hopper with a copy warp: warp NT / 32 (one thread of it) fills the stages
-// with TMA copies of whole swizzled tiles, counted in bytes on a "full" barrier per stage; the
-// K::NT threads of the warpgroups only wait on it, multiply (wgmma_step) and release the stage
-// on its "empty" barrier once their wgmma group has read it. No thread computes copy addresses
-// and no block-wide barrier runs per step, so the stages run STAGES - 1 steps ahead of the
-// tensor cores (main_loop_wgmma: STAGES - 2, after a barrier a step).
-// Half precision, feature axis 1, aligned, plain layouts (no act_blocks / weight_blocks).
-// act_map: the activations (N rows, features), boxes of 64 features x BM rows (fprop, bprop)
-// or x 64 batch rows (updat). other_map: fprop/bprop, the weight blocks as (blocks x BS rows,
-// BS columns), boxes of 64 x BK (fprop: one 64-column panel) or 64 x BN (bprop: K-major);
-// updat, dy as (N rows, K features), boxes of 64 x 64. Other parameters as bsmm_matmul's.
+// The passes on Hopper with a copy warp: warp NT / 32 (one thread of it) fills the stages with
+// TMA copies of whole swizzled tiles, counted in bytes on a "full" barrier per stage; the K::NT
+// threads of the warps only wait on it, multiply (wgmma_step, or mma16_step on 64-byte
+// swizzled rows) and release the stage on its "empty" barrier once they have read it. No
+// thread computes copy addresses and no block-wide barrier runs per step, so the stages run
+// STAGES - 1 steps ahead of the math (main_loop_wgmma: STAGES - 2, after a barrier a step).
+// Half precision, feature axis 1, aligned, plain layouts (no act_blocks / weight_blocks); one
+// thread block per output tile (a persistent variant that kept the ring running across tiles
+// was slower: results/RESULTS.md, v9). BOX = 64 (wgmma) or 32 (mma.sync) elements.
+// act_map: the activations (N rows, features), boxes of BK features x BM rows (fprop, bprop)
+// or BOX x BK batch rows (updat). other_map: fprop/bprop, the weight blocks as (blocks x BS
+// rows, BS columns), boxes of BOX x BK (fprop: one BOX-column panel) or BK x BN (bprop:
+// K-major); updat, dy as (N rows, K features), boxes of BOX x BK. Other parameters as
+// bsmm_matmul's.
 template <typename T, int BS, int BM, int BN, int BK, int WARPS_M, int WARPS_N, int STAGES, int MATH, int PASS, int AXIS1,
           int ALIGNED, int GROUPED, int COLS>
 __global__ void __launch_bounds__(WARPS_M* WARPS_N * 32 + 32)
