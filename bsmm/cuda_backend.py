@@ -159,37 +159,43 @@ class Plan:
 @dataclasses.dataclass
 class TmaPlan(Plan):
     """A :class:`Plan` of ``bsmm_matmul_tma`` (Hopper): each launch also passes TMA tensor maps
-    (:mod:`bsmm.tensor_maps`) of the activations, N rows of ld_act elements, and of the other
-    operand: fprop/bprop, the weights as ``weight_rows`` rows of one block each; updat, dy as
-    N rows of ld_other. Boxes are (elements, rows)."""
+    (:mod:`bsmm.tensor_maps`) of the activations (N rows of ld_act elements), of the other
+    operand (fprop/bprop: the weights as ``block_rows`` rows of one block each; updat: dy as N
+    rows of ld_other) and of the output (fprop/bprop: N rows of the output features, ld_out
+    apart; updat: the weights' ``block_rows`` rows). Boxes are (elements, rows)."""
 
     act_box: tuple = (64, 64)
     other_box: tuple = (64, 64)
-    weight_rows: int = 0
+    out_box: tuple = (64, 64)
+    block_rows: int = 0  # nnzb x block size
 
     def launch(self, stream_ptr: int, act_ptr: int, other_ptr: int, out_ptr: int, sizes: tuple,
                accumulate: int) -> None:
         self.launcher.launch(stream_ptr, act_ptr, other_ptr, out_ptr, *self.scratch_for(stream_ptr), *sizes, accumulate,
-                             self.band_rows, map_key=(act_ptr, other_ptr, sizes),
-                             make_maps=lambda: self.maps(act_ptr, other_ptr, sizes))
+                             self.band_rows, map_key=(act_ptr, other_ptr, out_ptr, sizes),
+                             make_maps=lambda: self.maps(act_ptr, other_ptr, out_ptr, sizes))
 
-    def maps(self, act_ptr: int, other_ptr: int, sizes: tuple) -> tuple[bytes, bytes]:
-        """The activation and other-operand tensor maps of a launch."""
-        n, ld_act, ld_other = sizes[0], sizes[1], sizes[2]
-        act_map = tensor_map(act_ptr, ld_act, n, 2 * ld_act, *self.act_box)
-        if self.weight_rows:
-            bs = self.variant.block_size
-            return act_map, tensor_map(other_ptr, bs, self.weight_rows, 2 * bs, *self.other_box)
-        return act_map, tensor_map(other_ptr, ld_other, n, 2 * ld_other, *self.other_box)
+    def maps(self, act_ptr: int, other_ptr: int, out_ptr: int, sizes: tuple) -> tuple[bytes, bytes, bytes]:
+        """The activation, other-operand and output tensor maps of a launch (``sizes`` as for
+        :meth:`Plan.launch`; fprop/bprop carry the output blocks in ld_other)."""
+        n, ld_act, ld_other, ld_out = sizes
+        bs = self.variant.block_size
+        act = tensor_map(act_ptr, ld_act, n, 2 * ld_act, *self.act_box)
+        blocks = tensor_map(out_ptr if self.variant.pass_name == "updat" else other_ptr, bs, self.block_rows, 2 * bs,
+                            *(self.out_box if self.variant.pass_name == "updat" else self.other_box))
+        if self.variant.pass_name == "updat":
+            return act, tensor_map(other_ptr, ld_other, n, 2 * ld_other, *self.other_box), blocks
+        return act, blocks, tensor_map(out_ptr, ld_other * bs, n, 2 * ld_out, *self.out_box)
 
     @staticmethod
-    def boxes(variant: Variant) -> tuple[tuple, tuple]:
-        """(activation box, other box) of ``bsmm_matmul_tma``'s copies (its BOX-column panels)."""
+    def boxes(variant: Variant) -> dict:
+        """The boxes of ``bsmm_matmul_tma``'s copies (its BOX-column panels) and stores."""
         bm, bn, bk = variant.tile[:3]
         box = 64 if variant.math == "wgmma16" else 32  # 128- or 64-byte rows
+        out_box = (box, bm)  # (stored by wgmma tiles only)
         if variant.pass_name == "updat":
-            return (box, bk), (box, bk)
-        return (bk, bm), ((box, bk) if variant.pass_name == "fprop" else (bk, bn))
+            return dict(act_box=(box, bk), other_box=(box, bk), out_box=out_box)
+        return dict(act_box=(bk, bm), other_box=(box, bk) if variant.pass_name == "fprop" else (bk, bn), out_box=out_box)
 
 
 def _parts(counts: np.ndarray, part_length: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -366,12 +372,11 @@ def _build_plan(index: BlockIndex, pass_name: str, n: int, dtype: str, feature_a
     units = _unit_table(parts)
     split_parts = int(np.where(parts > 1, parts, 0).sum())
     grid = (len(segments), *grid_yz)
-    tma_fields = {} if tma is None else dict(
-        zip(("act_box", "other_box"), TmaPlan.boxes(variant)), weight_rows=0 if pass_name == "updat" else index.nnzb * bs)
+    tma_fields = {} if tma is None else dict(TmaPlan.boxes(variant), block_rows=index.nnzb * bs)
     with device:
         return (TmaPlan if tma else Plan)(
             variant=variant,
-            launcher=_Launcher(kernel, grid, variant.threads, variant.shared_bytes, map_count=2 if tma else 0),
+            launcher=_Launcher(kernel, grid, variant.threads, variant.shared_bytes, map_count=3 if tma else 0),
             segments=cupy.asarray(segments),
             units=cupy.asarray(units),
             table=cupy.asarray(np.ascontiguousarray(table, dtype=np.int32)),

@@ -53,7 +53,7 @@ class Variant:
     grouped: bool = False  # updat only: a thread block streams a group of blocks, whole batch per step
     cols: int = 1  # fprop/bprop: block columns (rows) per output tile, stepping over their union
     # ``bsmm_matmul_tma`` (sm_90a): stages filled by TMA from a copy warp (one more warp than the
-    # tile's), tensor maps passed by value after the 14 common parameters; wgmma16 passes, or
+    # tile's), three tensor maps passed by value after the 14 common parameters; wgmma16 passes, or
     # tensor16 fprop/bprop one block a step (small batches).
     tma: bool = False
 

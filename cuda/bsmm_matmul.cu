@@ -900,8 +900,9 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N * 32)
 // act_map: the activations (N rows, features), boxes of BK features x BM rows (fprop, bprop)
 // or BOX x BK batch rows (updat). other_map: fprop/bprop, the weight blocks as (blocks x BS
 // rows, BS columns), boxes of BOX x BK (fprop: one BOX-column panel) or BK x BN (bprop:
-// K-major); updat, dy as (N rows, K features), boxes of BOX x BK. Other parameters as
-// bsmm_matmul's.
+// K-major); updat, dy as (N rows, K features), boxes of BOX x BK. out_map (wgmma tiles not
+// cut into parts, written without accumulate): the output, (N rows, features) or (blocks x BS
+// rows, BS columns) for updat, boxes of 64 x BM. Other parameters as bsmm_matmul's.
 template <typename T, int BS, int BM, int BN, int BK, int WARPS_M, int WARPS_N, int STAGES, int MATH, int PASS, int AXIS1,
           int ALIGNED, int GROUPED, int COLS>
 __global__ void __launch_bounds__(WARPS_M* WARPS_N * 32 + 32)
@@ -909,7 +910,7 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N * 32 + 32)
                     const int4* __restrict__ segments, const int2* __restrict__ units, const int2* __restrict__ table,
                     float* __restrict__ workspace, int* __restrict__ counters, int n_rows, int ld_act, int ld_other,
                     int ld_out, int accumulate, int band_rows, const __grid_constant__ TensorMap act_map,
-                    const __grid_constant__ TensorMap other_map) {
+                    const __grid_constant__ TensorMap other_map, const __grid_constant__ TensorMap out_map) {
     using K = Kernel<T, BS, BM, BN, BK, WARPS_M, WARPS_N, STAGES, MATH, PASS, AXIS1, ALIGNED, GROUPED, COLS, 1>;
     static_assert(COLS == 1 && !GROUPED && AXIS1 && ALIGNED && sizeof(T) == 2 &&
                       (MATH == WGMMA ? PASS == UPDAT || BS % BK == 0 : MATH == TENSOR16 && PASS != UPDAT && BK == BS),
@@ -1011,6 +1012,30 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N * 32 + 32)
     if (unit_info.y > 1 && !reduce_parts<K>(acc, workspace, counters, unit_info, unit, part, tiles_per_unit, tile_in_unit,
                                             last_part))
         return;
+    if constexpr (MATH == WGMMA) {
+        if (!accumulate && unit_info.y == 1) {
+            // The tile leaves through shared memory and TMA: the thread block may exit once the
+            // copy has read it, while its writes drain and the next thread block starts on the
+            // SM (fragment stores kept the block 4-byte store by 4-byte store until the end).
+            // The stages are free: every copy has landed and every wgmma has read its stage.
+            sync_threads_named<K::NT>();
+            T* staging = smem;  // BN / 64 panels of BM rows x 64, 128-byte swizzled like the stages
+            for_each_acc<K>([&](int i, int m, int n) {
+                if (i % 2 == 0) Pair<T>::store(staging + swizzled_offset<BM>(m, n), acc[i], acc[i + 1]);
+            });
+            fence_proxy_async();  // written through the generic proxy, read next by the TMA unit
+            sync_threads_named<K::NT>();
+            if (threadIdx.x == 0) {
+                // fprop/bprop: out is (N rows, features), updat: (blocks x BS rows, BS columns).
+#pragma unroll
+                for (int p = 0; p < BN / 64; ++p)
+                    tma_store_2d(&out_map, PASS == UPDAT ? n0 + p * 64 : unit * BS + n0 + p * 64,
+                                 PASS == UPDAT ? unit * BS + m0 : m0, staging + p * BM * 64);
+                tma_store_commit_and_wait_read();
+            }
+            return;
+        }
+    }
     if constexpr (PASS == UPDAT)
         store_block_tile<K, T, BS>(out + (long long)unit * BS * BS, acc, m0, n0, accumulate);
     else

@@ -51,6 +51,21 @@ __device__ __forceinline__ void tma_load_2d(void* dst, const TensorMap* map, int
         : "memory");
 }
 
+// Stores a shared-memory tile as the box at (inner, outer) of a 2-D tensor map; parts of the box
+// outside the tensor are not written. Completes in the thread's bulk group.
+__device__ __forceinline__ void tma_store_2d(const TensorMap* map, int inner, int outer, const void* src) {
+    asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%1, %2}], [%3];\n" ::"l"(
+                     reinterpret_cast<unsigned long long>(map)),
+                 "r"(inner), "r"(outer), "r"(smem_addr(src))
+                 : "memory");
+}
+// Commits the thread's stores and waits until their shared-memory sources have been read (the
+// global writes may still be in flight; the thread block may exit).
+__device__ __forceinline__ void tma_store_commit_and_wait_read() {
+    asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+    asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
+}
+
 // Fetches a tensor map into the cache ahead of its first copy.
 __device__ __forceinline__ void tma_prefetch_map(const TensorMap* map) {
     asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<unsigned long long>(map)) : "memory");
