@@ -448,12 +448,15 @@ def _tma_tile(table: str, index: BlockIndex, pass_name: str, n: int, arch_key: s
     wgmma passes, ``tma_mma16``: mma.sync fprop/bprop), or None.
 
     Plain layouts only: the step tables of shifted passes (convolutions) may point an
-    activation block past the rows a tensor map would describe. ``BSMM_TMA=0`` turns it off,
-    to compare both on one GPU.
+    activation block past the rows a tensor map would describe. wgmma passes of fewer than
+    ``[kernels] tma_min_macs`` multiply-adds keep cp.async. ``BSMM_TMA=0`` turns it off, to
+    compare both on one GPU.
     """
     if (act_blocks is not None or weight_blocks is not None or index.nnzb == 0
             or os.environ.get("BSMM_TMA", "1") == "0"):
         return None
+    if table == "tma16" and n * index.nnzb * index.block_size ** 2 < settings()["kernels"]["tma_min_macs"]:
+        return None  # a pass this short is bound by the host, where a TMA launch costs more
     return tile_for(table, pass_name, index.block_size, n, arch_key, optional=True)
 
 

@@ -497,6 +497,7 @@ def test_banded_order_matches_launch_order(xp, bs, dtype, monkeypatch):
     monkeypatch.setitem(kernels, "min_part_blocks", 2)
     monkeypatch.setitem(kernels, "band_block_sizes", [bs])
     monkeypatch.setitem(kernels, "band_min_weight_bytes", 0)
+    monkeypatch.setitem(kernels, "tma_min_macs", 0)  # blocks 64/128 in bands through TMA as well
     rng = np.random.default_rng([bs, len(dtype), 3])
     layout = random_layout(rng, 7, 5, 0.6)
     layout[:, 1] = 1
@@ -620,6 +621,7 @@ def test_wgmma_passes(xp, dtype, bs, min_part_blocks, tma, monkeypatch):
         pytest.skip("wgmma kernels run on compute capability 9.0 only")
     monkeypatch.delenv("BSMM_WGMMA", raising=False)
     monkeypatch.setenv("BSMM_TMA", "1" if tma else "0")
+    monkeypatch.setitem(bsmm.config.settings()["kernels"], "tma_min_macs", 0)  # these passes are short
     if min_part_blocks is not None:
         monkeypatch.setitem(bsmm.config.settings()["kernels"], "min_part_blocks", min_part_blocks)
     monkeypatch.setattr(cuda_backend, "_PLANS", type(cuda_backend._PLANS)())
@@ -669,6 +671,7 @@ def test_tma_matches_cp_async_bitwise(xp, dtype, bs, n, monkeypatch):
     monkeypatch.setitem(kernels, "min_part_blocks", 2)
     monkeypatch.setitem(kernels, "tma_mma_min_column_blocks", 0)  # any layout takes the small-batch TMA kernel
     monkeypatch.setitem(kernels, "tma_mma_max_column_blocks", 1 << 30)
+    monkeypatch.setitem(kernels, "tma_min_macs", 0)
     # updat's cut of the batch depends on the kernel's occupancy, which differs between the two.
     monkeypatch.setattr(cuda_backend, "_batch_parts", lambda ctas, resident, most: min(3, most))
     rng = np.random.default_rng([bs, len(dtype), 7])

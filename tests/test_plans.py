@@ -138,3 +138,25 @@ def test_fprop_bprop_bands_only_for_large_blocks_whose_weights_outgrow_the_l2(mo
     assert cuda_backend._band_rows(sparse, "fprop", "float16") == 1
     small_blocks = bsmm.block_index(np.ones((64, 64), dtype=np.uint8), 16)  # 2 MiB, block 16
     assert cuda_backend._band_rows(small_blocks, "fprop", "float16") == 1
+
+
+def test_tma_only_for_plain_passes_long_enough_and_listed(monkeypatch):
+    kernels = bsmm.config.settings()["kernels"]
+    monkeypatch.setitem(kernels, "tma_min_macs", 10**9)
+    monkeypatch.delenv("BSMM_TMA", raising=False)
+    index = bsmm.block_index(np.ones((8, 8), dtype=np.uint8), 128)  # 64 blocks of 128 x 128
+    tma = cuda_backend._tma_tile
+    assert tma("tma16", index, "fprop", 1024, "sm90", None, None) is not None  # 1.07e9 multiply-adds
+    assert tma("tma16", index, "updat", 1024, "sm90", None, None) is not None
+    assert tma("tma16", index, "fprop", 512, "sm90", None, None) is None  # short: bound by the host
+    assert tma("tma16", index, "fprop", 1024, "sm80", None, None) is None  # no sm80 table
+    assert tma("tma16", index, "fprop", 1024, "sm90", (0,) * 8, None) is None  # a shifted pass
+    empty = bsmm.block_index(np.zeros((8, 8), dtype=np.uint8), 128)
+    assert tma("tma16", empty, "fprop", 10**6, "sm90", None, None) is None
+    monkeypatch.setenv("BSMM_TMA", "0")
+    assert tma("tma16", index, "fprop", 1024, "sm90", None, None) is None
+    monkeypatch.delenv("BSMM_TMA")
+    small = bsmm.block_index(np.ones((8, 8), dtype=np.uint8), 32)  # the mma.sync table: block 32, N <= 64
+    assert tma("tma_mma16", small, "fprop", 32, "sm90", None, None) == tuple(
+        kernels["sm90"]["tma_mma16"]["sparse"]["32"]["n32"])
+    assert tma("tma_mma16", small, "fprop", 4096, "sm90", None, None) is None
