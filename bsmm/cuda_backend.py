@@ -166,7 +166,7 @@ class TmaPlan(Plan):
 
     act_box: tuple = (64, 64)
     other_box: tuple = (64, 64)
-    out_box: tuple = (64, 64)
+    out_box: tuple | None = None  # None: tiles are not stored through TMA (mma.sync)
     block_rows: int = 0  # nnzb x block size
 
     def launch(self, stream_ptr: int, act_ptr: int, other_ptr: int, out_ptr: int, sizes: tuple,
@@ -177,25 +177,32 @@ class TmaPlan(Plan):
 
     def maps(self, act_ptr: int, other_ptr: int, out_ptr: int, sizes: tuple) -> tuple[bytes, bytes, bytes]:
         """The activation, other-operand and output tensor maps of a launch (``sizes`` as for
-        :meth:`Plan.launch`; fprop/bprop carry the output blocks in ld_other)."""
+        :meth:`Plan.launch`; fprop/bprop carry the output blocks in ld_other). Only wgmma tiles
+        are stored through TMA: the mma.sync kernel gets zeros for the output map."""
         n, ld_act, ld_other, ld_out = sizes
         bs = self.variant.block_size
         act = tensor_map(act_ptr, ld_act, n, 2 * ld_act, *self.act_box)
-        blocks = tensor_map(out_ptr if self.variant.pass_name == "updat" else other_ptr, bs, self.block_rows, 2 * bs,
-                            *(self.out_box if self.variant.pass_name == "updat" else self.other_box))
+        stored = self.out_box is not None
         if self.variant.pass_name == "updat":
-            return act, tensor_map(other_ptr, ld_other, n, 2 * ld_other, *self.other_box), blocks
-        return act, blocks, tensor_map(out_ptr, ld_other * bs, n, 2 * ld_out, *self.out_box)
+            dy = tensor_map(other_ptr, ld_other, n, 2 * ld_other, *self.other_box)
+            return act, dy, tensor_map(out_ptr, bs, self.block_rows, 2 * bs, *self.out_box) if stored else _NO_MAP
+        weights = tensor_map(other_ptr, bs, self.block_rows, 2 * bs, *self.other_box)
+        return act, weights, tensor_map(out_ptr, ld_other * bs, n, 2 * ld_out, *self.out_box) if stored else _NO_MAP
 
     @staticmethod
     def boxes(variant: Variant) -> dict:
-        """The boxes of ``bsmm_matmul_tma``'s copies (its BOX-column panels) and stores."""
+        """The boxes of ``bsmm_matmul_tma``'s copies (its BOX-column panels) and, for wgmma tiles,
+        of its output stores."""
         bm, bn, bk = variant.tile[:3]
-        box = 64 if variant.math == "wgmma16" else 32  # 128- or 64-byte rows
-        out_box = (box, bm)  # (stored by wgmma tiles only)
+        wgmma = variant.math == "wgmma16"
+        box = 64 if wgmma else 32  # 128- or 64-byte rows
+        out_box = (64, bm) if wgmma else None
         if variant.pass_name == "updat":
             return dict(act_box=(box, bk), other_box=(box, bk), out_box=out_box)
         return dict(act_box=(bk, bm), other_box=(box, bk) if variant.pass_name == "fprop" else (bk, bn), out_box=out_box)
+
+
+_NO_MAP = bytes(MAP_BYTES)  # a tensor-map parameter the kernel does not read
 
 
 def _parts(counts: np.ndarray, part_length: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -301,12 +308,11 @@ def _build_plan(index: BlockIndex, pass_name: str, n: int, dtype: str, feature_a
     groups = _column_groups(index, pass_name, mode, n, aligned, arch_key, SUPPORTED_DTYPES[dtype].itemsize)
     tile, cols = (groups[0], groups[1]) if groups else (tile_for(mode, pass_name, bs, n, arch_key), 1)
     wgmma = _wgmma_tile(mode, pass_name, bs, n, feature_axis, aligned, arch_key) if not groups else None
-    tma, cfg = None, settings()["kernels"]
+    tma = None
     if wgmma is not None:
         mode, tile = "wgmma16", wgmma
         tma = _tma_tile("tma16", index, pass_name, n, arch_key, act_blocks, weight_blocks)
-    elif mode == "tensor16" and not groups and feature_axis == 1 and aligned and pass_name != "updat" and (
-            cfg["tma_mma_min_column_blocks"] <= index.nnzb / max(1, index.n_block_cols) <= cfg["tma_mma_max_column_blocks"]):
+    elif mode == "tensor16" and not groups and feature_axis == 1 and aligned:
         tma = _tma_tile("tma_mma16", index, pass_name, n, arch_key, act_blocks, weight_blocks)
     tile = tma or tile
     bm, bn, bk = tile[:3]
@@ -314,6 +320,7 @@ def _build_plan(index: BlockIndex, pass_name: str, n: int, dtype: str, feature_a
     grouped = pass_name == "updat" and aligned and 0 < n <= bk
     variant = Variant(dtype, bs, tile, mode, pass_name, feature_axis, aligned, grouped, cols, tma is not None)
     kernel = load_kernel(variant, device.id)
+    cfg = settings()["kernels"]
     target_ctas = cfg["waves"] * device.attributes["MultiProcessorCount"]
 
     if grouped:
@@ -449,14 +456,19 @@ def _tma_tile(table: str, index: BlockIndex, pass_name: str, n: int, arch_key: s
 
     Plain layouts only: the step tables of shifted passes (convolutions) may point an
     activation block past the rows a tensor map would describe. wgmma passes of fewer than
-    ``[kernels] tma_min_macs`` multiply-adds keep cp.async. ``BSMM_TMA=0`` turns it off, to
-    compare both on one GPU.
+    ``[kernels] tma_min_macs`` multiply-adds keep cp.async; mma.sync passes take TMA only at
+    ``tma_mma_min_column_blocks`` to ``tma_mma_max_column_blocks`` blocks per block column
+    (``bsmm.toml`` says why). ``BSMM_TMA=0`` turns it off, to compare both on one GPU.
     """
+    cfg = settings()["kernels"]
     if (act_blocks is not None or weight_blocks is not None or index.nnzb == 0
             or os.environ.get("BSMM_TMA", "1") == "0"):
         return None
-    if table == "tma16" and n * index.nnzb * index.block_size ** 2 < settings()["kernels"]["tma_min_macs"]:
+    if table == "tma16" and n * index.nnzb * index.block_size ** 2 < cfg["tma_min_macs"]:
         return None  # a pass this short is bound by the host, where a TMA launch costs more
+    if table == "tma_mma16" and (pass_name == "updat" or not cfg["tma_mma_min_column_blocks"] <= index.nnzb / max(
+            1, index.n_block_cols) <= cfg["tma_mma_max_column_blocks"]):
+        return None
     return tile_for(table, pass_name, index.block_size, n, arch_key, optional=True)
 
 

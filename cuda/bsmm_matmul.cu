@@ -900,9 +900,10 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N * 32)
 // act_map: the activations (N rows, features), boxes of BK features x BM rows (fprop, bprop)
 // or BOX x BK batch rows (updat). other_map: fprop/bprop, the weight blocks as (blocks x BS
 // rows, BS columns), boxes of BOX x BK (fprop: one BOX-column panel) or BK x BN (bprop:
-// K-major); updat, dy as (N rows, K features), boxes of BOX x BK. out_map (wgmma tiles not
-// cut into parts, written without accumulate): the output, (N rows, features) or (blocks x BS
-// rows, BS columns) for updat, boxes of 64 x BM. Other parameters as bsmm_matmul's.
+// K-major); updat, dy as (N rows, K features), boxes of BOX x BK. out_map (read by wgmma
+// tiles not cut into parts, written without accumulate; zeros for mma.sync): the output,
+// (N rows, features) or (blocks x BS rows, BS columns) for updat, boxes of 64 x BM. Other
+// parameters as bsmm_matmul's.
 template <typename T, int BS, int BM, int BN, int BK, int WARPS_M, int WARPS_N, int STAGES, int MATH, int PASS, int AXIS1,
           int ALIGNED, int GROUPED, int COLS>
 __global__ void __launch_bounds__(WARPS_M* WARPS_N * 32 + 32)
@@ -917,6 +918,7 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N * 32 + 32)
                   "TMA: wgmma passes, or mma.sync fprop/bprop one block a step; one block (column) a tile");
     // Columns of a box: 128 (wgmma) or 64 (mma.sync, BK = BN = 32) bytes, the swizzle span.
     constexpr int BOX = MATH == WGMMA ? 64 : 32;
+    static_assert(MATH != WGMMA || BM * BN <= STAGES * (K::A_STAGE + K::B_STAGE), "the stored tile fits the stages");
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     extern __shared__ __align__(16) unsigned char smem_raw[];
     // The 128-byte swizzle TMA writes and wgmma reads repeats every 1024 bytes from an aligned base.

@@ -156,7 +156,13 @@ def test_tma_only_for_plain_passes_long_enough_and_listed(monkeypatch):
     monkeypatch.setenv("BSMM_TMA", "0")
     assert tma("tma16", index, "fprop", 1024, "sm90", None, None) is None
     monkeypatch.delenv("BSMM_TMA")
-    small = bsmm.block_index(np.ones((8, 8), dtype=np.uint8), 32)  # the mma.sync table: block 32, N <= 64
+    small = bsmm.block_index(np.ones((32, 8), dtype=np.uint8), 32)  # the mma.sync table: block 32, N <= 64
     assert tma("tma_mma16", small, "fprop", 32, "sm90", None, None) == tuple(
-        kernels["sm90"]["tma_mma16"]["sparse"]["32"]["n32"])
+        kernels["sm90"]["tma_mma16"]["sparse"]["32"]["n32"])  # 32 blocks per block column
     assert tma("tma_mma16", small, "fprop", 4096, "sm90", None, None) is None
+    assert tma("tma_mma16", small, "updat", 32, "sm90", None, None) is None
+    monkeypatch.setitem(kernels, "tma_mma_max_column_blocks", 16)  # above the window: L1 sharing wins
+    assert tma("tma_mma16", small, "fprop", 32, "sm90", None, None) is None
+    monkeypatch.setitem(kernels, "tma_mma_max_column_blocks", 64)
+    monkeypatch.setitem(kernels, "tma_mma_min_column_blocks", 33)  # below it: the host's call wins
+    assert tma("tma_mma16", small, "fprop", 32, "sm90", None, None) is None
