@@ -166,13 +166,17 @@ class TmaPlan(Plan):
 
     act_box: tuple = (64, 64)
     other_box: tuple = (64, 64)
-    out_box: tuple | None = None  # None: tiles are not stored through TMA (mma.sync)
+    out_box: tuple | None = None  # None: tiles are not stored through TMA (mma.sync, row groups)
     block_rows: int = 0  # nnzb x block size
+    feature_rows: tuple = (0, 0)  # (C, K): the rows of x and dy on feature axis 0
 
     def launch(self, stream_ptr: int, act_ptr: int, other_ptr: int, out_ptr: int, sizes: tuple,
                accumulate: int) -> None:
+        # A new output array (each eager call's) changes no map the kernel reads where tiles
+        # are not stored through TMA.
+        out_key = out_ptr if self.out_box is not None else None
         self.launcher.launch(stream_ptr, act_ptr, other_ptr, out_ptr, *self.scratch_for(stream_ptr), *sizes, accumulate,
-                             self.band_rows, map_key=(act_ptr, other_ptr, out_ptr, sizes),
+                             self.band_rows, map_key=(act_ptr, other_ptr, out_key, sizes),
                              make_maps=lambda: self.maps(act_ptr, other_ptr, out_ptr, sizes))
 
     def maps(self, act_ptr: int, other_ptr: int, out_ptr: int, sizes: tuple) -> tuple[bytes, bytes, bytes]:
@@ -181,6 +185,9 @@ class TmaPlan(Plan):
         are stored through TMA: the mma.sync kernel gets zeros for the output map."""
         n, ld_act, ld_other, ld_out = sizes
         bs = self.variant.block_size
+        if self.variant.feature_axis == 0:  # updat row groups: xᵀ and dyᵀ, N columns (past N: zeros)
+            return (tensor_map(act_ptr, n, self.feature_rows[0], 2 * ld_act, *self.act_box),
+                    tensor_map(other_ptr, n, self.feature_rows[1], 2 * ld_other, *self.other_box), _NO_MAP)
         act = tensor_map(act_ptr, ld_act, n, 2 * ld_act, *self.act_box)
         stored = self.out_box is not None
         if self.variant.pass_name == "updat":
@@ -196,6 +203,8 @@ class TmaPlan(Plan):
         bm, bn, bk = variant.tile[:3]
         wgmma = variant.math == "wgmma16"
         box = 64 if wgmma else 32  # 128- or 64-byte rows
+        if variant.cols > 1:  # updat row groups: BK batch columns of one block's BS feature rows
+            return dict(act_box=(bk, variant.block_size), other_box=(bk, variant.block_size), out_box=None)
         out_box = (64, bm) if wgmma else None
         if variant.pass_name == "updat":
             return dict(act_box=(box, bk), other_box=(box, bk), out_box=out_box)
@@ -279,13 +288,15 @@ def _row_groups(index: BlockIndex, cols: int, window: int | None = None) -> np.n
 
 
 def _column_groups(index: BlockIndex, pass_name: str, mode: str, n: int, aligned: bool, arch_key: str,
-                   item_bytes: int = 2):
+                   item_bytes: int = 2, tile: tuple | None = None):
     """(tile, cols, step table, steps per unit) of a column-group launch where one pays, else None.
 
     updat: row groups (:func:`_row_groups`; steps per unit is None), a batch past one step only,
-    where the groups hold enough blocks on average.
+    where the groups hold enough blocks on average. ``tile``: the [..., COLS] tile to use
+    instead of the ``mode`` table's (the transposed wgmma row groups of :func:`_rows_tma_tile`).
     """
-    tile = tile_for(mode, pass_name, index.block_size, n, arch_key, columns=True) if aligned else None
+    if tile is None and aligned:
+        tile = tile_for(mode, pass_name, index.block_size, n, arch_key, columns=True)
     if tile is None or (pass_name == "updat" and n <= tile[2]):
         return None
     if pass_name == "updat":
@@ -305,11 +316,15 @@ def _build_plan(index: BlockIndex, pass_name: str, n: int, dtype: str, feature_a
     bs = index.block_size
     mode = math_mode(dtype, pass_name, bs, tf32)
     arch_key = f"sm{device.compute_capability}"
-    groups = _column_groups(index, pass_name, mode, n, aligned, arch_key, SUPPORTED_DTYPES[dtype].itemsize)
+    rows_tma = (_rows_tma_tile(index, mode, n, feature_axis, aligned, arch_key, act_blocks)
+                if pass_name == "updat" else None)
+    groups = _column_groups(index, pass_name, mode, n, aligned, arch_key, SUPPORTED_DTYPES[dtype].itemsize, rows_tma)
     tile, cols = (groups[0], groups[1]) if groups else (tile_for(mode, pass_name, bs, n, arch_key), 1)
     wgmma = _wgmma_tile(mode, pass_name, bs, n, feature_axis, aligned, arch_key) if not groups else None
     tma = None
-    if wgmma is not None:
+    if groups and rows_tma is not None:
+        mode, tma = "wgmma16", tile
+    elif wgmma is not None:
         mode, tile = "wgmma16", wgmma
         tma = _tma_tile("tma16", index, pass_name, n, arch_key, act_blocks, weight_blocks)
     elif mode == "tensor16" and not groups and feature_axis == 1 and aligned:
@@ -379,7 +394,8 @@ def _build_plan(index: BlockIndex, pass_name: str, n: int, dtype: str, feature_a
     units = _unit_table(parts)
     split_parts = int(np.where(parts > 1, parts, 0).sum())
     grid = (len(segments), *grid_yz)
-    tma_fields = {} if tma is None else dict(TmaPlan.boxes(variant), block_rows=index.nnzb * bs)
+    tma_fields = {} if tma is None else dict(TmaPlan.boxes(variant), block_rows=index.nnzb * bs,
+                                             feature_rows=(index.C, index.K))
     with device:
         return (TmaPlan if tma else Plan)(
             variant=variant,
@@ -449,8 +465,19 @@ def _wgmma_tile(mode: str, pass_name: str, block_size: int, n: int, feature_axis
     return tile_for("wgmma16", pass_name, block_size, n, arch_key, optional=True)
 
 
+def _rows_tma_tile(index: BlockIndex, mode: str, n: int, feature_axis: int, aligned: bool, arch_key: str,
+                   act_blocks) -> tuple | None:
+    """The [..., COLS] tile of updat row groups through transposed wgmma (``[kernels.sm90.tma16.updat_rows]``,
+    blocks 16/32), or None: half precision on feature axis 0 (the layout of the transposed
+    copies, :class:`TransposedUpdat`), aligned, on sm_90a, with the conditions of :func:`_tma_tile`.
+    ``BSMM_WGMMA=0`` turns it off with the other wgmma kernels."""
+    if mode != "tensor16" or feature_axis != 0 or not aligned or os.environ.get("BSMM_WGMMA", "1") == "0":
+        return None
+    return _tma_tile("tma16", index, "updat", n, arch_key, act_blocks, None, columns=True)
+
+
 def _tma_tile(table: str, index: BlockIndex, pass_name: str, n: int, arch_key: str, act_blocks,
-              weight_blocks) -> tuple | None:
+              weight_blocks, columns: bool = False) -> tuple | None:
     """The tile of ``bsmm_matmul_tma`` (:class:`TmaPlan`) from launch table ``table`` (``tma16``:
     wgmma passes, ``tma_mma16``: mma.sync fprop/bprop), or None.
 
@@ -469,7 +496,7 @@ def _tma_tile(table: str, index: BlockIndex, pass_name: str, n: int, arch_key: s
     if table == "tma_mma16" and (pass_name == "updat" or not cfg["tma_mma_min_column_blocks"] <= index.nnzb / max(
             1, index.n_block_cols) <= cfg["tma_mma_max_column_blocks"]):
         return None
-    return tile_for(table, pass_name, index.block_size, n, arch_key, optional=True)
+    return tile_for(table, pass_name, index.block_size, n, arch_key, columns=columns, optional=True)
 
 
 _PLANS: "weakref.WeakKeyDictionary[BlockIndex, dict]" = weakref.WeakKeyDictionary()

@@ -62,6 +62,11 @@ struct Kernel {
     // updat: an output tile is up to COLS present blocks of one block row, side by side; each
     // step loads the x tile once for all of them (small blocks otherwise read it once per block).
     static constexpr int COLS = COLS_;
+    // updat row groups on wgmma (bsmm_matmul_tma, on the (features, N) copies of feature axis 0)
+    // compute the group's tile transposed, dWᵀ = dyᵀ·x: M runs over the COLS blocks' dy features
+    // (BM = COLS x BS, 64 rows a warpgroup, which a single block of 16 or 32 could not fill) and
+    // N over the block row's BS x features (BN = BS).
+    static constexpr bool ROWS_T = MATH_ == WGMMA && COLS_ > 1;
     static constexpr int NT = WARPS_M * WARPS_N * 32;
     static constexpr int VEC = 16 / sizeof(T);  // elements per 16-byte copy
     // Which operand dimension is contiguous in shared memory (as it is in global memory).
@@ -93,23 +98,24 @@ struct Kernel {
     static constexpr int TX = BN < 16 ? BN : 16, TY = NT / TX, TM = BM / TY, TN = BN / TX;
     static constexpr int ACC = MATH == SIMT ? TM * TN : MATH == WGMMA ? BN / 2 : MI * NJ * 4;
     // wgmma instruction width along N (m64nWNk16): the widest that divides the tile.
-    static constexpr int WN = BN % 128 == 0 ? 128 : 64;
+    static constexpr int WN = BN % 128 == 0 ? 128 : BN % 64 == 0 ? 64 : BN;
 
     static_assert(BK % VEC == 0 && BM % VEC == 0 && BN % VEC == 0, "tiles must be whole 16-byte chunks");
     static_assert(COLS > 1 || (BN <= BS && BS % BN == 0), "an output tile stays inside one block column");
-    static_assert(COLS == 1 || (BN == COLS * BS && WARPS_N == COLS && ALIGNED_ && (MATH_ == TENSOR16 || MATH_ == TF32) &&
-                                (PASS_ == UPDAT ? BM == BS && !GROUPED_ : BK == BS)),
+    static_assert(COLS == 1 || (ROWS_T ? PASS_ == UPDAT && BM == COLS * BS && BN == BS && !AXIS1_ :
+                                (BN == COLS * BS && WARPS_N == COLS && (MATH_ == TENSOR16 || MATH_ == TF32) &&
+                                 (PASS_ == UPDAT ? BM == BS && !GROUPED_ : BK == BS))) && ALIGNED_,
                   "column groups: one block per warp column, one block row per step (updat: whole blocks), "
-                  "aligned tensor-core copies");
+                  "aligned tensor-core copies; transposed wgmma row groups: the blocks along M");
     static_assert(MATH != TENSOR16 || (BK % 16 == 0 && WTM % 16 == 0 && WTN % 8 == 0), "m16n8k16 tiling");
     static_assert(MATH != TF32 || (BK % 8 == 0 && WTM % 16 == 0 && WTN % 8 == 0), "m16n8k8 tiling");
     static_assert(MATH != SIMT || (TY * TX == NT && TM * TY == BM && TN * TX == BN), "SIMT tiling");
     static_assert(!GROUPED || (PASS == UPDAT && ALIGNED), "grouping is an updat mode of the aligned copy path");
-    // wgmma: a warpgroup (4 warps) owns 64 rows and all BN columns, as BN / 64 m64n64k16 tiles.
+    // wgmma: a warpgroup (4 warps) owns 64 rows and all BN columns, as BN / WN m64nWNk16 tiles.
     static_assert(MATH != WGMMA || (sizeof(T) == 2 && BK == 64 && (PASS == UPDAT || BK <= BS) && BM % 64 == 0 &&
-                                    BN % 64 == 0 && WARPS_N == 1 && WARPS_M * 16 == BM && AXIS1_ && ALIGNED_ &&
-                                    !GROUPED_ && COLS_ == 1),
-                  "wgmma: 16-bit, aligned, feature axis 1, BK = 64, 64-row warpgroups");
+                                    WARPS_N == 1 && WARPS_M * 16 == BM && ALIGNED_ && !GROUPED_ &&
+                                    (ROWS_T ? BN % 16 == 0 : BN % 64 == 0 && AXIS1_)),
+                  "wgmma: 16-bit, aligned, feature axis 1 (row groups: 0), BK = 64, 64-row warpgroups");
 
     // Where element (row, col) of a ROWS x COLS tile (COLS contiguous) lives in its stage.
     template <int ROWS, int PITCH>
@@ -657,6 +663,17 @@ __device__ __forceinline__ void store_block_tile(T* block_out, const float (&acc
     }
 }
 
+// Writes K::VEC consecutive outputs from float sums (added to what dst holds if accumulate) as
+// one 16-byte store.
+template <class K, typename T>
+__device__ __forceinline__ void store_chunk(T* dst, const float* sums, int accumulate) {
+    uint4 pack = accumulate ? *reinterpret_cast<const uint4*>(dst) : make_uint4(0, 0, 0, 0);
+    T* v = reinterpret_cast<T*>(&pack);
+#pragma unroll
+    for (int e = 0; e < K::VEC; ++e) v[e] = Elem<T>::from_float(sums[e] + (accumulate ? Elem<T>::to_float(v[e]) : 0.f));
+    *reinterpret_cast<uint4*>(dst) = pack;
+}
+
 // The same for grouped updat, through shared memory: the tile is parked in ``staging`` as floats
 // and each thread then writes whole 16-byte runs of the block's rows (one 2 KiB run for a
 // 32 x 32 block). Fragments would store 4-byte pairs, eight rows a warp instruction, and those
@@ -674,13 +691,30 @@ __device__ __forceinline__ void store_block_tile_staged(T* block_out, const floa
 #pragma unroll
     for (int c = threadIdx.x; c < CHUNKS; c += K::NT) {
         const int row = c / (K::BN / K::VEC), col = (c % (K::BN / K::VEC)) * K::VEC;
-        T* dst = block_out + (m0 + row) * BS + n0 + col;
-        uint4 pack = accumulate ? *reinterpret_cast<const uint4*>(dst) : make_uint4(0, 0, 0, 0);
-        T* v = reinterpret_cast<T*>(&pack);
-        const float* sums = staging + row * PITCH + col;
+        store_chunk<K, T>(block_out + (m0 + row) * BS + n0 + col, staging + row * PITCH + col, accumulate);
+    }
+}
+
+// The tile of a transposed wgmma row group (K::ROWS_T): accumulator (m, n) is element (n, m % BS)
+// of the group's block m / BS. Parked transposed in `staging` as floats (rows BS + 4 apart: the
+// fragment writes of a warp then hit 32 different banks), then written as 16-byte runs of the
+// blocks' rows; absent blocks of the group are not written. Called by the K::NT consumer threads
+// once the stages are free.
+template <class K, typename T, int BS>
+__device__ __forceinline__ void store_row_group_transposed(T* __restrict__ out, const float (&acc)[K::ACC],
+                                                           const int* group, int accumulate, float* staging) {
+    constexpr int PITCH = BS + 4, CHUNKS = K::COLS * BS * BS / K::VEC, BLOCK_CHUNKS = BS * BS / K::VEC;
+    static_assert(K::ROWS_T && K::COLS * BS * PITCH * 4 <= K::STAGES * (K::A_STAGE + K::B_STAGE) * (int)sizeof(T),
+                  "the staged group fits the stages");
+    sync_threads_named<K::NT>();  // both warpgroups are done with the stages
+    for_each_acc<K>([&](int i, int m, int n) { staging[((m / BS) * BS + n) * PITCH + m % BS] = acc[i]; });
+    sync_threads_named<K::NT>();
 #pragma unroll
-        for (int e = 0; e < K::VEC; ++e) v[e] = Elem<T>::from_float(sums[e] + (accumulate ? Elem<T>::to_float(v[e]) : 0.f));
-        *reinterpret_cast<uint4*>(dst) = pack;
+    for (int c = threadIdx.x; c < CHUNKS; c += K::NT) {
+        const int j = c / BLOCK_CHUNKS, row = (c % BLOCK_CHUNKS) / (BS / K::VEC), col = (c % (BS / K::VEC)) * K::VEC;
+        const int id = group[1 + K::COLS + j];
+        if (id >= 0) store_chunk<K, T>(out + (long long)id * BS * BS + row * BS + col, staging + (j * BS + row) * PITCH + col,
+                                       accumulate);
     }
 }
 
@@ -902,8 +936,10 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N * 32)
 // rows, BS columns), boxes of BOX x BK (fprop: one BOX-column panel) or BK x BN (bprop:
 // K-major); updat, dy as (N rows, K features), boxes of BOX x BK. out_map (read by wgmma
 // tiles not cut into parts, written without accumulate; zeros for mma.sync): the output,
-// (N rows, features) or (blocks x BS rows, BS columns) for updat, boxes of 64 x BM. Other
-// parameters as bsmm_matmul's.
+// (N rows, features) or (blocks x BS rows, BS columns) for updat, boxes of 64 x BM.
+// Transposed updat row groups (K::ROWS_T, blocks 16/32 on feature axis 0): act_map and
+// other_map hold xᵀ and dyᵀ as (features rows, N columns), boxes of BK x BS, and the table one
+// row-group entry per unit; out_map is unused. Other parameters as bsmm_matmul's.
 template <typename T, int BS, int BM, int BN, int BK, int WARPS_M, int WARPS_N, int STAGES, int MATH, int PASS, int AXIS1,
           int ALIGNED, int GROUPED, int COLS>
 __global__ void __launch_bounds__(WARPS_M* WARPS_N * 32 + 32)
@@ -913,9 +949,12 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N * 32 + 32)
                     int ld_out, int accumulate, int band_rows, const __grid_constant__ TensorMap act_map,
                     const __grid_constant__ TensorMap other_map, const __grid_constant__ TensorMap out_map) {
     using K = Kernel<T, BS, BM, BN, BK, WARPS_M, WARPS_N, STAGES, MATH, PASS, AXIS1, ALIGNED, GROUPED, COLS, 1>;
-    static_assert(COLS == 1 && !GROUPED && AXIS1 && ALIGNED && sizeof(T) == 2 &&
-                      (MATH == WGMMA ? PASS == UPDAT || BS % BK == 0 : MATH == TENSOR16 && PASS != UPDAT && BK == BS),
-                  "TMA: wgmma passes, or mma.sync fprop/bprop one block a step; one block (column) a tile");
+    static_assert(!GROUPED && ALIGNED && sizeof(T) == 2 &&
+                      (K::ROWS_T || (COLS == 1 && AXIS1 &&
+                                     (MATH == WGMMA ? PASS == UPDAT || BS % BK == 0
+                                                    : MATH == TENSOR16 && PASS != UPDAT && BK == BS))),
+                  "TMA: wgmma passes, or mma.sync fprop/bprop one block a step; one block (column) a tile, or "
+                  "transposed updat row groups");
     // Columns of a box: 128 (wgmma) or 64 (mma.sync, BK = BN = 32) bytes, the swizzle span.
     constexpr int BOX = MATH == WGMMA ? 64 : 32;
     static_assert(MATH != WGMMA || BM * BN <= STAGES * (K::A_STAGE + K::B_STAGE), "the stored tile fits the stages");
@@ -928,6 +967,8 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N * 32 + 32)
     __shared__ __align__(8) unsigned long long full[STAGES], empty[STAGES];
     __shared__ int last_part;
     __shared__ int2 part_table[PASS == UPDAT ? 1 : BSMM_MAX_PART];
+    // Row groups: (block row, block column of each of the COLS blocks or -1, storage index or -1).
+    __shared__ int group[K::ROWS_T ? 2 * COLS + 1 : 1];
 
     // updat: y and z index sub-tiles of one weight block, nothing to reorder.
     const int2 tile = PASS == UPDAT ? make_int2(blockIdx.x, blockIdx.y) : banded_tile(band_rows);
@@ -937,8 +978,12 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N * 32 + 32)
     // fprop/bprop: the part's (weight block, activation feature block) entries, BS / BK steps
     // each; updat: the part's batch rows [seg.y, seg.z), BK a step, of block (row, column).
     const int n_steps = PASS == UPDAT ? (seg.z - seg.y + BK - 1) / BK : (seg.z - seg.y) * (BS / BK);
-    if constexpr (PASS != UPDAT)
+    if constexpr (K::ROWS_T) {
+        const int* entry = reinterpret_cast<const int*>(table) + (long long)unit * (2 * COLS + 1);
+        for (int i = threadIdx.x; i < 2 * COLS + 1; i += K::NT + 32) group[i] = entry[i];
+    } else if constexpr (PASS != UPDAT) {
         for (int i = threadIdx.x; i < seg.z - seg.y; i += K::NT + 32) part_table[i] = table[seg.y + i];
+    }
     if (threadIdx.x == K::NT) {
 #pragma unroll
         for (int s = 0; s < STAGES; ++s) {
@@ -953,15 +998,28 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N * 32 + 32)
         if (threadIdx.x == K::NT) {
             tma_prefetch_map(&act_map);
             tma_prefetch_map(&other_map);
-            const int2 block = PASS == UPDAT ? table[unit] : make_int2(0, 0);
+            const int2 block = PASS == UPDAT && !K::ROWS_T ? table[unit] : make_int2(0, 0);
+            // Row groups copy only their present blocks' rows (the others' accumulators are never stored).
+            int present = COLS;
+            if constexpr (K::ROWS_T)
+                for (int j = 0; j < COLS; ++j) present -= group[1 + j] < 0;
+            const unsigned step_bytes = (K::ROWS_T ? present * BS * BK + K::B_STAGE : K::A_STAGE + K::B_STAGE) * sizeof(T);
             for (int step = 0; step < n_steps; ++step) {
                 const int s = step % STAGES;
                 // Refilling stage s waits for the warps' release of its previous use.
                 if (step >= STAGES) mbarrier_wait(&empty[s], (step / STAGES - 1) & 1);
-                mbarrier_arrive_expect_tx(&full[s], (K::A_STAGE + K::B_STAGE) * sizeof(T));
+                mbarrier_arrive_expect_tx(&full[s], step_bytes);
                 T* a = sa + s * K::A_STAGE;
                 T* b = sb + s * K::B_STAGE;
-                if constexpr (PASS == UPDAT) {
+                if constexpr (K::ROWS_T) {
+                    // A: BS rows of dyᵀ for each present block of the group, B: the BS rows of xᵀ of
+                    // its block row; K-major boxes of BK batch columns (past N: zeros).
+                    const int n = seg.y + step * BK;
+#pragma unroll
+                    for (int j = 0; j < COLS; ++j)
+                        if (group[1 + j] >= 0) tma_load_2d(a + j * BS * BK, &other_map, n, group[1 + j] * BS, &full[s]);
+                    tma_load_2d(b, &act_map, n, group[0] * BS, &full[s]);
+                } else if constexpr (PASS == UPDAT) {
                     // A(m, k) = x[n, c·BS + m0 + m], B(k, n') = dy[n, k·BS + n0 + n']: 64-column
                     // panels BK batch rows deep; rows past N arrive as zeros (parts end on steps).
                     const int n = seg.y + step * BK;
@@ -1014,7 +1072,10 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N * 32 + 32)
     if (unit_info.y > 1 && !reduce_parts<K>(acc, workspace, counters, unit_info, unit, part, tiles_per_unit, tile_in_unit,
                                             last_part))
         return;
-    if constexpr (MATH == WGMMA) {
+    if constexpr (K::ROWS_T) {
+        store_row_group_transposed<K, T, BS>(out, acc, group, accumulate, reinterpret_cast<float*>(smem));
+        return;
+    } else if constexpr (MATH == WGMMA) {
         if (!accumulate && unit_info.y == 1) {
             // The tile leaves through shared memory and TMA: the thread block may exit once the
             // copy has read it, while its writes drain and the next thread block starts on the

@@ -51,8 +51,12 @@ struct Wgmma {
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 // The accumulator operands of one instruction: registers %0 .. %(N/2 - 1).
+#define BSMM_WGMMA_D8 "{%0, %1, %2, %3, %4, %5, %6, %7}"
+#define BSMM_WGMMA_D16 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}"
 #define BSMM_WGMMA_D32 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
 #define BSMM_WGMMA_D64 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}"
+#define BSMM_WGMMA_OUT8 "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+#define BSMM_WGMMA_OUT16 "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
 #define BSMM_WGMMA_OUT32 "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
 #define BSMM_WGMMA_OUT64 "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
 // One specialization per (element type, N); the descriptors and transpose flags follow the
@@ -70,11 +74,23 @@ struct Wgmma {
                          : "l"(a_desc), "l"(b_desc), "n"(TRANS_A ? 1 : 0), "n"(TRANS_B ? 1 : 0));                  \
         }                                                                                                          \
     };
+BSMM_WGMMA(__half, "f16", 16, BSMM_WGMMA_D8, BSMM_WGMMA_OUT8, "%8", "%9", "%10", "%11")
+BSMM_WGMMA(__half, "f16", 32, BSMM_WGMMA_D16, BSMM_WGMMA_OUT16, "%16", "%17", "%18", "%19")
 BSMM_WGMMA(__half, "f16", 64, BSMM_WGMMA_D32, BSMM_WGMMA_OUT32, "%32", "%33", "%34", "%35")
 BSMM_WGMMA(__half, "f16", 128, BSMM_WGMMA_D64, BSMM_WGMMA_OUT64, "%64", "%65", "%66", "%67")
+BSMM_WGMMA(__nv_bfloat16, "bf16", 16, BSMM_WGMMA_D8, BSMM_WGMMA_OUT8, "%8", "%9", "%10", "%11")
+BSMM_WGMMA(__nv_bfloat16, "bf16", 32, BSMM_WGMMA_D16, BSMM_WGMMA_OUT16, "%16", "%17", "%18", "%19")
 BSMM_WGMMA(__nv_bfloat16, "bf16", 64, BSMM_WGMMA_D32, BSMM_WGMMA_OUT32, "%32", "%33", "%34", "%35")
 BSMM_WGMMA(__nv_bfloat16, "bf16", 128, BSMM_WGMMA_D64, BSMM_WGMMA_OUT64, "%64", "%65", "%66", "%67")
 #undef BSMM_WGMMA
+#undef BSMM_WGMMA_D8
+#undef BSMM_WGMMA_D16
+#undef BSMM_WGMMA_D32
+#undef BSMM_WGMMA_D64
+#undef BSMM_WGMMA_OUT8
+#undef BSMM_WGMMA_OUT16
+#undef BSMM_WGMMA_OUT32
+#undef BSMM_WGMMA_OUT64
 #endif
 
 }  // namespace bsmm

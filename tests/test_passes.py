@@ -532,19 +532,35 @@ def check_updat_repeat_accumulate(xp, rng, case: Case, args: tuple) -> None:
     assert_close(to_numpy(summed), as_float64(start) + reference(case, "updat"), dtype, f"updat += N={n}")
 
 
+def use_wgmma(xp, monkeypatch, wgmma: bool) -> bool:
+    """Lets the sm_90a wgmma/TMA kernels take even short passes (``wgmma``), or turns them off;
+    returns whether they can run on this GPU."""
+    if wgmma:
+        monkeypatch.delenv("BSMM_WGMMA", raising=False)
+        monkeypatch.delenv("BSMM_TMA", raising=False)
+        monkeypatch.setitem(bsmm.config.settings()["kernels"], "tma_min_macs", 0)
+    else:
+        monkeypatch.setenv("BSMM_WGMMA", "0")
+    return wgmma and xp.cuda.Device().compute_capability == "90"
+
+
 @pytest.mark.gpu
+@pytest.mark.parametrize("wgmma", [True, False], ids=["wgmma", "mma_sync"])
 @pytest.mark.parametrize("bs, cols", [(16, 8), (32, 4)])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("batch_parts", [False, True])
 @pytest.mark.parametrize("feature_axis", [1, 0])
-def test_updat_row_groups(xp, bs, cols, dtype, batch_parts, feature_axis, monkeypatch):
+def test_updat_row_groups(xp, bs, cols, dtype, batch_parts, feature_axis, wgmma, monkeypatch):
     """GPU: updat tiles of several blocks of one block row sharing their x tile, forced for
     every layout: partial last groups, empty and full block rows, N off the tile depth, batches
-    cut into parts (ordered reduction); NaN-poisoned output, bitwise repeat, accumulate."""
+    cut into parts (ordered reduction); NaN-poisoned output, bitwise repeat, accumulate. On
+    Hopper, feature axis 0 also runs as transposed wgmma groups (bsmm_matmul_tma), whose
+    absent group members are never copied."""
     if xp is np:
         pytest.skip("the CPU backend has no row groups")
     from bsmm import cuda_backend
 
+    hopper = use_wgmma(xp, monkeypatch, wgmma)
     kernels = bsmm.config.settings()["kernels"]
     monkeypatch.setitem(kernels, "group_min_blocks_per_step", 0)
     monkeypatch.setitem(kernels, "updat_transpose", [])  # test_updat_through_transposed_copies
@@ -563,20 +579,26 @@ def test_updat_row_groups(xp, bs, cols, dtype, batch_parts, feature_axis, monkey
     plans = [p for key, p in cuda_backend._PLANS[case.op.index].items() if key[0] == "updat"]
     assert plans and all(p.variant.cols == cols for p in plans), "updat did not run on row groups"
     assert any(p.workspace_floats > 0 for p in plans) == batch_parts
+    on_wgmma = hopper and feature_axis == 0
+    assert all(p.variant.tma == on_wgmma and (p.variant.math == "wgmma16") == on_wgmma for p in plans), \
+        f"wgmma row groups {'did not run' if on_wgmma else 'ran'}"
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("wgmma", [True, False], ids=["wgmma", "mma_sync"])
 @pytest.mark.parametrize("bs", [16, 32])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-def test_updat_through_transposed_copies(xp, bs, dtype, monkeypatch):
+def test_updat_through_transposed_copies(xp, bs, dtype, wgmma, monkeypatch):
     """GPU: updat on feature axis 1 through transposed copies of x and dy (forced here for
     blocks 16 and 32): the copies equal x and dy transposed with zero-padded batch columns
     (N off 8 included), the result the reference; NaN-poisoned output, bitwise repeat,
-    accumulate, inputs unchanged; refused past the workspace limit."""
+    accumulate, inputs unchanged; refused past the workspace limit. On Hopper the copies
+    feed transposed wgmma row groups, or (BSMM_WGMMA=0) mma.sync."""
     if xp is np:
         pytest.skip("transposed copies are a GPU path")
     from bsmm import cuda_backend
 
+    hopper = use_wgmma(xp, monkeypatch, wgmma)
     kernels = bsmm.config.settings()["kernels"]
     monkeypatch.setitem(kernels, "updat_transpose", [bs])
     monkeypatch.setitem(kernels, "updat_transpose_min_rows", 65)
@@ -594,6 +616,7 @@ def test_updat_through_transposed_copies(xp, bs, dtype, monkeypatch):
         assert all(to_numpy(a).tobytes() == b.tobytes() for a, b in zip(args, before)), "input modified"
         plan = next(p for key, p in cuda_backend._PLANS[case.op.index].items() if key[0] == "updat" and key[1] == n)
         assert isinstance(plan, cuda_backend.TransposedUpdat), "updat did not take the transposed copies"
+        assert plan.variant.tma == hopper and plan.variant.cols > 1, f"{plan.variant} under the copies"
         (x_t, dy_t), = plan.workspaces.values()
         for copy, source in ((x_t, args[0]), (dy_t, args[1])):
             padded = np.zeros((source.shape[1], -(-n // 8) * 8), dtype=case.x.dtype)

@@ -166,3 +166,26 @@ def test_tma_only_for_plain_passes_long_enough_and_listed(monkeypatch):
     monkeypatch.setitem(kernels, "tma_mma_max_column_blocks", 64)
     monkeypatch.setitem(kernels, "tma_mma_min_column_blocks", 33)  # below it: the host's call wins
     assert tma("tma_mma16", small, "fprop", 32, "sm90", None, None) is None
+
+
+def test_transposed_wgmma_row_groups_only_for_half_precision_axis_0_on_hopper(monkeypatch):
+    kernels = bsmm.config.settings()["kernels"]
+    monkeypatch.setitem(kernels, "tma_min_macs", 10**9)
+    monkeypatch.delenv("BSMM_TMA", raising=False)
+    monkeypatch.delenv("BSMM_WGMMA", raising=False)
+    index = bsmm.block_index(np.ones((64, 64), dtype=np.uint8), 32)  # 4096 blocks of 32 x 32
+    rows = cuda_backend._rows_tma_tile
+    listed = tuple(kernels["sm90"]["tma16"]["updat_rows"]["32"]["any"])
+    assert rows(index, "tensor16", 256, 0, True, "sm90", None) == listed  # 1.07e9 multiply-adds
+    assert listed[0] == listed[6] * 32 and listed[1] == 32, "M holds the group's blocks, N one block"
+    assert rows(index, "tensor16", 128, 0, True, "sm90", None) is None  # short: bound by the host
+    assert rows(index, "tensor16", 256, 1, True, "sm90", None) is None  # (N, features): mma.sync groups
+    assert rows(index, "tensor16", 256, 0, False, "sm90", None) is None  # unaligned
+    assert rows(index, "simt", 256, 0, True, "sm90", None) is None  # float32
+    assert rows(index, "tensor16", 256, 0, True, "sm80", None) is None
+    for off in ("BSMM_TMA", "BSMM_WGMMA"):
+        monkeypatch.setenv(off, "0")
+        assert rows(index, "tensor16", 256, 0, True, "sm90", None) is None
+        monkeypatch.delenv(off)
+    wide = bsmm.block_index(np.ones((8, 8), dtype=np.uint8), 64)  # no row-group table at block 64
+    assert rows(wide, "tensor16", 10**5, 0, True, "sm90", None) is None
