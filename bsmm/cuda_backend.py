@@ -189,6 +189,8 @@ class TmaPlan(Plan):
             return (tensor_map(act_ptr, n, self.feature_rows[0], 2 * ld_act, *self.act_box),
                     tensor_map(other_ptr, n, self.feature_rows[1], 2 * ld_other, *self.other_box), _NO_MAP)
         act = tensor_map(act_ptr, ld_act, n, 2 * ld_act, *self.act_box)
+        if self.variant.cols > 1:  # updat row groups on feature axis 1: x and dy as they are
+            return act, tensor_map(other_ptr, ld_other, n, 2 * ld_other, *self.other_box), _NO_MAP
         stored = self.out_box is not None
         if self.variant.pass_name == "updat":
             dy = tensor_map(other_ptr, ld_other, n, 2 * ld_other, *self.other_box)
@@ -203,8 +205,9 @@ class TmaPlan(Plan):
         bm, bn, bk = variant.tile[:3]
         wgmma = variant.math == "wgmma16"
         box = 64 if wgmma else 32  # 128- or 64-byte rows
-        if variant.cols > 1:  # updat row groups: BK batch columns of one block's BS feature rows
-            return dict(act_box=(bk, variant.block_size), other_box=(bk, variant.block_size), out_box=None)
+        if variant.cols > 1:  # updat row groups: one block's features by BK batch rows
+            box = (bk, variant.block_size) if variant.feature_axis == 0 else (variant.block_size, bk)
+            return dict(act_box=box, other_box=box, out_box=None)
         out_box = (64, bm) if wgmma else None
         if variant.pass_name == "updat":
             return dict(act_box=(box, bk), other_box=(box, bk), out_box=out_box)
@@ -468,10 +471,11 @@ def _wgmma_tile(mode: str, pass_name: str, block_size: int, n: int, feature_axis
 def _rows_tma_tile(index: BlockIndex, mode: str, n: int, feature_axis: int, aligned: bool, arch_key: str,
                    act_blocks) -> tuple | None:
     """The [..., COLS] tile of updat row groups through transposed wgmma (``[kernels.sm90.tma16.updat_rows]``,
-    blocks 16/32), or None: half precision on feature axis 0 (the layout of the transposed
-    copies, :class:`TransposedUpdat`), aligned, on sm_90a, with the conditions of :func:`_tma_tile`.
-    ``BSMM_WGMMA=0`` turns it off with the other wgmma kernels."""
-    if mode != "tensor16" or feature_axis != 0 or not aligned or os.environ.get("BSMM_WGMMA", "1") == "0":
+    blocks 16/32), or None: half precision on the feature axes of ``[kernels] updat_rows_tma_axes``,
+    aligned, on sm_90a, with the conditions of :func:`_tma_tile`. ``BSMM_WGMMA=0`` turns it off
+    with the other wgmma kernels."""
+    if (mode != "tensor16" or feature_axis not in settings()["kernels"]["updat_rows_tma_axes"] or not aligned
+            or os.environ.get("BSMM_WGMMA", "1") == "0"):
         return None
     return _tma_tile("tma16", index, "updat", n, arch_key, act_blocks, None, columns=True)
 

@@ -1,7 +1,7 @@
 """TMA tensor maps for the Hopper kernels (``bsmm_matmul_tma`` in ``cuda/bsmm_matmul.cu``).
 
 A tensor map describes a 2-D array in GPU memory (address, sizes, row pitch) and the box one
-TMA copy moves, with the swizzle the kernels read (128 bytes for wgmma, 64 for mma.sync). The CUDA driver encodes it
+TMA copy moves, with the swizzle the kernels read (the bytes of a box row: 128, 64 or 32). The CUDA driver encodes it
 (``cuTensorMapEncodeTiled``, reached through ctypes: CuPy does not wrap it); the 128 bytes are
 then passed by value as a kernel parameter. Encoding costs a few microseconds, so maps are
 kept per (address, shape, box): CuPy's memory pool hands the same addresses back, and an
@@ -19,7 +19,7 @@ __all__ = ["MAP_BYTES", "encode_2d", "tensor_map"]
 MAP_BYTES = 128
 _UINT16 = 1  # CU_TENSOR_MAP_DATA_TYPE_UINT16: float16 and bfloat16 are moved as bits
 _INTERLEAVE_NONE = 0
-_SWIZZLES = {128: 3, 64: 2}  # CU_TENSOR_MAP_SWIZZLE_128B / _64B, by the bytes of a box row
+_SWIZZLES = {128: 3, 64: 2, 32: 1}  # CU_TENSOR_MAP_SWIZZLE_128B / _64B / _32B, by the bytes of a box row
 _L2_PROMOTION_256B = 3
 _OOB_FILL_ZEROS = 0  # CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE: out-of-bounds elements arrive as zeros
 _CACHE_LIMIT = 4096
@@ -39,12 +39,13 @@ def _encoder():
 
 def encode_2d(address: int, inner: int, outer: int, row_bytes: int, box_inner: int, box_outer: int) -> bytes:
     """The map of ``outer`` rows of ``inner`` 2-byte elements, rows ``row_bytes`` apart, copied
-    in boxes of ``box_outer`` rows x ``box_inner`` elements, a box row (128 or 64 bytes) being
+    in boxes of ``box_outer`` rows x ``box_inner`` elements, a box row (128, 64 or 32 bytes) being
     the span of the swizzle the kernels read. Raises ValueError naming what the hardware refuses."""
     if address % 16 or row_bytes % 16:
         raise ValueError(f"TMA needs 16-byte aligned rows: address {address:#x}, row pitch {row_bytes} bytes")
     if box_inner * 2 not in _SWIZZLES or not 0 < box_outer <= 256:
-        raise ValueError(f"TMA box {box_inner} x {box_outer}: 64 or 32 elements (128 or 64 bytes) by at most 256 rows")
+        raise ValueError(f"TMA box {box_inner} x {box_outer}: 64, 32 or 16 elements (128, 64 or 32 bytes) by at most "
+                         "256 rows")
     storage = (ctypes.c_uint64 * (MAP_BYTES // 8))()
     dims = (ctypes.c_uint64 * 2)(inner, outer)
     strides = (ctypes.c_uint64 * 1)(row_bytes)

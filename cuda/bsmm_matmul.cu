@@ -62,10 +62,11 @@ struct Kernel {
     // updat: an output tile is up to COLS present blocks of one block row, side by side; each
     // step loads the x tile once for all of them (small blocks otherwise read it once per block).
     static constexpr int COLS = COLS_;
-    // updat row groups on wgmma (bsmm_matmul_tma, on the (features, N) copies of feature axis 0)
-    // compute the group's tile transposed, dWᵀ = dyᵀ·x: M runs over the COLS blocks' dy features
-    // (BM = COLS x BS, 64 rows a warpgroup, which a single block of 16 or 32 could not fill) and
-    // N over the block row's BS x features (BN = BS).
+    // updat row groups on wgmma (bsmm_matmul_tma) compute the group's tile transposed,
+    // dWᵀ = dyᵀ·x: M runs over the COLS blocks' dy features (BM = COLS x BS, 64 rows a
+    // warpgroup, which a single block of 16 or 32 could not fill) and N over the block row's BS
+    // x features (BN = BS). Feature axis 0: K-major 128-byte rows; feature axis 1: each block's
+    // BK x BS panel as TMA writes it, BS x 2 bytes a row with the swizzle of that span (MN-major).
     static constexpr bool ROWS_T = MATH_ == WGMMA && COLS_ > 1;
     static constexpr int NT = WARPS_M * WARPS_N * 32;
     static constexpr int VEC = 16 / sizeof(T);  // elements per 16-byte copy
@@ -102,7 +103,7 @@ struct Kernel {
 
     static_assert(BK % VEC == 0 && BM % VEC == 0 && BN % VEC == 0, "tiles must be whole 16-byte chunks");
     static_assert(COLS > 1 || (BN <= BS && BS % BN == 0), "an output tile stays inside one block column");
-    static_assert(COLS == 1 || (ROWS_T ? PASS_ == UPDAT && BM == COLS * BS && BN == BS && !AXIS1_ :
+    static_assert(COLS == 1 || (ROWS_T ? PASS_ == UPDAT && BM == COLS * BS && BN == BS :
                                 (BN == COLS * BS && WARPS_N == COLS && (MATH_ == TENSOR16 || MATH_ == TF32) &&
                                  (PASS_ == UPDAT ? BM == BS && !GROUPED_ : BK == BS))) && ALIGNED_,
                   "column groups: one block per warp column, one block row per step (updat: whole blocks), "
@@ -114,8 +115,9 @@ struct Kernel {
     // wgmma: a warpgroup (4 warps) owns 64 rows and all BN columns, as BN / WN m64nWNk16 tiles.
     static_assert(MATH != WGMMA || (sizeof(T) == 2 && BK == 64 && (PASS == UPDAT || BK <= BS) && BM % 64 == 0 &&
                                     WARPS_N == 1 && WARPS_M * 16 == BM && ALIGNED_ && !GROUPED_ &&
-                                    (ROWS_T ? BN % 16 == 0 : BN % 64 == 0 && AXIS1_)),
-                  "wgmma: 16-bit, aligned, feature axis 1 (row groups: 0), BK = 64, 64-row warpgroups");
+                                    (ROWS_T ? (BS == 16 || BS == 32) : BN % 64 == 0 && AXIS1_)),
+                  "wgmma: 16-bit, aligned, feature axis 1 (row groups: either, blocks 16/32), BK = 64, "
+                  "64-row warpgroups");
 
     // Where element (row, col) of a ROWS x COLS tile (COLS contiguous) lives in its stage.
     template <int ROWS, int PITCH>
@@ -544,10 +546,26 @@ __device__ __forceinline__ void main_loop(Load&& load, int n_steps, T* smem, flo
 // as asynchronous wgmma and committed as one group (the caller waits for it).
 template <class K, typename T>
 __device__ __forceinline__ void wgmma_step(float (&acc)[K::ACC], const T* a_stage, const T* b) {
-    // This warpgroup's 64 rows of A: 64 K-major rows, or (updat, M-major) one 64-column panel.
+    // This warpgroup's 64 rows of A: 64 K-major rows, or (updat, M-major) one 64-column panel
+    // (row groups on feature axis 1: 64 / BS panels of BS columns).
     const T* a = a_stage + (threadIdx.x / 128) * 64 * K::BK;
     wgmma_fence();
     fence_registers(acc);
+    if constexpr (K::ROWS_T && !K::A_KMAJOR) {
+        // MN-major panels of BN (= BS) columns, BK rows of BN x 2 bytes, swizzled over that span:
+        // 8-row atoms BN x 16 bytes apart along K (stride offset), panels BN x BK elements
+        // apart along M (leading offset; B is a single panel). 16 rows of K start 16 BN
+        // elements further, a whole number of atoms.
+        constexpr int SWIZZLE = K::BN * sizeof(T);
+        constexpr unsigned ATOMS = 8 * K::BN * sizeof(T), PANELS = K::BN * K::BK * sizeof(T);
+#pragma unroll
+        for (int kk = 0; kk < K::BK; kk += 16)
+            Wgmma<T, K::BN>::template run<true, true>(acc, wgmma_descriptor<SWIZZLE>(a + kk * K::BN, PANELS, ATOMS),
+                                                      wgmma_descriptor<SWIZZLE>(b + kk * K::BN, PANELS, ATOMS));
+        wgmma_commit();
+        fence_registers(acc);
+        return;
+    }
 #pragma unroll
     for (int kk = 0; kk < K::BK; kk += 16) {
         // A: K-major rows of 128 bytes, atoms 1024 bytes apart along M; M-major (updat): rows
@@ -937,9 +955,9 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N * 32)
 // K-major); updat, dy as (N rows, K features), boxes of BOX x BK. out_map (read by wgmma
 // tiles not cut into parts, written without accumulate; zeros for mma.sync): the output,
 // (N rows, features) or (blocks x BS rows, BS columns) for updat, boxes of 64 x BM.
-// Transposed updat row groups (K::ROWS_T, blocks 16/32 on feature axis 0): act_map and
-// other_map hold xᵀ and dyᵀ as (features rows, N columns), boxes of BK x BS, and the table one
-// row-group entry per unit; out_map is unused. Other parameters as bsmm_matmul's.
+// Transposed updat row groups (K::ROWS_T, blocks 16/32): act_map and other_map hold x and dy,
+// boxes of BS features x BK batch rows (feature axis 0: BK x BS), and the table one row-group
+// entry per unit; out_map is unused. Other parameters as bsmm_matmul's.
 template <typename T, int BS, int BM, int BN, int BK, int WARPS_M, int WARPS_N, int STAGES, int MATH, int PASS, int AXIS1,
           int ALIGNED, int GROUPED, int COLS>
 __global__ void __launch_bounds__(WARPS_M* WARPS_N * 32 + 32)
@@ -1012,13 +1030,16 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N * 32 + 32)
                 T* a = sa + s * K::A_STAGE;
                 T* b = sb + s * K::B_STAGE;
                 if constexpr (K::ROWS_T) {
-                    // A: BS rows of dyᵀ for each present block of the group, B: the BS rows of xᵀ of
-                    // its block row; K-major boxes of BK batch columns (past N: zeros).
+                    // A: the BS dy features of each present block of the group, B: the BS x
+                    // features of its block row, BK batch rows (past N: zeros). Feature axis 0:
+                    // K-major boxes of xᵀ and dyᵀ; axis 1: MN-major boxes of x and dy.
                     const int n = seg.y + step * BK;
 #pragma unroll
                     for (int j = 0; j < COLS; ++j)
-                        if (group[1 + j] >= 0) tma_load_2d(a + j * BS * BK, &other_map, n, group[1 + j] * BS, &full[s]);
-                    tma_load_2d(b, &act_map, n, group[0] * BS, &full[s]);
+                        if (group[1 + j] >= 0)
+                            tma_load_2d(a + j * BS * BK, &other_map, AXIS1 ? group[1 + j] * BS : n,
+                                        AXIS1 ? n : group[1 + j] * BS, &full[s]);
+                    tma_load_2d(b, &act_map, AXIS1 ? group[0] * BS : n, AXIS1 ? n : group[0] * BS, &full[s]);
                 } else if constexpr (PASS == UPDAT) {
                     // A(m, k) = x[n, c·BS + m0 + m], B(k, n') = dy[n, k·BS + n0 + n']: 64-column
                     // panels BK batch rows deep; rows past N arrive as zeros (parts end on steps).

@@ -17,13 +17,17 @@ __device__ __forceinline__ int swizzled_offset(int row, int col) {
     return panel * ROWS * 64 + row * 64 + ((chunk ^ (row % 8)) * 8) + col % 8;
 }
 
-// Matrix descriptor of a swizzled operand starting at p: 128-byte swizzle (mode 1, bits 62-63);
-// lbo/sbo in bytes. Moving the start by 32 bytes steps 16 elements along K inside a
-// K-major row; the hardware applies the swizzle to the resulting addresses.
+// Matrix descriptor of a swizzled operand starting at p; lbo/sbo in bytes. SWIZZLE: the bytes
+// of a swizzled row, 128 (mode 1 in bits 62-63), 64 (mode 2) or 32 (mode 3), the span of the
+// TMA swizzle that wrote the tile. Moving the start by 32 bytes steps 16 elements along K
+// inside a K-major 128-byte row; the hardware applies the swizzle to the resulting addresses.
+template <int SWIZZLE = 128>
 __device__ __forceinline__ unsigned long long wgmma_descriptor(const void* p, unsigned lbo, unsigned sbo) {
+    static_assert(SWIZZLE == 128 || SWIZZLE == 64 || SWIZZLE == 32, "wgmma swizzle modes");
+    constexpr unsigned long long MODE = SWIZZLE == 128 ? 1 : SWIZZLE == 64 ? 2 : 3;
     const unsigned long long addr = smem_addr(p);
     return ((addr & 0x3FFFF) >> 4) | ((unsigned long long)((lbo >> 4) & 0x3FFF) << 16) |
-           ((unsigned long long)((sbo >> 4) & 0x3FFF) << 32) | (1ull << 62);
+           ((unsigned long long)((sbo >> 4) & 0x3FFF) << 32) | (MODE << 62);
 }
 
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }

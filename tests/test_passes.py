@@ -554,8 +554,8 @@ def test_updat_row_groups(xp, bs, cols, dtype, batch_parts, feature_axis, wgmma,
     """GPU: updat tiles of several blocks of one block row sharing their x tile, forced for
     every layout: partial last groups, empty and full block rows, N off the tile depth, batches
     cut into parts (ordered reduction); NaN-poisoned output, bitwise repeat, accumulate. On
-    Hopper, feature axis 0 also runs as transposed wgmma groups (bsmm_matmul_tma), whose
-    absent group members are never copied."""
+    Hopper they also run as transposed wgmma groups (bsmm_matmul_tma; feature axis 1: MN-major
+    boxes of x and dy as they are), whose absent group members are never copied."""
     if xp is np:
         pytest.skip("the CPU backend has no row groups")
     from bsmm import cuda_backend
@@ -579,7 +579,7 @@ def test_updat_row_groups(xp, bs, cols, dtype, batch_parts, feature_axis, wgmma,
     plans = [p for key, p in cuda_backend._PLANS[case.op.index].items() if key[0] == "updat"]
     assert plans and all(p.variant.cols == cols for p in plans), "updat did not run on row groups"
     assert any(p.workspace_floats > 0 for p in plans) == batch_parts
-    on_wgmma = hopper and feature_axis == 0
+    on_wgmma = hopper
     assert all(p.variant.tma == on_wgmma and (p.variant.math == "wgmma16") == on_wgmma for p in plans), \
         f"wgmma row groups {'did not run' if on_wgmma else 'ran'}"
 

@@ -179,7 +179,9 @@ def test_transposed_wgmma_row_groups_only_for_half_precision_axis_0_on_hopper(mo
     assert rows(index, "tensor16", 256, 0, True, "sm90", None) == listed  # 1.07e9 multiply-adds
     assert listed[0] == listed[6] * 32 and listed[1] == 32, "M holds the group's blocks, N one block"
     assert rows(index, "tensor16", 128, 0, True, "sm90", None) is None  # short: bound by the host
-    assert rows(index, "tensor16", 256, 1, True, "sm90", None) is None  # (N, features): mma.sync groups
+    assert rows(index, "tensor16", 256, 1, True, "sm90", None) == listed  # x and dy as they are
+    monkeypatch.setitem(kernels, "updat_rows_tma_axes", [0])
+    assert rows(index, "tensor16", 256, 1, True, "sm90", None) is None
     assert rows(index, "tensor16", 256, 0, False, "sm90", None) is None  # unaligned
     assert rows(index, "simt", 256, 0, True, "sm90", None) is None  # float32
     assert rows(index, "tensor16", 256, 0, True, "sm80", None) is None

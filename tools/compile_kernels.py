@@ -38,9 +38,10 @@ def all_variants() -> list[Variant | GatherVariant | TransposeVariant]:
                                 variants.add(Variant(dtype, bs, tma, "wgmma16", pass_name, 1, True, tma=True))
                         rows_tma = tile_for("tma16", pass_name, bs, n, "sm90", columns=True)
                         if mode == "tensor16" and rows_tma and pass_name == "updat" and n > 64:
-                            # transposed wgmma row groups on feature axis 0 (cuda_backend._rows_tma_tile)
-                            variants.add(Variant(dtype, bs, rows_tma[:6], "wgmma16", pass_name, 0, True, False,
-                                                 rows_tma[6], tma=True))
+                            # transposed wgmma row groups (cuda_backend._rows_tma_tile)
+                            for axis in (0, 1):
+                                variants.add(Variant(dtype, bs, rows_tma[:6], "wgmma16", pass_name, axis, True, False,
+                                                     rows_tma[6], tma=True))
                         tma_mma = tile_for("tma_mma16", pass_name, bs, n, "sm90", optional=True)
                         if mode == "tensor16" and tma_mma and pass_name != "updat":  # mma.sync fed by TMA
                             variants.add(Variant(dtype, bs, tma_mma, mode, pass_name, 1, True, tma=True))
