@@ -189,8 +189,6 @@ class TmaPlan(Plan):
             return (tensor_map(act_ptr, n, self.feature_rows[0], 2 * ld_act, *self.act_box),
                     tensor_map(other_ptr, n, self.feature_rows[1], 2 * ld_other, *self.other_box), _NO_MAP)
         act = tensor_map(act_ptr, ld_act, n, 2 * ld_act, *self.act_box)
-        if self.variant.cols > 1:  # updat row groups on feature axis 1: x and dy as they are
-            return act, tensor_map(other_ptr, ld_other, n, 2 * ld_other, *self.other_box), _NO_MAP
         stored = self.out_box is not None
         if self.variant.pass_name == "updat":
             dy = tensor_map(other_ptr, ld_other, n, 2 * ld_other, *self.other_box)
@@ -205,9 +203,12 @@ class TmaPlan(Plan):
         bm, bn, bk = variant.tile[:3]
         wgmma = variant.math == "wgmma16"
         box = 64 if wgmma else 32  # 128- or 64-byte rows
-        if variant.cols > 1:  # updat row groups: one block's features by BK batch rows
-            box = (bk, variant.block_size) if variant.feature_axis == 0 else (variant.block_size, bk)
+        bs = variant.block_size
+        if variant.cols > 1 and variant.pass_name == "updat":  # row groups: one block's features by BK batch rows
+            box = (bk, bs) if variant.feature_axis == 0 else (bs, bk)
             return dict(act_box=box, other_box=box, out_box=None)
+        if variant.cols > 1:  # column groups: one block's features by BM rows, whole weight blocks
+            return dict(act_box=(bs, bm), other_box=(bs, bs), out_box=(64, bm))
         out_box = (64, bm) if wgmma else None
         if variant.pass_name == "updat":
             return dict(act_box=(box, bk), other_box=(box, bk), out_box=out_box)
@@ -295,9 +296,11 @@ def _column_groups(index: BlockIndex, pass_name: str, mode: str, n: int, aligned
     """(tile, cols, step table, steps per unit) of a column-group launch where one pays, else None.
 
     updat: row groups (:func:`_row_groups`; steps per unit is None), a batch past one step only,
-    where the groups hold enough blocks on average. ``tile``: the [..., COLS] tile to use
-    instead of the ``mode`` table's (the transposed wgmma row groups of :func:`_rows_tma_tile`).
+    where the groups hold enough blocks on average (``[kernels] group_min_blocks_per_step``).
+    ``tile``: the wgmma group tile of :func:`_group_tma_tile` to use instead of the ``mode``
+    table's, with ``wgmma_group_min_blocks_per_step`` as the threshold.
     """
+    key = "group_min_blocks_per_step" if tile is None else "wgmma_group_min_blocks_per_step"
     if tile is None and aligned:
         tile = tile_for(mode, pass_name, index.block_size, n, arch_key, columns=True)
     if tile is None or (pass_name == "updat" and n <= tile[2]):
@@ -308,7 +311,7 @@ def _column_groups(index: BlockIndex, pass_name: str, mode: str, n: int, aligned
         table, counts = _row_groups(index, tile[6], window), None
     else:
         table, counts = _group_steps(index, pass_name == "fprop", tile[6])
-    if index.nnzb < settings()["kernels"]["group_min_blocks_per_step"] * max(1, len(table)):
+    if index.nnzb < settings()["kernels"][key] * max(1, len(table)):
         return None  # too sparse: most steps (groups) would feed one block, as without groups
     return tile[:6], tile[6], table, counts
 
@@ -319,13 +322,16 @@ def _build_plan(index: BlockIndex, pass_name: str, n: int, dtype: str, feature_a
     bs = index.block_size
     mode = math_mode(dtype, pass_name, bs, tf32)
     arch_key = f"sm{device.compute_capability}"
-    rows_tma = (_rows_tma_tile(index, mode, n, feature_axis, aligned, arch_key, act_blocks)
-                if pass_name == "updat" else None)
-    groups = _column_groups(index, pass_name, mode, n, aligned, arch_key, SUPPORTED_DTYPES[dtype].itemsize, rows_tma)
+    item_bytes = SUPPORTED_DTYPES[dtype].itemsize
+    group_tma = _group_tma_tile(index, pass_name, mode, n, feature_axis, aligned, arch_key, act_blocks, weight_blocks)
+    groups = _column_groups(index, pass_name, mode, n, aligned, arch_key, item_bytes, group_tma) if group_tma else None
+    on_wgmma_groups = groups is not None
+    if groups is None:
+        groups = _column_groups(index, pass_name, mode, n, aligned, arch_key, item_bytes)
     tile, cols = (groups[0], groups[1]) if groups else (tile_for(mode, pass_name, bs, n, arch_key), 1)
     wgmma = _wgmma_tile(mode, pass_name, bs, n, feature_axis, aligned, arch_key) if not groups else None
     tma = None
-    if groups and rows_tma is not None:
+    if on_wgmma_groups:
         mode, tma = "wgmma16", tile
     elif wgmma is not None:
         mode, tile = "wgmma16", wgmma
@@ -468,16 +474,17 @@ def _wgmma_tile(mode: str, pass_name: str, block_size: int, n: int, feature_axis
     return tile_for("wgmma16", pass_name, block_size, n, arch_key, optional=True)
 
 
-def _rows_tma_tile(index: BlockIndex, mode: str, n: int, feature_axis: int, aligned: bool, arch_key: str,
-                   act_blocks) -> tuple | None:
-    """The [..., COLS] tile of updat row groups through transposed wgmma (``[kernels.sm90.tma16.updat_rows]``,
-    blocks 16/32), or None: half precision on the feature axes of ``[kernels] updat_rows_tma_axes``,
-    aligned, on sm_90a, with the conditions of :func:`_tma_tile`. ``BSMM_WGMMA=0`` turns it off
-    with the other wgmma kernels."""
-    if (mode != "tensor16" or feature_axis not in settings()["kernels"]["updat_rows_tma_axes"] or not aligned
-            or os.environ.get("BSMM_WGMMA", "1") == "0"):
+def _group_tma_tile(index: BlockIndex, pass_name: str, mode: str, n: int, feature_axis: int, aligned: bool,
+                    arch_key: str, act_blocks, weight_blocks) -> tuple | None:
+    """The [..., COLS] tile of groups on wgmma in ``bsmm_matmul_tma`` (blocks 16/32), or None:
+    updat row groups computed transposed (``[kernels.sm90.tma16.updat_rows]``) on the feature
+    axes of ``[kernels] updat_rows_tma_axes``, fprop/bprop column groups
+    (``[kernels.sm90.tma16.columns]``) on feature axis 1; half precision, aligned, on sm_90a, with
+    the conditions of :func:`_tma_tile`. ``BSMM_WGMMA=0`` turns them off with the other wgmma kernels."""
+    axes = settings()["kernels"]["updat_rows_tma_axes"] if pass_name == "updat" else (1,)
+    if mode != "tensor16" or feature_axis not in axes or not aligned or os.environ.get("BSMM_WGMMA", "1") == "0":
         return None
-    return _tma_tile("tma16", index, "updat", n, arch_key, act_blocks, None, columns=True)
+    return _tma_tile("tma16", index, pass_name, n, arch_key, act_blocks, weight_blocks, columns=True)
 
 
 def _tma_tile(table: str, index: BlockIndex, pass_name: str, n: int, arch_key: str, act_blocks,

@@ -67,7 +67,13 @@ struct Kernel {
     // warpgroup, which a single block of 16 or 32 could not fill) and N over the block row's BS
     // x features (BN = BS). Feature axis 0: K-major 128-byte rows; feature axis 1: each block's
     // BK x BS panel as TMA writes it, BS x 2 bytes a row with the swizzle of that span (MN-major).
-    static constexpr bool ROWS_T = MATH_ == WGMMA && COLS_ > 1;
+    static constexpr bool ROWS_T = MATH_ == WGMMA && COLS_ > 1 && PASS_ == UPDAT;
+    // fprop/bprop column groups on wgmma (bsmm_matmul_tma, blocks 16/32): a step is one block row
+    // (column) of the union, BK = BS; warpgroups own 64 batch rows and issue one m64nBSk16 per
+    // present block of the step, on the activation tile they share. Its rows are BS x 2 bytes,
+    // swizzled over that span as TMA writes them (K-major), and so are the weight blocks
+    // (fprop: N-major, bprop: K-major).
+    static constexpr bool COLS_W = MATH_ == WGMMA && COLS_ > 1 && PASS_ != UPDAT;
     static constexpr int NT = WARPS_M * WARPS_N * 32;
     static constexpr int VEC = 16 / sizeof(T);  // elements per 16-byte copy
     // Which operand dimension is contiguous in shared memory (as it is in global memory).
@@ -99,11 +105,13 @@ struct Kernel {
     static constexpr int TX = BN < 16 ? BN : 16, TY = NT / TX, TM = BM / TY, TN = BN / TX;
     static constexpr int ACC = MATH == SIMT ? TM * TN : MATH == WGMMA ? BN / 2 : MI * NJ * 4;
     // wgmma instruction width along N (m64nWNk16): the widest that divides the tile.
-    static constexpr int WN = BN % 128 == 0 ? 128 : BN % 64 == 0 ? 64 : BN;
+    // (Groups: one block, BS, a row group's N or a column group's instruction.)
+    static constexpr int WN = MATH == WGMMA && COLS > 1 ? BS : BN % 128 == 0 ? 128 : BN % 64 == 0 ? 64 : BN;
 
     static_assert(BK % VEC == 0 && BM % VEC == 0 && BN % VEC == 0, "tiles must be whole 16-byte chunks");
     static_assert(COLS > 1 || (BN <= BS && BS % BN == 0), "an output tile stays inside one block column");
-    static_assert(COLS == 1 || (ROWS_T ? PASS_ == UPDAT && BM == COLS * BS && BN == BS :
+    static_assert(COLS == 1 || (ROWS_T ? BM == COLS * BS && BN == BS :
+                                COLS_W ? BN == COLS * BS && BK == BS && AXIS1_ :
                                 (BN == COLS * BS && WARPS_N == COLS && (MATH_ == TENSOR16 || MATH_ == TF32) &&
                                  (PASS_ == UPDAT ? BM == BS && !GROUPED_ : BK == BS))) && ALIGNED_,
                   "column groups: one block per warp column, one block row per step (updat: whole blocks), "
@@ -113,11 +121,11 @@ struct Kernel {
     static_assert(MATH != SIMT || (TY * TX == NT && TM * TY == BM && TN * TX == BN), "SIMT tiling");
     static_assert(!GROUPED || (PASS == UPDAT && ALIGNED), "grouping is an updat mode of the aligned copy path");
     // wgmma: a warpgroup (4 warps) owns 64 rows and all BN columns, as BN / WN m64nWNk16 tiles.
-    static_assert(MATH != WGMMA || (sizeof(T) == 2 && BK == 64 && (PASS == UPDAT || BK <= BS) && BM % 64 == 0 &&
-                                    WARPS_N == 1 && WARPS_M * 16 == BM && ALIGNED_ && !GROUPED_ &&
-                                    (ROWS_T ? (BS == 16 || BS == 32) : BN % 64 == 0 && AXIS1_)),
-                  "wgmma: 16-bit, aligned, feature axis 1 (row groups: either, blocks 16/32), BK = 64, "
-                  "64-row warpgroups");
+    static_assert(MATH != WGMMA || (sizeof(T) == 2 && (COLS_W ? BK == BS : BK == 64) && (PASS == UPDAT || BK <= BS) &&
+                                    BM % 64 == 0 && WARPS_N == 1 && WARPS_M * 16 == BM && ALIGNED_ && !GROUPED_ &&
+                                    (COLS > 1 ? (BS == 16 || BS == 32) : BN % 64 == 0 && AXIS1_)),
+                  "wgmma: 16-bit, aligned, feature axis 1 (row groups: either), BK = 64 (column groups: BS), "
+                  "64-row warpgroups; groups at blocks 16/32");
 
     // Where element (row, col) of a ROWS x COLS tile (COLS contiguous) lives in its stage.
     template <int ROWS, int PITCH>
@@ -591,6 +599,38 @@ __device__ __forceinline__ void wgmma_step(float (&acc)[K::ACC], const T* a_stag
     fence_registers(acc);
 }
 
+// One step of a column group on wgmma (K::COLS_W): this warpgroup's 64 rows of the activation
+// tile times each present block of the step (blocks[j] >= 0), into that block column's BS / 2
+// accumulators; absent blocks issue nothing (the test is uniform across the warpgroup).
+template <class K, typename T, int BS>
+__device__ __forceinline__ void wgmma_group_step(float (&acc)[K::ACC], const T* a_stage, const T* b_stage,
+                                                 const int* blocks) {
+    // Rows of BS x 2 bytes swizzled over that span: 8-row atoms ATOMS bytes apart (stride offset;
+    // the leading offset is unused, K and N each fit one atom). 16 elements further along K are
+    // 32 bytes into a K-major row, or 16 rows further down an N-major block.
+    constexpr int SWIZZLE = BS * sizeof(T);
+    constexpr unsigned ATOMS = 8 * BS * sizeof(T);
+    const T* a = a_stage + (threadIdx.x / 128) * 64 * K::BK;
+    wgmma_fence();
+    fence_registers(acc);
+#pragma unroll
+    for (int j = 0; j < K::COLS; ++j) {
+        if (blocks[j] < 0) continue;
+        float(&d)[BS / 2] = *reinterpret_cast<float(*)[BS / 2]>(&acc[j * BS / 2]);
+        const T* b = b_stage + j * BS * BS;
+#pragma unroll
+        for (int kk = 0; kk < BS; kk += 16) {
+            const unsigned long long a_desc = wgmma_descriptor<SWIZZLE>(a + kk, ATOMS, ATOMS);
+            if constexpr (K::B_KMAJOR)  // bprop: B(k, n) = W[n][k], rows along N
+                Wgmma<T, BS>::template run<false, false>(d, a_desc, wgmma_descriptor<SWIZZLE>(b + kk, ATOMS, ATOMS));
+            else  // fprop: B(k, n) = W[k][n], rows along K
+                Wgmma<T, BS>::template run<false, true>(d, a_desc, wgmma_descriptor<SWIZZLE>(b + kk * BS, ATOMS, ATOMS));
+        }
+    }
+    wgmma_commit();
+    fence_registers(acc);
+}
+
 // The sm_90a main loop: cp.async fills swizzled stages, each warpgroup multiplies its 64 rows
 // with asynchronous wgmma and keeps one step's group in flight while the next is issued.
 // The copies therefore run STAGES - 2 steps ahead (not STAGES - 1): the stage read one step
@@ -957,7 +997,10 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N * 32)
 // (N rows, features) or (blocks x BS rows, BS columns) for updat, boxes of 64 x BM.
 // Transposed updat row groups (K::ROWS_T, blocks 16/32): act_map and other_map hold x and dy,
 // boxes of BS features x BK batch rows (feature axis 0: BK x BS), and the table one row-group
-// entry per unit; out_map is unused. Other parameters as bsmm_matmul's.
+// entry per unit; out_map is unused. fprop/bprop column groups (K::COLS_W, blocks 16/32):
+// boxes of BS features x BM rows and of whole weight blocks; the table holds COLS + 1 ints a
+// step (see GroupLoader), the output tile spans COLS block columns (rows). Other parameters
+// as bsmm_matmul's.
 template <typename T, int BS, int BM, int BN, int BK, int WARPS_M, int WARPS_N, int STAGES, int MATH, int PASS, int AXIS1,
           int ALIGNED, int GROUPED, int COLS>
 __global__ void __launch_bounds__(WARPS_M* WARPS_N * 32 + 32)
@@ -968,11 +1011,11 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N * 32 + 32)
                     const __grid_constant__ TensorMap other_map, const __grid_constant__ TensorMap out_map) {
     using K = Kernel<T, BS, BM, BN, BK, WARPS_M, WARPS_N, STAGES, MATH, PASS, AXIS1, ALIGNED, GROUPED, COLS, 1>;
     static_assert(!GROUPED && ALIGNED && sizeof(T) == 2 &&
-                      (K::ROWS_T || (COLS == 1 && AXIS1 &&
+                      (K::ROWS_T || K::COLS_W || (COLS == 1 && AXIS1 &&
                                      (MATH == WGMMA ? PASS == UPDAT || BS % BK == 0
                                                     : MATH == TENSOR16 && PASS != UPDAT && BK == BS))),
                   "TMA: wgmma passes, or mma.sync fprop/bprop one block a step; one block (column) a tile, or "
-                  "transposed updat row groups");
+                  "wgmma groups");
     // Columns of a box: 128 (wgmma) or 64 (mma.sync, BK = BN = 32) bytes, the swizzle span.
     constexpr int BOX = MATH == WGMMA ? 64 : 32;
     static_assert(MATH != WGMMA || BM * BN <= STAGES * (K::A_STAGE + K::B_STAGE), "the stored tile fits the stages");
@@ -984,9 +1027,11 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N * 32 + 32)
     T* const sb = smem + STAGES * K::A_STAGE;
     __shared__ __align__(8) unsigned long long full[STAGES], empty[STAGES];
     __shared__ int last_part;
-    __shared__ int2 part_table[PASS == UPDAT ? 1 : BSMM_MAX_PART];
+    __shared__ int2 part_table[PASS == UPDAT || K::COLS_W ? 1 : BSMM_MAX_PART];
     // Row groups: (block row, block column of each of the COLS blocks or -1, storage index or -1).
     __shared__ int group[K::ROWS_T ? 2 * COLS + 1 : 1];
+    // Column groups: the part's steps, (activation feature block, weight block of each column or -1).
+    __shared__ int group_steps[K::COLS_W ? BSMM_MAX_PART * (COLS + 1) : 1];
 
     // updat: y and z index sub-tiles of one weight block, nothing to reorder.
     const int2 tile = PASS == UPDAT ? make_int2(blockIdx.x, blockIdx.y) : banded_tile(band_rows);
@@ -999,6 +1044,9 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N * 32 + 32)
     if constexpr (K::ROWS_T) {
         const int* entry = reinterpret_cast<const int*>(table) + (long long)unit * (2 * COLS + 1);
         for (int i = threadIdx.x; i < 2 * COLS + 1; i += K::NT + 32) group[i] = entry[i];
+    } else if constexpr (K::COLS_W) {
+        const int* steps = reinterpret_cast<const int*>(table) + (long long)seg.y * (COLS + 1);
+        for (int i = threadIdx.x; i < n_steps * (COLS + 1); i += K::NT + 32) group_steps[i] = steps[i];
     } else if constexpr (PASS != UPDAT) {
         for (int i = threadIdx.x; i < seg.z - seg.y; i += K::NT + 32) part_table[i] = table[seg.y + i];
     }
@@ -1026,9 +1074,23 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N * 32 + 32)
                 const int s = step % STAGES;
                 // Refilling stage s waits for the warps' release of its previous use.
                 if (step >= STAGES) mbarrier_wait(&empty[s], (step / STAGES - 1) & 1);
-                mbarrier_arrive_expect_tx(&full[s], step_bytes);
                 T* a = sa + s * K::A_STAGE;
                 T* b = sb + s * K::B_STAGE;
+                if constexpr (K::COLS_W) {
+                    // The activation tile of the step's block row (column), BM batch rows (past N:
+                    // zeros), and the present weight blocks, block j at slot j.
+                    const int* entry = group_steps + step * (COLS + 1);
+                    int blocks = 0;
+#pragma unroll
+                    for (int j = 0; j < COLS; ++j) blocks += entry[1 + j] >= 0;
+                    mbarrier_arrive_expect_tx(&full[s], (K::A_STAGE + blocks * BS * BS) * sizeof(T));
+                    tma_load_2d(a, &act_map, entry[0] * BS, m0, &full[s]);
+#pragma unroll
+                    for (int j = 0; j < COLS; ++j)
+                        if (entry[1 + j] >= 0) tma_load_2d(b + j * BS * BS, &other_map, 0, entry[1 + j] * BS, &full[s]);
+                    continue;
+                }
+                mbarrier_arrive_expect_tx(&full[s], step_bytes);
                 if constexpr (K::ROWS_T) {
                     // A: the BS dy features of each present block of the group, B: the BS x
                     // features of its block row, BK batch rows (past N: zeros). Feature axis 0:
@@ -1071,7 +1133,10 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N * 32 + 32)
         const int s = step % STAGES;
         mbarrier_wait(&full[s], (step / STAGES) & 1);
         if constexpr (MATH == WGMMA) {
-            wgmma_step<K, T>(acc, sa + s * K::A_STAGE, sb + s * K::B_STAGE);
+            if constexpr (K::COLS_W)
+                wgmma_group_step<K, T, BS>(acc, sa + s * K::A_STAGE, sb + s * K::B_STAGE, group_steps + step * (COLS + 1) + 1);
+            else
+                wgmma_step<K, T>(acc, sa + s * K::A_STAGE, sb + s * K::B_STAGE);
             wgmma_wait<1>();  // the previous step's group has read its stage: release it
             if (step > 0 && threadIdx.x % 32 == 0) mbarrier_arrive(&empty[(step - 1) % STAGES]);
         } else {
@@ -1102,6 +1167,7 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N * 32 + 32)
             // copy has read it, while its writes drain and the next thread block starts on the
             // SM (fragment stores kept the block 4-byte store by 4-byte store until the end).
             // The stages are free: every copy has landed and every wgmma has read its stage.
+            static_assert(BN % 64 == 0, "stored in 64-column panels");
             sync_threads_named<K::NT>();
             T* staging = smem;  // BN / 64 panels of BM rows x 64, 128-byte swizzled like the stages
             for_each_acc<K>([&](int i, int m, int n) {
@@ -1113,7 +1179,7 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N * 32 + 32)
                 // fprop/bprop: out is (N rows, features), updat: (blocks x BS rows, BS columns).
 #pragma unroll
                 for (int p = 0; p < BN / 64; ++p)
-                    tma_store_2d(&out_map, PASS == UPDAT ? n0 + p * 64 : unit * BS + n0 + p * 64,
+                    tma_store_2d(&out_map, PASS == UPDAT ? n0 + p * 64 : unit * (COLS > 1 ? BN : BS) + n0 + p * 64,
                                  PASS == UPDAT ? unit * BS + m0 : m0, staging + p * BM * 64);
                 tma_store_commit_and_wait_read();
             }

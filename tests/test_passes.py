@@ -452,13 +452,18 @@ def test_long_block_columns_cut_into_parts(xp, dtype, min_part_blocks, monkeypat
 @pytest.mark.gpu
 @pytest.mark.parametrize("bs, tile", [(16, [32, 128, 16, 1, 8, 4, 8]), (32, [32, 128, 32, 1, 4, 4, 4])])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-def test_column_groups(xp, bs, tile, dtype, monkeypatch):
+@pytest.mark.parametrize("wgmma", [True, False], ids=["wgmma", "mma_sync"])
+def test_column_groups(xp, bs, tile, dtype, wgmma, monkeypatch):
     """GPU: output tiles spanning several block columns (rows), forced for every batch size and
-    density; partial last group, empty and dense columns, long columns cut into parts."""
+    density; partial last group, empty and dense columns, long columns cut into parts; bitwise
+    repeat and accumulate. On Hopper, N past 64 on feature axis 1 runs as wgmma groups
+    (bsmm_matmul_tma) where bsmm.toml lists them, whose absent blocks are never copied."""
     if xp is np:
         pytest.skip("the CPU backend has no column groups")
     from bsmm import cuda_backend
 
+    listed = cuda_backend.tile_for("tma16", "fprop", bs, 4096, "sm90", columns=True) is not None
+    hopper = use_wgmma(xp, monkeypatch, wgmma) and listed
     kernels = bsmm.config.settings()["kernels"]
     monkeypatch.setitem(kernels, "group_min_blocks_per_step", 0)
     monkeypatch.setitem(kernels, "min_part_blocks", 2)
@@ -470,16 +475,26 @@ def test_column_groups(xp, bs, tile, dtype, monkeypatch):
     layout[:, 2] = 1
     layout[3, :] = 1
     for axis in (1, 0):
-        for n in (1, 7, 70):
+        for n in (1, 7, 70, 300):
             case = make_case(rng, layout, bs, n, dtype, axis)
             for pass_name in ("fprop", "bprop"):
                 args = device_inputs(xp, case, pass_name)
-                out = poisoned(xp, reference(case, pass_name).shape, case.x.dtype)
+                expected = reference(case, pass_name)
+                out = poisoned(xp, expected.shape, case.x.dtype)
                 call(case.op, pass_name, args, out=out)
-                assert_close(to_numpy(out), reference(case, pass_name), dtype, f"{pass_name} N={n} axis={axis}")
-    aligned_plans = [p for p in cuda_backend._PLANS[case.op.index].values() if p.variant.aligned]
+                assert_close(to_numpy(out), expected, dtype, f"{pass_name} N={n} axis={axis}")
+                again = to_numpy(call(case.op, pass_name, args))
+                assert again.tobytes() == to_numpy(out).tobytes(), f"{pass_name} N={n} not bitwise repeatable"
+                start = random_data(rng, expected.shape, dtype)
+                summed = to_xp(xp, start)
+                call(case.op, pass_name, args, out=summed, accumulate=True)
+                assert_close(to_numpy(summed), as_float64(start) + expected, dtype, f"{pass_name} N={n} +=")
+    plans = cuda_backend._PLANS[case.op.index]
+    aligned_plans = [p for p in plans.values() if p.variant.aligned]
     assert aligned_plans and all(p.variant.cols == tile[6] for p in aligned_plans), \
         "an aligned plan did not use column groups"
+    on_wgmma = {(key[1], key[3]) for key, p in plans.items() if p.variant.tma and p.variant.math == "wgmma16"}
+    assert on_wgmma == ({(n, 1) for n in (70, 300)} if hopper else set()), f"wgmma groups ran for {on_wgmma}"
 
 
 @pytest.mark.gpu

@@ -168,26 +168,34 @@ def test_tma_only_for_plain_passes_long_enough_and_listed(monkeypatch):
     assert tma("tma_mma16", small, "fprop", 32, "sm90", None, None) is None
 
 
-def test_transposed_wgmma_row_groups_only_for_half_precision_axis_0_on_hopper(monkeypatch):
+def test_wgmma_groups_only_for_half_precision_aligned_long_passes_on_hopper(monkeypatch):
     kernels = bsmm.config.settings()["kernels"]
     monkeypatch.setitem(kernels, "tma_min_macs", 10**9)
     monkeypatch.delenv("BSMM_TMA", raising=False)
     monkeypatch.delenv("BSMM_WGMMA", raising=False)
     index = bsmm.block_index(np.ones((64, 64), dtype=np.uint8), 32)  # 4096 blocks of 32 x 32
-    rows = cuda_backend._rows_tma_tile
-    listed = tuple(kernels["sm90"]["tma16"]["updat_rows"]["32"]["any"])
-    assert rows(index, "tensor16", 256, 0, True, "sm90", None) == listed  # 1.07e9 multiply-adds
-    assert listed[0] == listed[6] * 32 and listed[1] == 32, "M holds the group's blocks, N one block"
-    assert rows(index, "tensor16", 128, 0, True, "sm90", None) is None  # short: bound by the host
-    assert rows(index, "tensor16", 256, 1, True, "sm90", None) == listed  # x and dy as they are
-    monkeypatch.setitem(kernels, "updat_rows_tma_axes", [0])
-    assert rows(index, "tensor16", 256, 1, True, "sm90", None) is None
-    assert rows(index, "tensor16", 256, 0, False, "sm90", None) is None  # unaligned
-    assert rows(index, "simt", 256, 0, True, "sm90", None) is None  # float32
-    assert rows(index, "tensor16", 256, 0, True, "sm80", None) is None
+
+    def tile(pass_name, n=256, axis=1, aligned=True, mode="tensor16", arch="sm90", where=index):
+        return cuda_backend._group_tma_tile(where, pass_name, mode, n, axis, aligned, arch, None, None)
+
+    rows = tuple(kernels["sm90"]["tma16"]["updat_rows"]["32"]["any"])
+    columns = tuple(kernels["sm90"]["tma16"]["columns"]["32"]["large"])
+    assert tile("updat") == rows and tile("updat", axis=0) == rows  # 1.07e9 multiply-adds
+    assert rows[0] == rows[6] * 32 and rows[1] == 32, "M holds the row group's blocks, N one block"
+    assert tile("fprop") == tile("bprop") == columns
+    assert columns[1] == columns[6] * 32 and columns[2] == 32, "N holds the column group's blocks, a block a step"
+    assert tile("fprop", axis=0) is None  # column groups read (N, features) activations only
+    assert tile("fprop", n=64) is None  # no tile for N <= 64
+    assert tile("updat", n=128) is None  # short: bound by the host
+    assert tile("updat", aligned=False) is None
+    assert tile("updat", mode="simt") is None  # float32
+    assert tile("updat", arch="sm80") is None
     for off in ("BSMM_TMA", "BSMM_WGMMA"):
         monkeypatch.setenv(off, "0")
-        assert rows(index, "tensor16", 256, 0, True, "sm90", None) is None
+        assert tile("updat") is None and tile("fprop") is None
         monkeypatch.delenv(off)
-    wide = bsmm.block_index(np.ones((8, 8), dtype=np.uint8), 64)  # no row-group table at block 64
-    assert rows(wide, "tensor16", 10**5, 0, True, "sm90", None) is None
+    assert cuda_backend._group_tma_tile(index, "fprop", "tensor16", 256, 1, True, "sm90", (0,) * 64, None) is None
+    monkeypatch.setitem(kernels, "updat_rows_tma_axes", [0])
+    assert tile("updat") is None and tile("updat", axis=0) == rows
+    wide = bsmm.block_index(np.ones((8, 8), dtype=np.uint8), 64)  # no group tables at block 64
+    assert tile("updat", n=10**5, where=wide) is None and tile("fprop", n=10**5, where=wide) is None

@@ -37,8 +37,12 @@ def all_variants() -> list[Variant | GatherVariant | TransposeVariant]:
                             if tma:  # bsmm_matmul_tma (cuda_backend._tma_tile)
                                 variants.add(Variant(dtype, bs, tma, "wgmma16", pass_name, 1, True, tma=True))
                         rows_tma = tile_for("tma16", pass_name, bs, n, "sm90", columns=True)
+                        if mode == "tensor16" and rows_tma and pass_name != "updat":
+                            # wgmma column groups (cuda_backend._group_tma_tile)
+                            variants.add(Variant(dtype, bs, rows_tma[:6], "wgmma16", pass_name, 1, True, False,
+                                                 rows_tma[6], tma=True))
                         if mode == "tensor16" and rows_tma and pass_name == "updat" and n > 64:
-                            # transposed wgmma row groups (cuda_backend._rows_tma_tile)
+                            # transposed wgmma row groups (cuda_backend._group_tma_tile)
                             for axis in (0, 1):
                                 variants.add(Variant(dtype, bs, rows_tma[:6], "wgmma16", pass_name, axis, True, False,
                                                      rows_tma[6], tma=True))
