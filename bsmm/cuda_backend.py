@@ -298,20 +298,22 @@ def _column_groups(index: BlockIndex, pass_name: str, mode: str, n: int, aligned
     updat: row groups (:func:`_row_groups`; steps per unit is None), a batch past one step only,
     where the groups hold enough blocks on average (``[kernels] group_min_blocks_per_step``).
     ``tile``: the wgmma group tile of :func:`_group_tma_tile` to use instead of the ``mode``
-    table's, with ``wgmma_group_min_blocks_per_step`` as the threshold.
+    table's, with the block size's ``wgmma_group_min_blocks_per_step`` (0 if absent) as the threshold.
     """
-    key = "group_min_blocks_per_step" if tile is None else "wgmma_group_min_blocks_per_step"
+    cfg = settings()["kernels"]
+    least = (cfg["group_min_blocks_per_step"] if tile is None
+             else cfg["wgmma_group_min_blocks_per_step"].get(str(index.block_size), 0))
     if tile is None and aligned:
         tile = tile_for(mode, pass_name, index.block_size, n, arch_key, columns=True)
     if tile is None or (pass_name == "updat" and n <= tile[2]):
         return None
     if pass_name == "updat":
         panel = n * index.block_size * item_bytes  # one block column of dy
-        window = max(1, settings()["kernels"]["updat_l2_window_bytes"] // panel)
+        window = max(1, cfg["updat_l2_window_bytes"] // panel)
         table, counts = _row_groups(index, tile[6], window), None
     else:
         table, counts = _group_steps(index, pass_name == "fprop", tile[6])
-    if index.nnzb < settings()["kernels"][key] * max(1, len(table)):
+    if index.nnzb < least * max(1, len(table)):
         return None  # too sparse: most steps (groups) would feed one block, as without groups
     return tile[:6], tile[6], table, counts
 

@@ -123,9 +123,9 @@ struct Kernel {
     // wgmma: a warpgroup (4 warps) owns 64 rows and all BN columns, as BN / WN m64nWNk16 tiles.
     static_assert(MATH != WGMMA || (sizeof(T) == 2 && (COLS_W ? BK == BS : BK == 64) && (PASS == UPDAT || BK <= BS) &&
                                     BM % 64 == 0 && WARPS_N == 1 && WARPS_M * 16 == BM && ALIGNED_ && !GROUPED_ &&
-                                    (COLS > 1 ? (BS == 16 || BS == 32) : BN % 64 == 0 && AXIS1_)),
+                                    (COLS > 1 ? BS == 16 || BS == 32 || BS == 64 : BN % 64 == 0 && AXIS1_)),
                   "wgmma: 16-bit, aligned, feature axis 1 (row groups: either), BK = 64 (column groups: BS), "
-                  "64-row warpgroups; groups at blocks 16/32");
+                  "64-row warpgroups; groups at blocks 16 to 64 (a block's row spans one swizzle at most)");
 
     // Where element (row, col) of a ROWS x COLS tile (COLS contiguous) lives in its stage.
     template <int ROWS, int PITCH>

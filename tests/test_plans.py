@@ -197,5 +197,11 @@ def test_wgmma_groups_only_for_half_precision_aligned_long_passes_on_hopper(monk
     assert cuda_backend._group_tma_tile(index, "fprop", "tensor16", 256, 1, True, "sm90", (0,) * 64, None) is None
     monkeypatch.setitem(kernels, "updat_rows_tma_axes", [0])
     assert tile("updat") is None and tile("updat", axis=0) == rows
-    wide = bsmm.block_index(np.ones((8, 8), dtype=np.uint8), 64)  # no group tables at block 64
+    tile64 = tuple(kernels["sm90"]["tma16"]["columns"]["64"]["large"])
+    monkeypatch.setitem(kernels, "wgmma_group_min_blocks_per_step", {"64": 1.25})
+    diagonal = bsmm.block_index(np.eye(8, dtype=np.uint8), 64)  # one block a step: not grouped
+    assert cuda_backend._column_groups(diagonal, "fprop", "tensor16", 4096, True, "sm90", 2, tile64) is None
+    dense = bsmm.block_index(np.ones((8, 8), dtype=np.uint8), 64)  # two blocks a step
+    assert cuda_backend._column_groups(dense, "fprop", "tensor16", 4096, True, "sm90", 2, tile64)[:2] == (tile64[:6], 2)
+    wide = bsmm.block_index(np.ones((8, 8), dtype=np.uint8), 128)  # no group tables at block 128
     assert tile("updat", n=10**5, where=wide) is None and tile("fprop", n=10**5, where=wide) is None
