@@ -481,11 +481,14 @@ def _group_tma_tile(index: BlockIndex, pass_name: str, mode: str, n: int, featur
     """The [..., COLS] tile of groups on wgmma in ``bsmm_matmul_tma`` (blocks 16/32), or None:
     updat row groups computed transposed (``[kernels.sm90.tma16.updat_rows]``) on the feature
     axes of ``[kernels] updat_rows_tma_axes``, fprop/bprop column groups
-    (``[kernels.sm90.tma16.columns]``) on feature axis 1; half precision, aligned, on sm_90a, with
+    (``[kernels.sm90.tma16.columns]``) on feature axis 1 from ``wgmma_columns_min_rows`` rows; half precision, aligned, on sm_90a, with
     the conditions of :func:`_tma_tile`. ``BSMM_WGMMA=0`` turns them off with the other wgmma kernels."""
-    axes = settings()["kernels"]["updat_rows_tma_axes"] if pass_name == "updat" else (1,)
+    cfg = settings()["kernels"]
+    axes = cfg["updat_rows_tma_axes"] if pass_name == "updat" else (1,)
     if mode != "tensor16" or feature_axis not in axes or not aligned or os.environ.get("BSMM_WGMMA", "1") == "0":
         return None
+    if pass_name != "updat" and n < cfg["wgmma_columns_min_rows"]:
+        return None  # too few row tiles: the groups leave SMs idle
     return _tma_tile("tma16", index, pass_name, n, arch_key, act_blocks, weight_blocks, columns=True)
 
 

@@ -556,6 +556,7 @@ def use_wgmma(xp, monkeypatch, wgmma: bool) -> bool:
         monkeypatch.delenv("BSMM_WGMMA", raising=False)
         monkeypatch.delenv("BSMM_TMA", raising=False)
         monkeypatch.setitem(bsmm.config.settings()["kernels"], "tma_min_macs", 0)
+        monkeypatch.setitem(bsmm.config.settings()["kernels"], "wgmma_columns_min_rows", 0)
     else:
         monkeypatch.setenv("BSMM_WGMMA", "0")
     return wgmma and xp.cuda.Device().compute_capability == "90"
@@ -714,6 +715,8 @@ def test_tma_matches_cp_async_bitwise(xp, dtype, bs, n, monkeypatch):
     monkeypatch.setitem(kernels, "tma_mma_min_column_blocks", 0)  # any layout takes the small-batch TMA kernel
     monkeypatch.setitem(kernels, "tma_mma_max_column_blocks", 1 << 30)
     monkeypatch.setitem(kernels, "tma_min_macs", 0)
+    # wgmma groups (TMA only) visit other steps and parts: not the tile compared here.
+    monkeypatch.setitem(kernels, "wgmma_group_min_blocks_per_step", {str(bs): float("inf")})
     # updat's cut of the batch depends on the kernel's occupancy, which differs between the two.
     monkeypatch.setattr(cuda_backend, "_batch_parts", lambda ctas, resident, most: min(3, most))
     rng = np.random.default_rng([bs, len(dtype), 7])

@@ -182,6 +182,8 @@ def test_wgmma_groups_only_for_half_precision_aligned_long_passes_on_hopper(monk
     columns = tuple(kernels["sm90"]["tma16"]["columns"]["32"]["large"])
     assert tile("updat") == rows and tile("updat", axis=0) == rows  # 1.07e9 multiply-adds
     assert rows[0] == rows[6] * 32 and rows[1] == 32, "M holds the row group's blocks, N one block"
+    assert tile("fprop") is None  # column groups only from wgmma_columns_min_rows
+    monkeypatch.setitem(kernels, "wgmma_columns_min_rows", 256)
     assert tile("fprop") == tile("bprop") == columns
     assert columns[1] == columns[6] * 32 and columns[2] == 32, "N holds the column group's blocks, a block a step"
     assert tile("fprop", axis=0) is None  # column groups read (N, features) activations only
