@@ -68,12 +68,13 @@ struct Kernel {
     // x features (BN = BS). Feature axis 0: K-major 128-byte rows; feature axis 1: each block's
     // BK x BS panel as TMA writes it, BS x 2 bytes a row with the swizzle of that span (MN-major).
     static constexpr bool ROWS_T = MATH_ == WGMMA && COLS_ > 1 && PASS_ == UPDAT;
-    // fprop/bprop column groups on wgmma (bsmm_matmul_tma, blocks 16/32): a step is one block row
-    // (column) of the union, BK = BS; warpgroups own 64 batch rows and issue one m64nBSk16 per
-    // present block of the step, on the activation tile they share. Its rows are BS x 2 bytes,
-    // swizzled over that span as TMA writes them (K-major), and so are the weight blocks
-    // (fprop: N-major, bprop: K-major).
+    // fprop/bprop column groups on wgmma (bsmm_matmul_tma, blocks 16 to 64): a step is R = BK / BS
+    // consecutive block rows (columns) of the union; warpgroups own 64 batch rows and issue one
+    // m64nBSk16 per 16 deep of each present block of the step, on the activation panels they
+    // share (one per block row, BM x BS). Their rows are BS x 2 bytes, swizzled over that span as
+    // TMA writes them (K-major), and so are the weight blocks (fprop: N-major, bprop: K-major).
     static constexpr bool COLS_W = MATH_ == WGMMA && COLS_ > 1 && PASS_ != UPDAT;
+    static constexpr int R = COLS_W ? BK_ / BS : 1;
     static constexpr int NT = WARPS_M * WARPS_N * 32;
     static constexpr int VEC = 16 / sizeof(T);  // elements per 16-byte copy
     // Which operand dimension is contiguous in shared memory (as it is in global memory).
@@ -111,7 +112,7 @@ struct Kernel {
     static_assert(BK % VEC == 0 && BM % VEC == 0 && BN % VEC == 0, "tiles must be whole 16-byte chunks");
     static_assert(COLS > 1 || (BN <= BS && BS % BN == 0), "an output tile stays inside one block column");
     static_assert(COLS == 1 || (ROWS_T ? BM == COLS * BS && BN == BS :
-                                COLS_W ? BN == COLS * BS && BK == BS && AXIS1_ :
+                                COLS_W ? BN == COLS * BS && BK % BS == 0 && AXIS1_ :
                                 (BN == COLS * BS && WARPS_N == COLS && (MATH_ == TENSOR16 || MATH_ == TF32) &&
                                  (PASS_ == UPDAT ? BM == BS && !GROUPED_ : BK == BS))) && ALIGNED_,
                   "column groups: one block per warp column, one block row per step (updat: whole blocks), "
@@ -121,10 +122,10 @@ struct Kernel {
     static_assert(MATH != SIMT || (TY * TX == NT && TM * TY == BM && TN * TX == BN), "SIMT tiling");
     static_assert(!GROUPED || (PASS == UPDAT && ALIGNED), "grouping is an updat mode of the aligned copy path");
     // wgmma: a warpgroup (4 warps) owns 64 rows and all BN columns, as BN / WN m64nWNk16 tiles.
-    static_assert(MATH != WGMMA || (sizeof(T) == 2 && (COLS_W ? BK == BS : BK == 64) && (PASS == UPDAT || BK <= BS) &&
+    static_assert(MATH != WGMMA || (sizeof(T) == 2 && (COLS_W ? BK % BS == 0 : BK == 64 && (PASS == UPDAT || BK <= BS)) &&
                                     BM % 64 == 0 && WARPS_N == 1 && WARPS_M * 16 == BM && ALIGNED_ && !GROUPED_ &&
                                     (COLS > 1 ? BS == 16 || BS == 32 || BS == 64 : BN % 64 == 0 && AXIS1_)),
-                  "wgmma: 16-bit, aligned, feature axis 1 (row groups: either), BK = 64 (column groups: BS), "
+                  "wgmma: 16-bit, aligned, feature axis 1 (row groups: either), BK = 64 (column groups: blocks), "
                   "64-row warpgroups; groups at blocks 16 to 64 (a block's row spans one swizzle at most)");
 
     // Where element (row, col) of a ROWS x COLS tile (COLS contiguous) lives in its stage.
@@ -599,32 +600,38 @@ __device__ __forceinline__ void wgmma_step(float (&acc)[K::ACC], const T* a_stag
     fence_registers(acc);
 }
 
-// One step of a column group on wgmma (K::COLS_W): this warpgroup's 64 rows of the activation
-// tile times each present block of the step (blocks[j] >= 0), into that block column's BS / 2
+// One step of a column group on wgmma (K::COLS_W): for each of its K::R block rows r (entries
+// of K::COLS + 1 ints: activation block, then block j or -1), this warpgroup's 64 rows of
+// activation panel r times each present block (r, j), into block column j's BS / 2
 // accumulators; absent blocks issue nothing (the test is uniform across the warpgroup).
 template <class K, typename T, int BS>
 __device__ __forceinline__ void wgmma_group_step(float (&acc)[K::ACC], const T* a_stage, const T* b_stage,
-                                                 const int* blocks) {
+                                                 const int* entries) {
     // Rows of BS x 2 bytes swizzled over that span: 8-row atoms ATOMS bytes apart (stride offset;
     // the leading offset is unused, K and N each fit one atom). 16 elements further along K are
     // 32 bytes into a K-major row, or 16 rows further down an N-major block.
     constexpr int SWIZZLE = BS * sizeof(T);
     constexpr unsigned ATOMS = 8 * BS * sizeof(T);
-    const T* a = a_stage + (threadIdx.x / 128) * 64 * K::BK;
     wgmma_fence();
     fence_registers(acc);
 #pragma unroll
-    for (int j = 0; j < K::COLS; ++j) {
-        if (blocks[j] < 0) continue;
-        float(&d)[BS / 2] = *reinterpret_cast<float(*)[BS / 2]>(&acc[j * BS / 2]);
-        const T* b = b_stage + j * BS * BS;
+    for (int r = 0; r < K::R; ++r) {
+        const int* blocks = entries + r * (K::COLS + 1) + 1;
+        const T* a = a_stage + (r * K::BM + (threadIdx.x / 128) * 64) * BS;
 #pragma unroll
-        for (int kk = 0; kk < BS; kk += 16) {
-            const unsigned long long a_desc = wgmma_descriptor<SWIZZLE>(a + kk, ATOMS, ATOMS);
-            if constexpr (K::B_KMAJOR)  // bprop: B(k, n) = W[n][k], rows along N
-                Wgmma<T, BS>::template run<false, false>(d, a_desc, wgmma_descriptor<SWIZZLE>(b + kk, ATOMS, ATOMS));
-            else  // fprop: B(k, n) = W[k][n], rows along K
-                Wgmma<T, BS>::template run<false, true>(d, a_desc, wgmma_descriptor<SWIZZLE>(b + kk * BS, ATOMS, ATOMS));
+        for (int j = 0; j < K::COLS; ++j) {
+            if (blocks[j] < 0) continue;
+            float(&d)[BS / 2] = *reinterpret_cast<float(*)[BS / 2]>(&acc[j * BS / 2]);
+            const T* b = b_stage + (r * K::COLS + j) * BS * BS;
+#pragma unroll
+            for (int kk = 0; kk < BS; kk += 16) {
+                const unsigned long long a_desc = wgmma_descriptor<SWIZZLE>(a + kk, ATOMS, ATOMS);
+                if constexpr (K::B_KMAJOR)  // bprop: B(k, n) = W[n][k], rows along N
+                    Wgmma<T, BS>::template run<false, false>(d, a_desc, wgmma_descriptor<SWIZZLE>(b + kk, ATOMS, ATOMS));
+                else  // fprop: B(k, n) = W[k][n], rows along K
+                    Wgmma<T, BS>::template run<false, true>(d, a_desc,
+                                                            wgmma_descriptor<SWIZZLE>(b + kk * BS, ATOMS, ATOMS));
+            }
         }
     }
     wgmma_commit();
@@ -1030,8 +1037,9 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N * 32 + 32)
     __shared__ int2 part_table[PASS == UPDAT || K::COLS_W ? 1 : BSMM_MAX_PART];
     // Row groups: (block row, block column of each of the COLS blocks or -1, storage index or -1).
     __shared__ int group[K::ROWS_T ? 2 * COLS + 1 : 1];
-    // Column groups: the part's steps, (activation feature block, weight block of each column or -1).
-    __shared__ int group_steps[K::COLS_W ? BSMM_MAX_PART * (COLS + 1) : 1];
+    // Column groups: the part's entries, (activation feature block, weight block of each column or
+    // -1), padded with absent ones (-1) to whole steps of K::R.
+    __shared__ int group_steps[K::COLS_W ? (BSMM_MAX_PART + K::R) * (COLS + 1) : 1];
 
     // updat: y and z index sub-tiles of one weight block, nothing to reorder.
     const int2 tile = PASS == UPDAT ? make_int2(blockIdx.x, blockIdx.y) : banded_tile(band_rows);
@@ -1040,13 +1048,16 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N * 32 + 32)
     const int m0 = tile.y * BM, n0 = blockIdx.z * BN;
     // fprop/bprop: the part's (weight block, activation feature block) entries, BS / BK steps
     // each; updat: the part's batch rows [seg.y, seg.z), BK a step, of block (row, column).
-    const int n_steps = PASS == UPDAT ? (seg.z - seg.y + BK - 1) / BK : (seg.z - seg.y) * (BS / BK);
+    const int n_steps = PASS == UPDAT ? (seg.z - seg.y + BK - 1) / BK
+                        : K::COLS_W ? (seg.z - seg.y + K::R - 1) / K::R : (seg.z - seg.y) * (BS / BK);
     if constexpr (K::ROWS_T) {
         const int* entry = reinterpret_cast<const int*>(table) + (long long)unit * (2 * COLS + 1);
         for (int i = threadIdx.x; i < 2 * COLS + 1; i += K::NT + 32) group[i] = entry[i];
     } else if constexpr (K::COLS_W) {
         const int* steps = reinterpret_cast<const int*>(table) + (long long)seg.y * (COLS + 1);
-        for (int i = threadIdx.x; i < n_steps * (COLS + 1); i += K::NT + 32) group_steps[i] = steps[i];
+        const int present = (seg.z - seg.y) * (COLS + 1);
+        for (int i = threadIdx.x; i < n_steps * K::R * (COLS + 1); i += K::NT + 32)
+            group_steps[i] = i < present ? steps[i] : -1;
     } else if constexpr (PASS != UPDAT) {
         for (int i = threadIdx.x; i < seg.z - seg.y; i += K::NT + 32) part_table[i] = table[seg.y + i];
     }
@@ -1077,17 +1088,28 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N * 32 + 32)
                 T* a = sa + s * K::A_STAGE;
                 T* b = sb + s * K::B_STAGE;
                 if constexpr (K::COLS_W) {
-                    // The activation tile of the step's block row (column), BM batch rows (past N:
-                    // zeros), and the present weight blocks, block j at slot j.
-                    const int* entry = group_steps + step * (COLS + 1);
-                    int blocks = 0;
+                    // For each block row (column) r of the step: its activation panel, BM batch
+                    // rows (past N: zeros), and its present weight blocks, block (r, j) at slot
+                    // r x COLS + j. Padding entries past the part copy nothing.
+                    const int* entries = group_steps + step * K::R * (COLS + 1);
+                    int panels = 0, blocks = 0;
 #pragma unroll
-                    for (int j = 0; j < COLS; ++j) blocks += entry[1 + j] >= 0;
-                    mbarrier_arrive_expect_tx(&full[s], (K::A_STAGE + blocks * BS * BS) * sizeof(T));
-                    tma_load_2d(a, &act_map, entry[0] * BS, m0, &full[s]);
+                    for (int r = 0; r < K::R; ++r) {
+                        panels += entries[r * (COLS + 1)] >= 0;
 #pragma unroll
-                    for (int j = 0; j < COLS; ++j)
-                        if (entry[1 + j] >= 0) tma_load_2d(b + j * BS * BS, &other_map, 0, entry[1 + j] * BS, &full[s]);
+                        for (int j = 0; j < COLS; ++j) blocks += entries[r * (COLS + 1) + 1 + j] >= 0;
+                    }
+                    mbarrier_arrive_expect_tx(&full[s], (panels * BM * BS + blocks * BS * BS) * sizeof(T));
+#pragma unroll
+                    for (int r = 0; r < K::R; ++r) {
+                        const int* entry = entries + r * (COLS + 1);
+                        if (entry[0] < 0) continue;
+                        tma_load_2d(a + r * BM * BS, &act_map, entry[0] * BS, m0, &full[s]);
+#pragma unroll
+                        for (int j = 0; j < COLS; ++j)
+                            if (entry[1 + j] >= 0)
+                                tma_load_2d(b + (r * COLS + j) * BS * BS, &other_map, 0, entry[1 + j] * BS, &full[s]);
+                    }
                     continue;
                 }
                 mbarrier_arrive_expect_tx(&full[s], step_bytes);
@@ -1134,7 +1156,8 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N * 32 + 32)
         mbarrier_wait(&full[s], (step / STAGES) & 1);
         if constexpr (MATH == WGMMA) {
             if constexpr (K::COLS_W)
-                wgmma_group_step<K, T, BS>(acc, sa + s * K::A_STAGE, sb + s * K::B_STAGE, group_steps + step * (COLS + 1) + 1);
+                wgmma_group_step<K, T, BS>(acc, sa + s * K::A_STAGE, sb + s * K::B_STAGE,
+                                           group_steps + step * K::R * (COLS + 1));
             else
                 wgmma_step<K, T>(acc, sa + s * K::A_STAGE, sb + s * K::B_STAGE);
             wgmma_wait<1>();  // the previous step's group has read its stage: release it

@@ -453,19 +453,23 @@ def test_long_block_columns_cut_into_parts(xp, dtype, min_part_blocks, monkeypat
 @pytest.mark.parametrize("bs, tile", [(16, [32, 128, 16, 1, 8, 4, 8]), (32, [32, 128, 32, 1, 4, 4, 4]),
                                       (64, [64, 128, 64, 2, 2, 3, 2])])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-@pytest.mark.parametrize("wgmma", [True, False], ids=["wgmma", "mma_sync"])
+@pytest.mark.parametrize("wgmma", ["listed", "deep", "off"])
 def test_column_groups(xp, bs, tile, dtype, wgmma, monkeypatch):
     """GPU: output tiles spanning several block columns (rows), forced for every batch size and
     density; partial last group, empty and dense columns, long columns cut into parts; bitwise
     repeat and accumulate. On Hopper, N past 64 on feature axis 1 runs as wgmma groups
-    (bsmm_matmul_tma) where bsmm.toml lists them, whose absent blocks are never copied."""
+    (bsmm_matmul_tma) where bsmm.toml lists them, whose absent blocks are never copied; "deep":
+    a wgmma tile whose steps take several block rows (a part's last step partly empty)."""
     if xp is np:
         pytest.skip("the CPU backend has no column groups")
     from bsmm import cuda_backend
 
-    listed = cuda_backend.tile_for("tma16", "fprop", bs, 4096, "sm90", columns=True) is not None
-    hopper = use_wgmma(xp, monkeypatch, wgmma) and listed
     kernels = bsmm.config.settings()["kernels"]
+    if wgmma == "deep":
+        deep = [128, 128, 2 * max(32, bs), 8, 1, 3, 128 // bs]
+        monkeypatch.setitem(kernels["sm90"]["tma16"], "columns", {str(bs): {"large": deep}})
+    listed = cuda_backend.tile_for("tma16", "fprop", bs, 4096, "sm90", columns=True) is not None
+    hopper = use_wgmma(xp, monkeypatch, wgmma != "off") and listed
     monkeypatch.setitem(kernels, "group_min_blocks_per_step", 0)
     monkeypatch.setitem(kernels, "wgmma_group_min_blocks_per_step", {})
     monkeypatch.setitem(kernels, "min_part_blocks", 2)
