@@ -162,7 +162,8 @@ class TmaPlan(Plan):
     (:mod:`bsmm.tensor_maps`) of the activations (N rows of ld_act elements), of the other
     operand (fprop/bprop: the weights as ``block_rows`` rows of one block each; updat: dy as N
     rows of ld_other) and of the output (fprop/bprop: N rows of the output features, ld_out
-    apart; updat: the weights' ``block_rows`` rows). Boxes are (elements, rows)."""
+    apart; updat: the weights' ``block_rows`` rows). On feature axis 0 (updat row groups) x and
+    dy are ``feature_rows`` rows of N elements. Boxes are (elements, rows)."""
 
     act_box: tuple = (64, 64)
     other_box: tuple = (64, 64)
@@ -182,7 +183,7 @@ class TmaPlan(Plan):
     def maps(self, act_ptr: int, other_ptr: int, out_ptr: int, sizes: tuple) -> tuple[bytes, bytes, bytes]:
         """The activation, other-operand and output tensor maps of a launch (``sizes`` as for
         :meth:`Plan.launch`; fprop/bprop carry the output blocks in ld_other). Only wgmma tiles
-        are stored through TMA: the mma.sync kernel gets zeros for the output map."""
+        are stored through TMA: mma.sync tiles and updat row groups get zeros for the output map."""
         n, ld_act, ld_other, ld_out = sizes
         bs = self.variant.block_size
         if self.variant.feature_axis == 0:  # updat row groups: xᵀ and dyᵀ, N columns (past N: zeros)
@@ -201,14 +202,14 @@ class TmaPlan(Plan):
         """The boxes of ``bsmm_matmul_tma``'s copies (its BOX-column panels) and, for wgmma tiles,
         of its output stores."""
         bm, bn, bk = variant.tile[:3]
-        wgmma = variant.math == "wgmma16"
-        box = 64 if wgmma else 32  # 128- or 64-byte rows
         bs = variant.block_size
-        if variant.cols > 1 and variant.pass_name == "updat":  # row groups: one block's features by BK batch rows
+        if variant.cols > 1 and variant.pass_name == "updat":  # row groups: a block's features by BK batch rows
             box = (bk, bs) if variant.feature_axis == 0 else (bs, bk)
             return dict(act_box=box, other_box=box, out_box=None)
-        if variant.cols > 1:  # column groups: one block's features by BM rows, whole weight blocks
+        if variant.cols > 1:  # column groups: a block's features by BM rows, whole weight blocks
             return dict(act_box=(bs, bm), other_box=(bs, bs), out_box=(64, bm))
+        wgmma = variant.math == "wgmma16"
+        box = 64 if wgmma else 32  # 128- or 64-byte rows
         out_box = (64, bm) if wgmma else None
         if variant.pass_name == "updat":
             return dict(act_box=(box, bk), other_box=(box, bk), out_box=out_box)
@@ -478,11 +479,12 @@ def _wgmma_tile(mode: str, pass_name: str, block_size: int, n: int, feature_axis
 
 def _group_tma_tile(index: BlockIndex, pass_name: str, mode: str, n: int, feature_axis: int, aligned: bool,
                     arch_key: str, act_blocks, weight_blocks) -> tuple | None:
-    """The [..., COLS] tile of groups on wgmma in ``bsmm_matmul_tma`` (blocks 16/32), or None:
+    """The [..., COLS] tile of groups on wgmma in ``bsmm_matmul_tma`` (blocks 16 to 64), or None:
     updat row groups computed transposed (``[kernels.sm90.tma16.updat_rows]``) on the feature
     axes of ``[kernels] updat_rows_tma_axes``, fprop/bprop column groups
-    (``[kernels.sm90.tma16.columns]``) on feature axis 1 from ``wgmma_columns_min_rows`` rows; half precision, aligned, on sm_90a, with
-    the conditions of :func:`_tma_tile`. ``BSMM_WGMMA=0`` turns them off with the other wgmma kernels."""
+    (``[kernels.sm90.tma16.columns]``) on feature axis 1 from ``wgmma_columns_min_rows`` rows;
+    half precision, aligned, on sm_90a, with the conditions of :func:`_tma_tile`.
+    ``BSMM_WGMMA=0`` turns them off with the other wgmma kernels."""
     cfg = settings()["kernels"]
     axes = cfg["updat_rows_tma_axes"] if pass_name == "updat" else (1,)
     if mode != "tensor16" or feature_axis not in axes or not aligned or os.environ.get("BSMM_WGMMA", "1") == "0":

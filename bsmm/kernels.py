@@ -51,10 +51,12 @@ class Variant:
     feature_axis: int
     aligned: bool  # 16-byte vector copies are legal for every operand
     grouped: bool = False  # updat only: a thread block streams a group of blocks, whole batch per step
-    cols: int = 1  # fprop/bprop: block columns (rows) per output tile, stepping over their union
+    # fprop/bprop: block columns (rows) per output tile, stepping over their union; updat: blocks of a row group
+    cols: int = 1
     # ``bsmm_matmul_tma`` (sm_90a): stages filled by TMA from a copy warp (one more warp than the
-    # tile's), three tensor maps passed by value after the 14 common parameters; wgmma16 passes, or
-    # tensor16 fprop/bprop one block a step (small batches).
+    # tile's), three tensor maps passed by value after the 14 common parameters; wgmma16 passes
+    # (with cols > 1: column groups, or updat row groups computed transposed), or tensor16
+    # fprop/bprop one block a step (small batches).
     tma: bool = False
 
     source_file = SOURCE_FILE

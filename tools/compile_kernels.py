@@ -36,16 +36,16 @@ def all_variants() -> list[Variant | GatherVariant | TransposeVariant]:
                             tma = tile_for("tma16", pass_name, bs, n, "sm90", optional=True)
                             if tma:  # bsmm_matmul_tma (cuda_backend._tma_tile)
                                 variants.add(Variant(dtype, bs, tma, "wgmma16", pass_name, 1, True, tma=True))
-                        rows_tma = tile_for("tma16", pass_name, bs, n, "sm90", columns=True)
-                        if mode == "tensor16" and rows_tma and pass_name != "updat":
+                        group_tma = tile_for("tma16", pass_name, bs, n, "sm90", columns=True)
+                        if mode == "tensor16" and group_tma and pass_name != "updat":
                             # wgmma column groups (cuda_backend._group_tma_tile)
-                            variants.add(Variant(dtype, bs, rows_tma[:6], "wgmma16", pass_name, 1, True, False,
-                                                 rows_tma[6], tma=True))
-                        if mode == "tensor16" and rows_tma and pass_name == "updat" and n > 64:
+                            variants.add(Variant(dtype, bs, group_tma[:6], "wgmma16", pass_name, 1, True, False,
+                                                 group_tma[6], tma=True))
+                        if mode == "tensor16" and group_tma and pass_name == "updat" and n > 64:
                             # transposed wgmma row groups (cuda_backend._group_tma_tile)
                             for axis in (0, 1):
-                                variants.add(Variant(dtype, bs, rows_tma[:6], "wgmma16", pass_name, axis, True, False,
-                                                     rows_tma[6], tma=True))
+                                variants.add(Variant(dtype, bs, group_tma[:6], "wgmma16", pass_name, axis, True, False,
+                                                     group_tma[6], tma=True))
                         tma_mma = tile_for("tma_mma16", pass_name, bs, n, "sm90", optional=True)
                         if mode == "tensor16" and tma_mma and pass_name != "updat":  # mma.sync fed by TMA
                             variants.add(Variant(dtype, bs, tma_mma, mode, pass_name, 1, True, tma=True))
