@@ -207,3 +207,48 @@ def test_wgmma_groups_only_for_half_precision_aligned_long_passes_on_hopper(monk
     assert cuda_backend._column_groups(dense, "fprop", "tensor16", 4096, True, "sm90", 2, tile64)[:2] == (tile64[:6], 2)
     wide = bsmm.block_index(np.ones((8, 8), dtype=np.uint8), 128)  # no group tables at block 128
     assert tile("updat", n=10**5, where=wide) is None and tile("fprop", n=10**5, where=wide) is None
+
+
+def test_tma_maps_describe_what_each_kernel_copies(monkeypatch):
+    """The tensor maps of every kind of ``bsmm_matmul_tma`` launch, as (address, inner elements,
+    outer rows, row pitch in bytes, box inner, box outer): the geometry the kernel's copy
+    coordinates assume (x, dy, y as N rows of features; weights as nnzb x block rows of one
+    block; the transposed copies of updat as feature rows of N); no output map where tiles are
+    not stored through TMA."""
+    from bsmm.kernels import Variant
+
+    monkeypatch.setattr(cuda_backend, "tensor_map", lambda *args: args)
+    n, C, K, nnzb = 300, 512, 384, 7
+    x, other, out = 0x1000, 0x2000, 0x3000
+
+    def maps(bs, tile, math, pass_name, axis=1, cols=1, sizes=None):
+        variant = Variant("float16", bs, tile, math, pass_name, axis, True, False, cols, True)
+        plan = cuda_backend.TmaPlan(variant=variant, segments=None, units=None, table=None, workspace_floats=0,
+                                    counter_count=0, launcher=None, **cuda_backend.TmaPlan.boxes(variant),
+                                    block_rows=nnzb * bs, feature_rows=(C, K))
+        default = (n, C, K // bs, K) if pass_name != "updat" else (n, C, K, 0)
+        return plan.maps(x, other, out, sizes or default)
+
+    none = bytes(128)
+    # one block column a tile (wgmma): 64-feature boxes of BM rows, 64-column weight panels (fprop)
+    # or BK x BN K-major weight boxes (bprop), output boxes of 64 x BM
+    assert maps(64, (128, 64, 64, 8, 1, 4), "wgmma16", "fprop") == (
+        (x, C, n, 2 * C, 64, 128), (other, 64, nnzb * 64, 128, 64, 64), (out, K, n, 2 * K, 64, 128))
+    assert maps(128, (256, 128, 64, 16, 1, 4), "wgmma16", "bprop", sizes=(n, K, C // 128, C)) == (
+        (x, K, n, 2 * K, 64, 256), (other, 128, nnzb * 128, 256, 64, 128), (out, C, n, 2 * C, 64, 256))
+    # updat one weight block a tile: x and dy in 64-feature boxes of BK batch rows, the weights' rows out
+    assert maps(64, (64, 64, 64, 4, 1, 4), "wgmma16", "updat") == (
+        (x, C, n, 2 * C, 64, 64), (other, K, n, 2 * K, 64, 64), (out, 64, nnzb * 64, 128, 64, 64))
+    # column groups: one block's features by BM rows, whole weight blocks, TMA-stored output
+    assert maps(32, (128, 128, 64, 8, 1, 3), "wgmma16", "fprop", cols=4) == (
+        (x, C, n, 2 * C, 32, 128), (other, 32, nnzb * 32, 64, 32, 32), (out, K, n, 2 * K, 64, 128))
+    # row groups on feature axis 1: one block's features by BK batch rows; no output map
+    assert maps(32, (128, 32, 64, 8, 1, 3), "wgmma16", "updat", cols=4) == (
+        (x, C, n, 2 * C, 32, 64), (other, K, n, 2 * K, 32, 64), none)
+    # row groups on feature axis 0 (the transposed copies, rows padded to ld): BK batch columns by one block
+    ld = 304
+    assert maps(16, (128, 16, 64, 8, 1, 3), "wgmma16", "updat", axis=0, cols=8, sizes=(n, ld, ld, 0)) == (
+        (x, n, C, 2 * ld, 64, 16), (other, n, K, 2 * ld, 64, 16), none)
+    # mma.sync fed by TMA (small batches, block 32): 64-byte boxes, no output map
+    assert maps(32, (32, 32, 32, 2, 2, 8), "tensor16", "fprop") == (
+        (x, C, n, 2 * C, 32, 32), (other, 32, nnzb * 32, 64, 32, 32), none)
