@@ -718,6 +718,7 @@ def test_tma_matches_cp_async_bitwise(xp, dtype, bs, n, monkeypatch):
     monkeypatch.setitem(kernels, "min_part_blocks", 2)
     monkeypatch.setitem(kernels, "tma_mma_min_column_blocks", 0)  # any layout takes the small-batch TMA kernel
     monkeypatch.setitem(kernels, "tma_mma_max_column_blocks", 1 << 30)
+    monkeypatch.setitem(kernels, "tma_mma_min_part_blocks", 0)  # the same parts as cp.async
     monkeypatch.setitem(kernels, "tma_min_macs", 0)
     # wgmma groups (TMA only) visit other steps and parts: not the tile compared here.
     monkeypatch.setitem(kernels, "wgmma_group_min_blocks_per_step", {str(bs): float("inf")})
@@ -744,6 +745,40 @@ def test_tma_matches_cp_async_bitwise(xp, dtype, bs, n, monkeypatch):
             results[tma] = to_numpy(out)
         assert_close(results["1"], reference(case, pass_name), dtype, f"{pass_name} TMA")
         assert results["1"].tobytes() == results["0"].tobytes(), f"{pass_name}: TMA and cp.async differ"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pass_name", ["fprop", "bprop"])
+def test_small_batch_tma_walks_whole_columns(xp, pass_name, monkeypatch):
+    """GPU, Hopper: small-batch fprop/bprop through TMA cut no block column (row) of up to
+    tma_mma_min_part_blocks blocks into parts, and cut longer ones; exact either way."""
+    if xp is np:
+        pytest.skip("TMA is a GPU kernel")
+    from bsmm import cuda_backend
+
+    if xp.cuda.Device().compute_capability != "90":
+        pytest.skip("TMA kernels run on compute capability 9.0 only")
+    monkeypatch.delenv("BSMM_TMA", raising=False)
+    kernels = bsmm.config.settings()["kernels"]
+    monkeypatch.setitem(kernels, "tma_mma_min_column_blocks", 0)
+    monkeypatch.setitem(kernels, "tma_mma_max_column_blocks", 1 << 30)
+    monkeypatch.setitem(kernels, "min_part_blocks", 2)
+    rng = np.random.default_rng([len(pass_name), 32])
+    layout = random_layout(rng, 12, 12, 0.3)
+    layout[:, 4] = 1  # a block column of 12 blocks
+    layout[5, :] = 1  # a block row of 12 blocks
+    case = make_case(rng, layout, 32, 32, "float16", 1)
+    args = device_inputs(xp, case, pass_name)
+    for least, cut in ((16, False), (8, True)):
+        monkeypatch.setitem(kernels, "tma_mma_min_part_blocks", least)
+        monkeypatch.setattr(cuda_backend, "_PLANS", type(cuda_backend._PLANS)())
+        case.op._gpu_calls.clear()
+        out = poisoned(xp, reference(case, pass_name).shape, case.x.dtype)
+        call(case.op, pass_name, args, out=out)
+        assert_close(to_numpy(out), reference(case, pass_name), "float16", f"{pass_name} parts of {least}")
+        plan = next(p for key, p in cuda_backend._PLANS[case.op.index].items() if key[0] == pass_name)
+        assert plan.variant.tma and plan.variant.math == "tensor16", plan.variant
+        assert (plan.workspace_floats > 0) == cut, f"parts of at least {least}: cut={plan.workspace_floats > 0}"
 
 
 # -- a bigger case: many chunks on many threads ----------------------------------------------
