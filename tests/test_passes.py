@@ -699,6 +699,20 @@ def test_wgmma_passes(xp, dtype, bs, min_part_blocks, tma, monkeypatch):
         assert any(p.workspace_floats > 0 for p in plans.values()), "no column was cut into parts"
 
 
+def tma_for_any_layout(xp, monkeypatch) -> dict:
+    """Skips unless on Hopper; lets every layout take the small-batch TMA kernel and cuts block
+    columns into parts of 2 blocks; returns the patched ``[kernels]`` settings."""
+    if xp is np:
+        pytest.skip("TMA is a GPU kernel")
+    if xp.cuda.Device().compute_capability != "90":
+        pytest.skip("TMA kernels run on compute capability 9.0 only")
+    kernels = bsmm.config.settings()["kernels"]
+    monkeypatch.setitem(kernels, "min_part_blocks", 2)
+    monkeypatch.setitem(kernels, "tma_mma_min_column_blocks", 0)
+    monkeypatch.setitem(kernels, "tma_mma_max_column_blocks", 1 << 30)
+    return kernels
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("bs, n", [(64, 777), (128, 777), (32, 1), (32, 7), (32, 32), (32, 50)])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
@@ -707,17 +721,10 @@ def test_tma_matches_cp_async_bitwise(xp, dtype, bs, n, monkeypatch):
     give (same steps, same instructions, only the copies differ): wgmma at blocks 64/128 with
     a batch that ends inside a tile (updat: inside a step), mma.sync fprop/bprop at block 32
     for small batches; columns (batches) cut into parts."""
-    if xp is np:
-        pytest.skip("TMA is a GPU kernel")
     from bsmm import cuda_backend
 
-    if xp.cuda.Device().compute_capability != "90":
-        pytest.skip("TMA kernels run on compute capability 9.0 only")
+    kernels = tma_for_any_layout(xp, monkeypatch)
     monkeypatch.delenv("BSMM_WGMMA", raising=False)
-    kernels = bsmm.config.settings()["kernels"]
-    monkeypatch.setitem(kernels, "min_part_blocks", 2)
-    monkeypatch.setitem(kernels, "tma_mma_min_column_blocks", 0)  # any layout takes the small-batch TMA kernel
-    monkeypatch.setitem(kernels, "tma_mma_max_column_blocks", 1 << 30)
     monkeypatch.setitem(kernels, "tma_mma_min_part_blocks", 0)  # the same parts as cp.async
     monkeypatch.setitem(kernels, "tma_min_macs", 0)
     # wgmma groups (TMA only) visit other steps and parts: not the tile compared here.
@@ -752,17 +759,10 @@ def test_tma_matches_cp_async_bitwise(xp, dtype, bs, n, monkeypatch):
 def test_small_batch_tma_walks_whole_columns(xp, pass_name, monkeypatch):
     """GPU, Hopper: small-batch fprop/bprop through TMA cut no block column (row) of up to
     tma_mma_min_part_blocks blocks into parts, and cut longer ones; exact either way."""
-    if xp is np:
-        pytest.skip("TMA is a GPU kernel")
     from bsmm import cuda_backend
 
-    if xp.cuda.Device().compute_capability != "90":
-        pytest.skip("TMA kernels run on compute capability 9.0 only")
+    kernels = tma_for_any_layout(xp, monkeypatch)
     monkeypatch.delenv("BSMM_TMA", raising=False)
-    kernels = bsmm.config.settings()["kernels"]
-    monkeypatch.setitem(kernels, "tma_mma_min_column_blocks", 0)
-    monkeypatch.setitem(kernels, "tma_mma_max_column_blocks", 1 << 30)
-    monkeypatch.setitem(kernels, "min_part_blocks", 2)
     rng = np.random.default_rng([len(pass_name), 32])
     layout = random_layout(rng, 12, 12, 0.3)
     layout[:, 4] = 1  # a block column of 12 blocks
