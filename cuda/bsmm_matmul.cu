@@ -105,8 +105,8 @@ struct Kernel {
     // SIMT thread tiling: TX threads along N, TY along M; thread (ty, tx) owns rows ty + i·TY, cols tx + j·TX.
     static constexpr int TX = BN < 16 ? BN : 16, TY = NT / TX, TM = BM / TY, TN = BN / TX;
     static constexpr int ACC = MATH == SIMT ? TM * TN : MATH == WGMMA ? BN / 2 : MI * NJ * 4;
-    // wgmma instruction width along N (m64nWNk16): the widest that divides the tile.
-    // (Groups: one block, BS, a row group's N or a column group's instruction.)
+    // wgmma instruction width along N (m64nWNk16): the widest that divides the tile; groups
+    // issue one instruction per block (a row group's N, or one block column of a column group).
     static constexpr int WN = MATH == WGMMA && COLS > 1 ? BS : BN % 128 == 0 ? 128 : BN % 64 == 0 ? 64 : BN;
 
     static_assert(BK % VEC == 0 && BM % VEC == 0 && BN % VEC == 0, "tiles must be whole 16-byte chunks");
