@@ -96,7 +96,10 @@ class _Launcher:
                  map_count: int = 0):
         self.function = kernel.kernel.ptr
         self.grid, self.threads, self.shared_bytes = grid, threads, shared_bytes
+        # cuLaunchKernel's arguments before the stream: function, grid, block, shared bytes.
+        self.head = (self.function, *grid, threads, 1, 1, shared_bytes)
         # Each parameter gets an 8-byte slot; int parameters are read from the low 4 bytes (little-endian).
+        self.arg_count = arg_count
         self.pack = struct.Struct(f"<{arg_count}Q").pack_into
         self.values = (ctypes.c_uint64 * arg_count)()
         self.maps = [(ctypes.c_uint64 * (MAP_BYTES // 8))() for _ in range(map_count)]
@@ -118,8 +121,28 @@ class _Launcher:
                 for address, data in zip(self.map_addresses, make_maps()):
                     ctypes.memmove(address, data, MAP_BYTES)
                 self.map_key = map_key
-            _launch_kernel(self.function, *self.grid, self.threads, 1, 1, self.shared_bytes, stream_ptr,
-                           self.pointers_address, 0)
+            _launch_kernel(*self.head, stream_ptr, self.pointers_address, 0)
+
+    def parameters(self, values: tuple, maps: tuple = ()) -> "_Parameters":
+        """A parameter block of its own for these values and maps, never written again: a repeated
+        call launches it as it is (``_launch_kernel(*head, stream, block.address, 0)``), without
+        packing, locking or copying maps."""
+        return _Parameters(self.arg_count, values, maps)
+
+
+class _Parameters:
+    """A kernel's parameters laid out as :class:`_Launcher` lays them out, held for a launch to
+    pass by address (``cuLaunchKernel`` copies them during the call)."""
+
+    __slots__ = ("values", "maps", "pointers", "address")
+
+    def __init__(self, arg_count: int, values: tuple, maps: tuple):
+        self.values = (ctypes.c_uint64 * arg_count)(*values)
+        self.maps = [(ctypes.c_uint64 * (MAP_BYTES // 8)).from_buffer_copy(data) for data in maps]
+        base = ctypes.addressof(self.values)
+        self.pointers = (ctypes.c_uint64 * (arg_count + len(maps)))(
+            *(base + 8 * i for i in range(arg_count)), *(ctypes.addressof(m) for m in self.maps))
+        self.address = ctypes.addressof(self.pointers)
 
 
 @dataclasses.dataclass
@@ -140,8 +163,17 @@ class Plan:
     def launch(self, stream_ptr: int, act_ptr: int, other_ptr: int, out_ptr: int, sizes: tuple,
                accumulate: int) -> None:
         """One launch on ``stream_ptr``; ``sizes`` = (N, ld_act, ld_other, ld_out)."""
-        self.launcher.launch(stream_ptr, act_ptr, other_ptr, out_ptr, *self.scratch_for(stream_ptr), *sizes, accumulate,
-                             self.band_rows)
+        self.launcher.launch(stream_ptr, *self.values(stream_ptr, act_ptr, other_ptr, out_ptr, sizes, accumulate))
+
+    def values(self, stream_ptr: int, act_ptr: int, other_ptr: int, out_ptr: int, sizes: tuple,
+               accumulate: int) -> tuple:
+        """The kernel's integer parameters, in order, for a launch on ``stream_ptr``."""
+        return (act_ptr, other_ptr, out_ptr, *self.scratch_for(stream_ptr), *sizes, int(accumulate), self.band_rows)
+
+    def parameters(self, stream_ptr: int, act_ptr: int, other_ptr: int, out_ptr: int, sizes: tuple,
+                   accumulate: int):
+        """The parameters of :meth:`launch` as a block of their own, to launch again as they are."""
+        return self.launcher.parameters(self.values(stream_ptr, act_ptr, other_ptr, out_ptr, sizes, accumulate))
 
     def scratch_for(self, stream_ptr: int) -> tuple:
         """Pointers to the tables and to this stream's workspace and counters (allocated once)."""
@@ -176,9 +208,14 @@ class TmaPlan(Plan):
         # A new output array (each eager call's) changes no map the kernel reads where tiles
         # are not stored through TMA.
         out_key = out_ptr if self.out_box is not None else None
-        self.launcher.launch(stream_ptr, act_ptr, other_ptr, out_ptr, *self.scratch_for(stream_ptr), *sizes, accumulate,
-                             self.band_rows, map_key=(act_ptr, other_ptr, out_key, sizes),
+        self.launcher.launch(stream_ptr, *self.values(stream_ptr, act_ptr, other_ptr, out_ptr, sizes, accumulate),
+                             map_key=(act_ptr, other_ptr, out_key, sizes),
                              make_maps=lambda: self.maps(act_ptr, other_ptr, out_ptr, sizes))
+
+    def parameters(self, stream_ptr: int, act_ptr: int, other_ptr: int, out_ptr: int, sizes: tuple,
+                   accumulate: int):
+        return self.launcher.parameters(self.values(stream_ptr, act_ptr, other_ptr, out_ptr, sizes, accumulate),
+                                        self.maps(act_ptr, other_ptr, out_ptr, sizes))
 
     def maps(self, act_ptr: int, other_ptr: int, out_ptr: int, sizes: tuple) -> tuple[bytes, bytes, bytes]:
         """The activation, other-operand and output tensor maps of a launch (``sizes`` as for
@@ -607,11 +644,6 @@ def _aligned(feature_axis: int, n: int, *arrays) -> bool:
     return all(a.data.ptr % _VEC_BYTES == 0 for a in arrays)
 
 
-def _overlap(a, b) -> bool:
-    start_a, start_b = a.data.ptr, b.data.ptr
-    return start_a < start_b + b.nbytes and start_b < start_a + a.nbytes
-
-
 class FastCall:
     """A pass that already ran once through the checked path, repeated with only the cheap checks.
 
@@ -622,16 +654,27 @@ class FastCall:
     Anything that differs (device, strides, the other operand's shape or dtype, alignment,
     an ``out`` that overlaps an input) returns None, and the caller takes the checked path,
     which raises the precise error if there is one.
+
+    The second launch with the same stream, operands and output keeps its parameter block
+    (:meth:`Plan.parameters`), and later ones pass it as it is: an eager loop that rotates a
+    few buffers neither packs parameters nor copies tensor maps (three 128-byte copies took
+    about 5 us of host time per Hopper launch).
     """
 
     __slots__ = ("plan", "device", "dtype", "act_strides", "other_shape", "other_strides", "out_shape",
-                 "out_strides", "aligned", "sizes")
+                 "out_strides", "aligned", "sizes", "act_bytes", "other_bytes", "out_bytes", "head", "blocks",
+                 "seen")
 
     def __init__(self, plan: Plan, act, other, out, sizes: tuple):
         self.plan, self.device, self.dtype = plan, act.data.device_id, act.dtype
         self.act_strides, self.other_shape, self.other_strides = act.strides, other.shape, other.strides
         self.out_shape, self.out_strides = out.shape, out.strides
+        self.act_bytes, self.other_bytes, self.out_bytes = act.nbytes, other.nbytes, out.nbytes
         self.aligned, self.sizes = plan.variant.aligned, sizes
+        # A TransposedUpdat launches three kernels: it keeps the plan's own launch.
+        self.head = plan.launcher.head if isinstance(plan, Plan) else None
+        self.blocks: dict = {}  # (stream, act, other, out, accumulate) -> _Parameters
+        self.seen: set = set()  # keys launched once
 
     def __call__(self, act, other, out=None, accumulate: bool = False):
         device = _get_device()
@@ -646,13 +689,44 @@ class FastCall:
             return None
         if out is None:
             out = cupy.ndarray(self.out_shape, self.dtype)
-        elif (out.__class__ is not act.__class__ or out.shape != self.out_shape or out.strides != self.out_strides
-              or out.dtype is not self.dtype or out.data.device_id != device or (self.aligned and out.data.ptr & 15)
-              or _overlap(out, act) or _overlap(out, other)):
-            return None
-        self.plan.launch(_current_stream().ptr, act_ptr, other_ptr, out.data.ptr, self.sizes,
-                         int(accumulate))
+            out_ptr = out.data.ptr
+        else:
+            if (out.__class__ is not act.__class__ or out.shape != self.out_shape or out.strides != self.out_strides
+                    or out.dtype is not self.dtype):
+                return None
+            out_data = out.data
+            out_ptr = out_data.ptr
+            if (out_data.device_id != device or (self.aligned and out_ptr & 15)
+                    or (out_ptr < act_ptr + self.act_bytes and act_ptr < out_ptr + self.out_bytes)
+                    or (out_ptr < other_ptr + self.other_bytes and other_ptr < out_ptr + self.out_bytes)):
+                return None
+        stream_ptr = _current_stream().ptr
+        key = (stream_ptr, act_ptr, other_ptr, out_ptr, accumulate)
+        block = self.blocks.get(key)
+        if block is not None:
+            _launch_kernel(*self.head, stream_ptr, block.address, 0)
+        else:
+            self._launch_unkept(key)
         return out
+
+    def _launch_unkept(self, key: tuple) -> None:
+        """Launch a key with no block yet: through the plan the first time, keeping a block the second."""
+        stream_ptr, act_ptr, other_ptr, out_ptr, accumulate = key
+        if self.head is None or key not in self.seen:
+            if self.head is not None:
+                if len(self.seen) >= _MAX_KEPT_LAUNCHES:
+                    self.seen.clear()
+                self.seen.add(key)
+            self.plan.launch(stream_ptr, act_ptr, other_ptr, out_ptr, self.sizes, int(accumulate))
+            return
+        if len(self.blocks) >= _MAX_KEPT_LAUNCHES:
+            self.blocks.clear()  # e.g. outputs at new addresses every call: keep the dict small
+        block = self.blocks[key] = self.plan.parameters(stream_ptr, act_ptr, other_ptr, out_ptr, self.sizes,
+                                                        int(accumulate))
+        _launch_kernel(*self.head, stream_ptr, block.address, 0)
+
+
+_MAX_KEPT_LAUNCHES = 64
 
 
 def _sparse_pass(pass_name: str, index: BlockIndex, act, w, out, feature_axis: int, tf32: bool,

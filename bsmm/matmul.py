@@ -205,6 +205,11 @@ class BlocksparseMatMul:
         -------
         y : (N, K) or (K, N), x's dtype and library
         """
+        if x.__class__ is _gpu_array_type and (out is not None or not accumulate):  # a repeat: see FastCall
+            call = self._gpu_calls.get(("fprop", x.shape, x.dtype, self.feature_axis, self.tf32))
+            result = call(x, w, out, accumulate) if call is not None else None
+            if result is not None:
+                return result
         return self._activation_pass("fprop", x, "x", w, out, accumulate, self.C, self.K)
 
     def bprop(self, dy, w, out=None, accumulate: bool = False):
@@ -222,16 +227,16 @@ class BlocksparseMatMul:
         -------
         dx : (N, C) or (C, N), dy's dtype and library
         """
+        if dy.__class__ is _gpu_array_type and (out is not None or not accumulate):
+            call = self._gpu_calls.get(("bprop", dy.shape, dy.dtype, self.feature_axis, self.tf32))
+            result = call(dy, w, out, accumulate) if call is not None else None
+            if result is not None:
+                return result
         return self._activation_pass("bprop", dy, "dy", w, out, accumulate, self.K, self.C)
 
     def _activation_pass(self, pass_name: str, act, act_name: str, w, out, accumulate: bool,
                          features_in: int, features_out: int):
-        """fprop and bprop: ``act`` (features_in wide) times W or Wᵀ into features_out."""
-        if act.__class__ is _gpu_array_type and (out is not None or not accumulate):
-            call = self._gpu_calls.get((pass_name, act.shape, act.dtype, self.feature_axis, self.tf32))
-            result = call(act, w, out, accumulate) if call is not None else None
-            if result is not None:
-                return result
+        """fprop and bprop through the checked path: ``act`` (features_in wide) times W or Wᵀ into features_out."""
         act_op, w_op = as_operand(act, act_name), as_operand(w, "w")
         n = self._check_activation(act_op, act_name, features_in)
         dtype = canonical_dtype(act_op.array.dtype, act_name, act_op.backend)

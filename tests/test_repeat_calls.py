@@ -156,3 +156,42 @@ def test_repeat_on_another_stream_is_ordered(cupy):
         y = op.fprop(x, arrays["w"])
     stream.synchronize()
     check(op, "fprop", host, y, "float16")
+
+
+@pytest.mark.parametrize("tall", [False, True], ids=["plain", "tall-columns"])
+def test_kept_parameter_blocks_follow_buffers_and_data(cupy, tall):
+    """Calls that rotate weight and output buffers (as an eager loop or the benchmark does) keep
+    one parameter block per (operands, output, accumulate) from the second launch on; each call
+    still reads the buffer it names and its current data, and accumulate keeps its own block.
+    ``tall``: block 32 columns of 36 blocks, which Hopper runs through TMA (tensor maps in the
+    block), other GPUs through cp.async."""
+    from bsmm import cuda_backend
+
+    rng = np.random.default_rng(5)
+    layout = (rng.random((48, 4)) < 0.75).astype(np.uint8) if tall else LAYOUT
+    layout[:, 0] = 1  # no empty column: a block to read everywhere
+    bs = 32 if tall else BS
+    op = bsmm.BlocksparseMatMul(layout, block_size=bs)
+    x_host = random_data(rng, (32, op.C), "float16")
+    w_hosts = [random_data(rng, op.w_shape, "float16") for _ in range(3)]
+    x, ws = to_xp(cupy, x_host), [to_xp(cupy, w) for w in w_hosts]
+    outs = [poisoned(cupy, (32, op.K), np.float16) for _ in range(2)]
+    for turn in range(18):  # each (weights, output) pair three times
+        k = turn % 3
+        out = outs[turn % 2]
+        out[...] = np.nan
+        assert op.fprop(x, ws[k], out=out) is out
+        assert rel_error(to_numpy(out), ref_fprop(layout, w_hosts[k], bs, x_host, 1)) < tolerance("float16")
+    call = op._gpu_calls[("fprop", x.shape, x.dtype, 1, False)]
+    if tall and cupy.cuda.Device().compute_capability == "90":
+        assert isinstance(call.plan, cuda_backend.TmaPlan)
+    assert len(call.blocks) == 6, "each (weights, output) pair launched twice by the repeat path keeps a block"
+    w_hosts[0] = random_data(rng, op.w_shape, "float16")  # new data in a kept buffer
+    ws[0][...] = to_xp(cupy, w_hosts[0])
+    op.fprop(x, ws[0], out=outs[0])
+    assert rel_error(to_numpy(outs[0]), ref_fprop(layout, w_hosts[0], bs, x_host, 1)) < tolerance("float16")
+    first = to_numpy(outs[0]).astype(np.float32)
+    for _ in range(2):  # accumulate: a key of its own, launched through the plan, then kept
+        op.fprop(x, ws[0], out=outs[0], accumulate=True)
+    assert len(call.blocks) == 7
+    np.testing.assert_allclose(to_numpy(outs[0]).astype(np.float32), 3 * first, rtol=2e-2, atol=2e-2)
