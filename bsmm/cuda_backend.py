@@ -25,6 +25,7 @@ import numpy as np
 from .block_index import BlockIndex
 from .config import settings
 from .dtypes import DTYPE_NAMES, SUPPORTED_DTYPES
+from .launches import SerializedLaunch, launch_serialized
 from .kernels import MAX_PART_BLOCKS, GatherVariant, TransposeVariant, Variant, load_kernel
 from .strided import BlockOrder, check_strided_operands, virtual_width
 from .tensor_maps import MAP_BYTES, tensor_map
@@ -37,6 +38,13 @@ _VEC_BYTES = 16
 _launch_kernel = cupy.cuda.driver.launchKernel
 _get_device = cupy.cuda.runtime.getDevice
 _current_stream = cupy.cuda.get_current_stream
+
+
+def _serialized_launches(device) -> bool:
+    """Whether launches on ``device`` use programmatic stream serialization (:mod:`bsmm.launches`):
+    Hopper and newer, unless ``[kernels] programmatic_launch`` or ``BSMM_PDL=0`` turn it off."""
+    return (int(device.compute_capability) >= 90 and settings()["kernels"]["programmatic_launch"]
+            and os.environ.get("BSMM_PDL", "1") != "0")
 
 
 def _batch_class(n: int) -> str:
@@ -93,8 +101,9 @@ class _Launcher:
     """
 
     def __init__(self, kernel, grid, threads: int, shared_bytes: int, arg_count: int = _ARG_COUNT,
-                 map_count: int = 0):
+                 map_count: int = 0, serialized: bool = False):
         self.function = kernel.kernel.ptr
+        self.serialized = serialized  # launched with programmatic stream serialization (bsmm.launches)
         self.grid, self.threads, self.shared_bytes = grid, threads, shared_bytes
         # cuLaunchKernel's arguments before the stream: function, grid, block, shared bytes.
         self.head = (self.function, *grid, threads, 1, 1, shared_bytes)
@@ -121,22 +130,28 @@ class _Launcher:
                 for address, data in zip(self.map_addresses, make_maps()):
                     ctypes.memmove(address, data, MAP_BYTES)
                 self.map_key = map_key
-            _launch_kernel(*self.head, stream_ptr, self.pointers_address, 0)
+            if self.serialized:
+                launch_serialized(*self.head, stream_ptr, self.pointers_address)
+            else:
+                _launch_kernel(*self.head, stream_ptr, self.pointers_address, 0)
 
-    def parameters(self, values: tuple, maps: tuple = ()) -> "_Parameters":
-        """A parameter block of its own for these values and maps, never written again: a repeated
-        call launches it as it is (``_launch_kernel(*head, stream, block.address, 0)``), without
-        packing, locking or copying maps."""
-        return _Parameters(self.arg_count, values, maps)
+    def parameters(self, stream_ptr: int, values: tuple, maps: tuple = ()) -> "_Parameters":
+        """A parameter block of its own for a launch on ``stream_ptr`` with these values and maps,
+        never written again: a repeated call launches it as it is, without packing, locking or
+        copying maps (:class:`FastCall`)."""
+        serialized = SerializedLaunch(self.function, self.grid, (self.threads, 1, 1), self.shared_bytes,
+                                      stream_ptr) if self.serialized else None
+        return _Parameters(self.arg_count, values, maps, serialized)
 
 
 class _Parameters:
     """A kernel's parameters laid out as :class:`_Launcher` lays them out, held for a launch to
     pass by address (``cuLaunchKernel`` copies them during the call)."""
 
-    __slots__ = ("values", "maps", "pointers", "address")
+    __slots__ = ("values", "maps", "pointers", "address", "serialized")
 
-    def __init__(self, arg_count: int, values: tuple, maps: tuple):
+    def __init__(self, arg_count: int, values: tuple, maps: tuple, serialized: SerializedLaunch | None):
+        self.serialized = serialized  # the launch configuration, where launches are serialized
         self.values = (ctypes.c_uint64 * arg_count)(*values)
         self.maps = [(ctypes.c_uint64 * (MAP_BYTES // 8)).from_buffer_copy(data) for data in maps]
         base = ctypes.addressof(self.values)
@@ -173,7 +188,8 @@ class Plan:
     def parameters(self, stream_ptr: int, act_ptr: int, other_ptr: int, out_ptr: int, sizes: tuple,
                    accumulate: int):
         """The parameters of :meth:`launch` as a block of their own, to launch again as they are."""
-        return self.launcher.parameters(self.values(stream_ptr, act_ptr, other_ptr, out_ptr, sizes, accumulate))
+        return self.launcher.parameters(stream_ptr,
+                                        self.values(stream_ptr, act_ptr, other_ptr, out_ptr, sizes, accumulate))
 
     def scratch_for(self, stream_ptr: int) -> tuple:
         """Pointers to the tables and to this stream's workspace and counters (allocated once)."""
@@ -214,7 +230,8 @@ class TmaPlan(Plan):
 
     def parameters(self, stream_ptr: int, act_ptr: int, other_ptr: int, out_ptr: int, sizes: tuple,
                    accumulate: int):
-        return self.launcher.parameters(self.values(stream_ptr, act_ptr, other_ptr, out_ptr, sizes, accumulate),
+        return self.launcher.parameters(stream_ptr,
+                                        self.values(stream_ptr, act_ptr, other_ptr, out_ptr, sizes, accumulate),
                                         self.maps(act_ptr, other_ptr, out_ptr, sizes))
 
     def maps(self, act_ptr: int, other_ptr: int, out_ptr: int, sizes: tuple) -> tuple[bytes, bytes, bytes]:
@@ -450,7 +467,8 @@ def _build_plan(index: BlockIndex, pass_name: str, n: int, dtype: str, feature_a
     with device:
         return (TmaPlan if tma else Plan)(
             variant=variant,
-            launcher=_Launcher(kernel, grid, variant.threads, variant.shared_bytes, map_count=3 if tma else 0),
+            launcher=_Launcher(kernel, grid, variant.threads, variant.shared_bytes, map_count=3 if tma else 0,
+                               serialized=_serialized_launches(device)),
             segments=cupy.asarray(segments),
             units=cupy.asarray(units),
             table=cupy.asarray(np.ascontiguousarray(table, dtype=np.int32)),
@@ -583,7 +601,8 @@ class TransposedUpdat:
         kernel = load_kernel(_TRANSPOSE, device.id)
         tile = TransposeVariant.TILE
         self.transpose_x, self.transpose_dy = (
-            _Launcher(kernel, (-(-self.ld // tile), -(-features // tile), 1), TransposeVariant.threads, 0, 5)
+            _Launcher(kernel, (-(-self.ld // tile), -(-features // tile), 1), TransposeVariant.threads, 0, 5,
+                      serialized=_serialized_launches(device))
             for features in (self.C, self.K))
         self.dtype = SUPPORTED_DTYPES[dtype]
         self.workspaces: dict = {}  # stream -> (x transposed, dy transposed)
@@ -703,10 +722,12 @@ class FastCall:
         stream_ptr = _current_stream().ptr
         key = (stream_ptr, act_ptr, other_ptr, out_ptr, accumulate)
         block = self.blocks.get(key)
-        if block is not None:
+        if block is None:
+            self._launch_unkept(key)
+        elif block.serialized is None:
             _launch_kernel(*self.head, stream_ptr, block.address, 0)
         else:
-            self._launch_unkept(key)
+            block.serialized.launch(block.address)
         return out
 
     def _launch_unkept(self, key: tuple) -> None:
@@ -723,7 +744,10 @@ class FastCall:
             self.blocks.clear()  # e.g. outputs at new addresses every call: keep the dict small
         block = self.blocks[key] = self.plan.parameters(stream_ptr, act_ptr, other_ptr, out_ptr, self.sizes,
                                                         int(accumulate))
-        _launch_kernel(*self.head, stream_ptr, block.address, 0)
+        if block.serialized is None:
+            _launch_kernel(*self.head, stream_ptr, block.address, 0)
+        else:
+            block.serialized.launch(block.address)
 
 
 _MAX_KEPT_LAUNCHES = 64

@@ -852,6 +852,7 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N * 32)
                 float* __restrict__ workspace, int* __restrict__ counters, int n_rows, int ld_act, int ld_other,
                 int ld_out, int accumulate, int band_rows) {
     using K = Kernel<T, BS, BM, BN, BK, WARPS_M, WARPS_N, STAGES, MATH, PASS, AXIS1, ALIGNED, GROUPED, COLS>;
+    wait_for_prior_grid();
     extern __shared__ __align__(16) unsigned char smem_raw[];
     // wgmma reads swizzle atoms that must start on 1024-byte boundaries (SMEM_BYTES has the slack).
     T* smem = reinterpret_cast<T*>(MATH == WGMMA ? (reinterpret_cast<size_t>(smem_raw) + 1023) & ~size_t(1023)
@@ -1027,6 +1028,7 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N * 32 + 32)
     constexpr int BOX = MATH == WGMMA ? 64 : 32;
     static_assert(MATH != WGMMA || BM * BN <= STAGES * (K::A_STAGE + K::B_STAGE), "the stored tile fits the stages");
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    wait_for_prior_grid();
     extern __shared__ __align__(16) unsigned char smem_raw[];
     // The 128-byte swizzle TMA writes and wgmma reads repeats every 1024 bytes from an aligned base.
     T* smem = reinterpret_cast<T*>((reinterpret_cast<size_t>(smem_raw) + 1023) & ~size_t(1023));

@@ -10,12 +10,15 @@
 // 16-byte accesses along rows; the odd pitch (33 words) keeps the column reads to at most
 // two-way bank conflicts. Needs cols and ld multiples of 8 and 16-byte aligned pointers.
 
+#include "bsmm_common.cuh"
+
 namespace bsmm {
 
 template <typename T>
 __global__ void __launch_bounds__(256) transpose_tiles(const T* __restrict__ src, T* __restrict__ dst, int rows,
                                                        int cols, int ld) {
     static_assert(sizeof(T) == 2, "16-byte accesses of 8 elements");
+    wait_for_prior_grid();
     constexpr int TILE = 64, VEC = 8, PITCH = TILE + 2, CHUNKS = TILE * TILE / VEC;
     __shared__ T tile[TILE * PITCH];
     const int r0 = blockIdx.x * TILE, c0 = blockIdx.y * TILE;

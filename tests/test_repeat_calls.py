@@ -195,3 +195,33 @@ def test_kept_parameter_blocks_follow_buffers_and_data(cupy, tall):
         op.fprop(x, ws[0], out=outs[0], accumulate=True)
     assert len(call.blocks) == 7
     np.testing.assert_allclose(to_numpy(outs[0]).astype(np.float32), 3 * first, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_back_to_back_dependent_passes(cupy, dtype):
+    """Each call reads what the call before it wrote, with no host synchronisation between them:
+    on Hopper every pass is launched to start while the one before it finishes (programmatic
+    stream serialization), and must still wait for its results. A chain of fprops through a
+    square layout, updat on the chain's last two outputs, then accumulating calls into one output."""
+    rng = np.random.default_rng(7)
+    layout = (rng.random((40, 40)) < 0.6).astype(np.uint8)  # block 32: 24 blocks a column
+    op = bsmm.BlocksparseMatMul(layout, block_size=32)
+    x_host = random_data(rng, (32, op.C), dtype)
+    # Scaled so that the chain keeps unit size (24 blocks of 32 features add up in each output).
+    w_host = (random_data(rng, op.w_shape, dtype).astype(np.float32) / np.sqrt(24 * 32)).astype(x_host.dtype)
+    x, w = to_xp(cupy, x_host), to_xp(cupy, w_host)
+    chain = [x]
+    for _ in range(4):
+        chain.append(op.fprop(chain[-1], w))
+    dw = op.updat(chain[-2], chain[-1])
+    total = op.fprop(x, w)
+    for _ in range(3):
+        op.fprop(x, w, out=total, accumulate=True)
+    expected = [x_host.astype(np.float64)]
+    for _ in range(4):
+        expected.append(ref_fprop(layout, w_host, 32, expected[-1], 1))
+    tol = tolerance(dtype) * (4 if dtype == "float16" else 1)  # four roundings to fp16 along the chain
+    for k in range(1, 5):
+        assert rel_error(to_numpy(chain[k]), expected[k]) < tol, f"fprop {k} of the chain"
+    assert rel_error(to_numpy(dw), ref_updat(layout, 32, to_numpy(chain[-2]), to_numpy(chain[-1]), 1)) < tolerance(dtype)
+    assert rel_error(to_numpy(total), 4 * expected[1]) < tolerance(dtype)

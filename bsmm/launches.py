@@ -1,0 +1,73 @@
+"""Kernel launches with programmatic stream serialization (programmatic dependent launch, sm_90+).
+
+A kernel launched this way may be scheduled while the grid before it on the stream is still
+running: its thread blocks start on the SMs that grid frees, and wait at their first
+instruction until it has finished (``wait_for_prior_grid`` in ``cuda/bsmm_common.cuh``), so
+only the launch and start-up overlap it; results are those of an ordinary launch. CuPy wraps
+``cuLaunchKernel`` only, so ``cuLaunchKernelEx`` is reached through ctypes. A
+:class:`SerializedLaunch` holds one ready configuration (kernel, grid, block, shared bytes,
+stream) and the call's arguments as ctypes objects, so a launch converts nothing.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+__all__ = ["SerializedLaunch", "launch_serialized"]
+
+_PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+
+
+class _Attribute(ctypes.Structure):
+    # CUlaunchAttribute: an id, padding to 8 bytes, a 64-byte value union.
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int * 16)]
+
+
+class _Config(ctypes.Structure):
+    # CUlaunchConfig
+    _fields_ = [("grid_x", ctypes.c_uint), ("grid_y", ctypes.c_uint), ("grid_z", ctypes.c_uint),
+                ("block_x", ctypes.c_uint), ("block_y", ctypes.c_uint), ("block_z", ctypes.c_uint),
+                ("shared_bytes", ctypes.c_uint), ("stream", ctypes.c_void_p),
+                ("attributes", ctypes.POINTER(_Attribute)), ("attribute_count", ctypes.c_uint)]
+
+
+@functools.cache
+def _launch_ex():
+    launch = ctypes.CDLL("libcuda.so.1").cuLaunchKernelEx
+    launch.restype = ctypes.c_int  # arguments are passed as ready ctypes objects: no argtypes
+    return launch
+
+
+class SerializedLaunch:
+    """One launch configuration with programmatic stream serialization, ready to launch any
+    parameter block: ``launch(parameters_address)``."""
+
+    __slots__ = ("attribute", "config", "arguments")
+
+    def __init__(self, function: int, grid: tuple, block: tuple, shared_bytes: int, stream: int):
+        self.attribute = _Attribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION)
+        self.attribute.value[0] = 1  # programmaticStreamSerializationAllowed
+        self.config = _Config(*grid, *block, shared_bytes, stream, ctypes.pointer(self.attribute), 1)
+        self.arguments = (ctypes.byref(self.config), ctypes.c_void_p(function))
+
+    def launch(self, parameters_address: int) -> None:
+        result = _launch_ex()(*self.arguments, ctypes.c_void_p(parameters_address), None)
+        if result:
+            raise RuntimeError(f"cuLaunchKernelEx failed (CUresult {result})")
+
+
+_LAUNCHES: dict = {}
+
+
+def launch_serialized(function: int, grid_x: int, grid_y: int, grid_z: int, block_x: int, block_y: int,
+                      block_z: int, shared_bytes: int, stream: int, parameters_address: int, extra=0) -> None:
+    """``cupy.cuda.driver.launchKernel``'s arguments (``extra`` unused), launched with programmatic
+    stream serialization; configurations are kept per (kernel, grid, block, shared bytes, stream)."""
+    key = (function, grid_x, grid_y, grid_z, block_x, block_y, block_z, shared_bytes, stream)
+    launch = _LAUNCHES.get(key)
+    if launch is None:
+        if len(_LAUNCHES) >= 1024:
+            _LAUNCHES.clear()
+        launch = _LAUNCHES[key] = SerializedLaunch(function, key[1:4], key[4:7], shared_bytes, stream)
+    launch.launch(parameters_address)
