@@ -436,7 +436,10 @@ def _build_plan(index: BlockIndex, pass_name: str, n: int, dtype: str, feature_a
         # Balance: no part much longer than twice the average unit, and enough parts to fill the GPU.
         fill = math.ceil(total * tiles_per_unit / target_ctas)
         part_length = max(cfg["min_part_blocks"], min(math.ceil(2 * total / n_units), fill))
-        if tma is not None and mode == "tensor16":  # small batches through TMA: whole columns (bsmm.toml)
+        if (tma is not None and mode == "tensor16"
+                and n_units * tiles_per_unit >= device.attributes["MultiProcessorCount"]):
+            # Small batches through TMA walk whole columns (bsmm.toml) where the columns alone
+            # give every SM a thread block; fewer columns are cut to fill the GPU.
             part_length = max(part_length, cfg["tma_mma_min_part_blocks"])
         part_length = min(part_length, MAX_PART_BLOCKS)
         parts, unit_of, part_index = _parts(counts, part_length)

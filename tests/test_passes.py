@@ -758,15 +758,19 @@ def test_tma_matches_cp_async_bitwise(xp, dtype, bs, n, monkeypatch):
 @pytest.mark.parametrize("pass_name", ["fprop", "bprop"])
 def test_small_batch_tma_walks_whole_columns(xp, pass_name, monkeypatch):
     """GPU, Hopper: small-batch fprop/bprop through TMA cut no block column (row) of up to
-    tma_mma_min_part_blocks blocks into parts, and cut longer ones; exact either way."""
+    tma_mma_min_part_blocks blocks into parts, and cut longer ones; exact either way. The
+    layout has more block columns (rows) than the H100 has SMs: fewer are cut to fill it."""
     from bsmm import cuda_backend
 
     kernels = tma_for_any_layout(xp, monkeypatch)
     monkeypatch.delenv("BSMM_TMA", raising=False)
     rng = np.random.default_rng([len(pass_name), 32])
-    layout = random_layout(rng, 12, 12, 0.3)
-    layout[:, 4] = 1  # a block column of 12 blocks
-    layout[5, :] = 1  # a block row of 12 blocks
+    layout = random_layout(rng, 140, 140, 0.02)  # about 3 blocks a column (row), rarely over 10
+    layout[:, 4] = 0
+    layout[:12, 4] = 1  # a block column of 12 blocks
+    layout[5, :] = 0
+    layout[5, :12] = 1  # a block row of 12 blocks
+    assert layout.sum(axis=0).max() <= 12 and layout.sum(axis=1).max() <= 12
     case = make_case(rng, layout, 32, 32, "float16", 1)
     args = device_inputs(xp, case, pass_name)
     for least, cut in ((16, False), (8, True)):
