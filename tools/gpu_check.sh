@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # One call on the lent GPU: compile every kernel variant into the cache, a fast correctness
 # sweep, the GPU test suite, and the benchmark. Full logs go to $OUT; a short table is printed last.
-#   tools/gpu_check.sh [smoke|tests|bench|all|note|conv|models] [bench args...]
+#   tools/gpu_check.sh [smoke|tests|bench|all|note|conv|race|models] [bench args...]
 # note: compile, GPU tests, memcheck of the column-group, row-group, transposed-updat, part-reduction,
 # wgmma, shifted-pass, row-gather and convolution tests, bench, then the convolution benchmark against cuDNN.
 # conv: compile, the convolution, row-gather and strided GPU tests, their memcheck, the conv bench.
+# race: compile, compute-sanitizer racecheck over one GPU test of each kernel kind.
 # models: the small-world LSTM experiment ($LSTM_BUDGET s, default 240); its table.
 set -uo pipefail
 OUT=${OUT:-/tmp/bsmm-out}
@@ -40,10 +41,20 @@ fi
 if [[ $stage == note || $stage == conv ]]; then
   t0=$(date +%s)
   compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -q -m gpu tests/test_passes.py \
-    tests/test_strided.py tests/test_row_maps.py tests/test_conv.py \
-    -k "column_groups or row_groups or transposed or long_block or wgmma or shifted or gather or 3x3-p1 or 3x3-valid or 3x3-s2-p1" \
+    tests/test_strided.py tests/test_row_maps.py tests/test_conv.py tests/test_repeat_calls.py \
+    -k "column_groups or row_groups or transposed or long_block or wgmma or shifted or gather or 3x3-p1 or 3x3-valid or 3x3-s2-p1 or whole_columns or back_to_back or kept_parameter" \
     -p no:cacheprovider >"$OUT/memcheck.log" 2>&1 || status=1
   echo "memcheck: $(grep -E "ERROR SUMMARY" "$OUT/memcheck.log" | sort | uniq -c | tr -s ' ') $(tail -1 "$OUT/memcheck.log") [$(( $(date +%s) - t0 ))s]"
+fi
+if [[ $stage == race ]]; then
+  # Shared-memory hazards: one kernel of each kind (cp.async mma.sync and SIMT, TMA mma.sync,
+  # wgmma column and row groups, transposed updat, parts with their reduction) on small shapes.
+  t0=$(date +%s)
+  compute-sanitizer --tool racecheck --error-exitcode 9 python3 -m pytest -q -m gpu tests/test_passes.py \
+    tests/test_repeat_calls.py -k "back_to_back or (kept_parameter and tall) or (column_groups and listed-float16) \
+    or (updat_row_groups and 1-False-float16) or (whole_columns and fprop) or (transposed and float16) \
+    or (long_block and float16)" -p no:cacheprovider >"$OUT/racecheck.log" 2>&1 || status=1
+  echo "racecheck: $(grep -E "RACECHECK SUMMARY|ERROR SUMMARY" "$OUT/racecheck.log" | sort | uniq -c | tr -s ' ') $(tail -1 "$OUT/racecheck.log") [$(( $(date +%s) - t0 ))s]"
 fi
 if [[ $stage == bench || $stage == all || $stage == note ]]; then
   t0=$(date +%s)
