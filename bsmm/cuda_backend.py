@@ -435,7 +435,8 @@ def _build_plan(index: BlockIndex, pass_name: str, n: int, dtype: str, feature_a
         total = max(1, int(ptr[-1]))
         # Balance: no part much longer than twice the average unit, and enough parts to fill the GPU.
         fill = math.ceil(total * tiles_per_unit / target_ctas)
-        part_length = max(cfg["min_part_blocks"], min(math.ceil(2 * total / n_units), fill))
+        shortest = cfg["min_part_blocks"] if mode != "simt" else min(cfg["min_part_blocks"], cfg["min_part_blocks_simt"])
+        part_length = max(shortest, min(math.ceil(2 * total / n_units), fill))
         if (tma is not None and mode == "tensor16"
                 and n_units * tiles_per_unit >= device.attributes["MultiProcessorCount"]):
             # Small batches through TMA walk whole columns (bsmm.toml) where the columns alone
