@@ -148,7 +148,7 @@ class _Parameters:
     """A kernel's parameters laid out as :class:`_Launcher` lays them out, held for a launch to
     pass by address (``cuLaunchKernel`` copies them during the call)."""
 
-    __slots__ = ("values", "maps", "pointers", "address", "serialized")
+    __slots__ = ("values", "maps", "pointers", "address", "serialized", "driver", "arguments")
 
     def __init__(self, arg_count: int, values: tuple, maps: tuple, serialized: SerializedLaunch | None):
         self.serialized = serialized  # the launch configuration, where launches are serialized
@@ -158,6 +158,8 @@ class _Parameters:
         self.pointers = (ctypes.c_uint64 * (arg_count + len(maps)))(
             *(base + 8 * i for i in range(arg_count)), *(ctypes.addressof(m) for m in self.maps))
         self.address = ctypes.addressof(self.pointers)
+        if serialized is not None:  # cuLaunchKernelEx and its arguments, made once
+            self.driver, self.arguments = serialized.driver, serialized.arguments(self.address)
 
 
 @dataclasses.dataclass
@@ -731,7 +733,9 @@ class FastCall:
         elif block.serialized is None:
             _launch_kernel(*self.head, stream_ptr, block.address, 0)
         else:
-            block.serialized.launch(block.address)
+            result = block.driver(*block.arguments)
+            if result:
+                raise RuntimeError(f"cuLaunchKernelEx failed (CUresult {result})")
         return out
 
     def _launch_unkept(self, key: tuple) -> None:

@@ -41,18 +41,24 @@ def _launch_ex():
 
 class SerializedLaunch:
     """One launch configuration with programmatic stream serialization, ready to launch any
-    parameter block: ``launch(parameters_address)``."""
+    parameter block: ``launch(parameters_address)``, or ``driver(*arguments(address))`` with
+    the arguments made once (a nonzero result is the CUresult of a failed launch)."""
 
-    __slots__ = ("attribute", "config", "arguments")
+    __slots__ = ("attribute", "config", "function", "driver")
 
     def __init__(self, function: int, grid: tuple, block: tuple, shared_bytes: int, stream: int):
         self.attribute = _Attribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION)
         self.attribute.value[0] = 1  # programmaticStreamSerializationAllowed
         self.config = _Config(*grid, *block, shared_bytes, stream, ctypes.pointer(self.attribute), 1)
-        self.arguments = (ctypes.byref(self.config), ctypes.c_void_p(function))
+        self.function = ctypes.c_void_p(function)
+        self.driver = _launch_ex()
+
+    def arguments(self, parameters_address: int) -> tuple:
+        """``cuLaunchKernelEx``'s arguments for the parameter block at that address, as ctypes objects."""
+        return ctypes.byref(self.config), self.function, ctypes.c_void_p(parameters_address), None
 
     def launch(self, parameters_address: int) -> None:
-        result = _launch_ex()(*self.arguments, ctypes.c_void_p(parameters_address), None)
+        result = self.driver(*self.arguments(parameters_address))
         if result:
             raise RuntimeError(f"cuLaunchKernelEx failed (CUresult {result})")
 
