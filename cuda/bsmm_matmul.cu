@@ -620,7 +620,9 @@ __device__ __forceinline__ void wgmma_group_step(float (&acc)[K::ACC], const T* 
         const T* a = a_stage + (r * K::BM + (threadIdx.x / 128) * 64) * BS;
 #pragma unroll
         for (int j = 0; j < K::COLS; ++j) {
-            if (blocks[j] < 0) continue;
+            // The same for every thread; the vote says so to ptxas, which otherwise serializes
+            // every wgmma of the kernel behind this branch (C7520).
+            if (!__all_sync(0xffffffffu, blocks[j] >= 0)) continue;
             float(&d)[BS / 2] = *reinterpret_cast<float(*)[BS / 2]>(&acc[j * BS / 2]);
             const T* b = b_stage + (r * K::COLS + j) * BS * BS;
 #pragma unroll
