@@ -25,7 +25,7 @@ import numpy as np
 from .block_index import BlockIndex
 from .config import settings
 from .dtypes import DTYPE_NAMES, SUPPORTED_DTYPES
-from .launches import SerializedLaunch, launch_serialized
+from .launches import SerializedLaunch
 from .kernels import MAX_PART_BLOCKS, GatherVariant, TransposeVariant, Variant, load_kernel
 from .strided import BlockOrder, check_strided_operands, virtual_width
 from .tensor_maps import MAP_BYTES, tensor_map
@@ -103,7 +103,8 @@ class _Launcher:
     def __init__(self, kernel, grid, threads: int, shared_bytes: int, arg_count: int = _ARG_COUNT,
                  map_count: int = 0, serialized: bool = False):
         self.function = kernel.kernel.ptr
-        self.serialized = serialized  # launched with programmatic stream serialization (bsmm.launches)
+        # Launched with programmatic stream serialization (bsmm.launches): stream -> its configuration.
+        self.serialized: dict | None = {} if serialized else None
         self.grid, self.threads, self.shared_bytes = grid, threads, shared_bytes
         # cuLaunchKernel's arguments before the stream: function, grid, block, shared bytes.
         self.head = (self.function, *grid, threads, 1, 1, shared_bytes)
@@ -130,36 +131,44 @@ class _Launcher:
                 for address, data in zip(self.map_addresses, make_maps()):
                     ctypes.memmove(address, data, MAP_BYTES)
                 self.map_key = map_key
-            if self.serialized:
-                launch_serialized(*self.head, stream_ptr, self.pointers_address)
-            else:
+            if self.serialized is None:
                 _launch_kernel(*self.head, stream_ptr, self.pointers_address, 0)
+            else:
+                self.serialized_on(stream_ptr).launch(self.pointers_address)
+
+    def serialized_on(self, stream_ptr: int) -> SerializedLaunch:
+        """The serialized launch configuration of this kernel on ``stream_ptr`` (made once)."""
+        launch = self.serialized.get(stream_ptr)
+        if launch is None:
+            launch = self.serialized[stream_ptr] = SerializedLaunch(self.function, self.grid, (self.threads, 1, 1),
+                                                                    self.shared_bytes, stream_ptr)
+        return launch
 
     def parameters(self, stream_ptr: int, values: tuple, maps: tuple = ()) -> "_Parameters":
         """A parameter block of its own for a launch on ``stream_ptr`` with these values and maps,
         never written again: a repeated call launches it as it is, without packing, locking or
         copying maps (:class:`FastCall`)."""
-        serialized = SerializedLaunch(self.function, self.grid, (self.threads, 1, 1), self.shared_bytes,
-                                      stream_ptr) if self.serialized else None
-        return _Parameters(self.arg_count, values, maps, serialized)
+        block = _Parameters(self.arg_count, values, maps)
+        if self.serialized is not None:  # cuLaunchKernelEx and its arguments, made once
+            launch = self.serialized_on(stream_ptr)
+            block.driver, block.arguments = launch.driver, launch.arguments(block.address)
+        return block
 
 
 class _Parameters:
     """A kernel's parameters laid out as :class:`_Launcher` lays them out, held for a launch to
     pass by address (``cuLaunchKernel`` copies them during the call)."""
 
-    __slots__ = ("values", "maps", "pointers", "address", "serialized", "driver", "arguments")
+    __slots__ = ("values", "maps", "pointers", "address", "driver", "arguments")
 
-    def __init__(self, arg_count: int, values: tuple, maps: tuple, serialized: SerializedLaunch | None):
-        self.serialized = serialized  # the launch configuration, where launches are serialized
+    def __init__(self, arg_count: int, values: tuple, maps: tuple):
+        self.driver = self.arguments = None  # cuLaunchKernelEx and its arguments, where launches are serialized
         self.values = (ctypes.c_uint64 * arg_count)(*values)
         self.maps = [(ctypes.c_uint64 * (MAP_BYTES // 8)).from_buffer_copy(data) for data in maps]
         base = ctypes.addressof(self.values)
         self.pointers = (ctypes.c_uint64 * (arg_count + len(maps)))(
             *(base + 8 * i for i in range(arg_count)), *(ctypes.addressof(m) for m in self.maps))
         self.address = ctypes.addressof(self.pointers)
-        if serialized is not None:  # cuLaunchKernelEx and its arguments, made once
-            self.driver, self.arguments = serialized.driver, serialized.arguments(self.address)
 
 
 @dataclasses.dataclass
@@ -729,8 +738,10 @@ class FastCall:
         key = (stream_ptr, act_ptr, other_ptr, out_ptr, accumulate)
         block = self.blocks.get(key)
         if block is None:
-            self._launch_unkept(key)
-        elif block.serialized is None:
+            block = self._keep(key)
+            if block is None:  # launched through the plan
+                return out
+        if block.arguments is None:
             _launch_kernel(*self.head, stream_ptr, block.address, 0)
         else:
             result = block.driver(*block.arguments)
@@ -738,8 +749,9 @@ class FastCall:
                 raise RuntimeError(f"cuLaunchKernelEx failed (CUresult {result})")
         return out
 
-    def _launch_unkept(self, key: tuple) -> None:
-        """Launch a key with no block yet: through the plan the first time, keeping a block the second."""
+    def _keep(self, key: tuple):
+        """The block to launch for a key seen before, kept from now on; a key seen the first time
+        (or any key of a TransposedUpdat) launches through the plan instead, and gives None."""
         stream_ptr, act_ptr, other_ptr, out_ptr, accumulate = key
         if self.head is None or key not in self.seen:
             if self.head is not None:
@@ -747,15 +759,12 @@ class FastCall:
                     self.seen.clear()
                 self.seen.add(key)
             self.plan.launch(stream_ptr, act_ptr, other_ptr, out_ptr, self.sizes, int(accumulate))
-            return
+            return None
         if len(self.blocks) >= _MAX_KEPT_LAUNCHES:
             self.blocks.clear()  # e.g. outputs at new addresses every call: keep the dict small
         block = self.blocks[key] = self.plan.parameters(stream_ptr, act_ptr, other_ptr, out_ptr, self.sizes,
                                                         int(accumulate))
-        if block.serialized is None:
-            _launch_kernel(*self.head, stream_ptr, block.address, 0)
-        else:
-            block.serialized.launch(block.address)
+        return block
 
 
 _MAX_KEPT_LAUNCHES = 64

@@ -6,7 +6,8 @@ instruction until it has finished (``wait_for_prior_grid`` in ``cuda/bsmm_common
 only the launch and start-up overlap it; results are those of an ordinary launch. CuPy wraps
 ``cuLaunchKernel`` only, so ``cuLaunchKernelEx`` is reached through ctypes. A
 :class:`SerializedLaunch` holds one ready configuration (kernel, grid, block, shared bytes,
-stream) and the call's arguments as ctypes objects, so a launch converts nothing.
+stream), kept per kernel and stream by its launcher (``bsmm.cuda_backend``), and makes the
+call's arguments as ctypes objects, so a repeated launch converts nothing.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from __future__ import annotations
 import ctypes
 import functools
 
-__all__ = ["SerializedLaunch", "launch_serialized"]
+__all__ = ["SerializedLaunch"]
 
 _PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
 
@@ -61,19 +62,3 @@ class SerializedLaunch:
         result = self.driver(*self.arguments(parameters_address))
         if result:
             raise RuntimeError(f"cuLaunchKernelEx failed (CUresult {result})")
-
-
-_LAUNCHES: dict = {}
-
-
-def launch_serialized(function: int, grid_x: int, grid_y: int, grid_z: int, block_x: int, block_y: int,
-                      block_z: int, shared_bytes: int, stream: int, parameters_address: int, extra=0) -> None:
-    """``cupy.cuda.driver.launchKernel``'s arguments (``extra`` unused), launched with programmatic
-    stream serialization; configurations are kept per (kernel, grid, block, shared bytes, stream)."""
-    key = (function, grid_x, grid_y, grid_z, block_x, block_y, block_z, shared_bytes, stream)
-    launch = _LAUNCHES.get(key)
-    if launch is None:
-        if len(_LAUNCHES) >= 1024:
-            _LAUNCHES.clear()
-        launch = _LAUNCHES[key] = SerializedLaunch(function, key[1:4], key[4:7], shared_bytes, stream)
-    launch.launch(parameters_address)

@@ -1005,9 +1005,9 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N * 32)
 // K-major); updat, dy as (N rows, K features), boxes of BOX x BK. out_map (read by wgmma
 // tiles not cut into parts, written without accumulate; zeros for mma.sync): the output,
 // (N rows, features) or (blocks x BS rows, BS columns) for updat, boxes of 64 x BM.
-// Transposed updat row groups (K::ROWS_T, blocks 16/32): act_map and other_map hold x and dy,
+// Transposed updat row groups (K::ROWS_T, blocks 16 to 64): act_map and other_map hold x and dy,
 // boxes of BS features x BK batch rows (feature axis 0: BK x BS), and the table one row-group
-// entry per unit; out_map is unused. fprop/bprop column groups (K::COLS_W, blocks 16/32):
+// entry per unit; out_map is unused. fprop/bprop column groups (K::COLS_W, blocks 16 to 64):
 // boxes of BS features x BM rows and of whole weight blocks; the table holds COLS + 1 ints a
 // step (see GroupLoader), the output tile spans COLS block columns (rows). Other parameters
 // as bsmm_matmul's.
