@@ -102,8 +102,17 @@ struct Kernel {
     // Tensor-core warp tiling.
     static constexpr int WTM = BM / WARPS_M, WTN = BN / WARPS_N;
     static constexpr int MI = WTM / 16, NJ = WTN / 8;
-    // SIMT thread tiling: TX threads along N, TY along M; thread (ty, tx) owns rows ty + i·TY, cols tx + j·TX.
-    static constexpr int TX = BN < 16 ? BN : 16, TY = NT / TX, TM = BM / TY, TN = BN / TX;
+    // SIMT thread tiling: TX threads along N (4 columns each where the tile allows), TY along M.
+    // Thread (ty, tx) owns TM rows and TN columns in runs of RM (RN) adjacent ones, so that a run
+    // is one vector load from a stage whose rows run along M (N); see simt_row and simt_step.
+    static constexpr int TX0 = BN / 4 < 16 ? BN / 4 : 16, TX = TX0 * BM < NT ? NT / BM : TX0;
+    static constexpr int TY = NT / TX, TM = BM / TY, TN = BN / TX;
+    // (Runs only where the stage is M- or N-major: on a K-major stage, rows a lane apart keep the
+    // 4-deep loads of a warp on different banks.)
+    static constexpr int RM = A_KMAJOR ? 1 : TM % 4 == 0 ? 4 : TM % 2 == 0 ? 2 : 1;
+    static constexpr int RN = B_KMAJOR ? 1 : TN % 4 == 0 ? 4 : TN % 2 == 0 ? 2 : 1;
+    __device__ __forceinline__ static int simt_row(int ty, int i) { return (i / RM) * TY * RM + ty * RM + i % RM; }
+    __device__ __forceinline__ static int simt_col(int tx, int j) { return (j / RN) * TX * RN + tx * RN + j % RN; }
     static constexpr int ACC = MATH == SIMT ? TM * TN : MATH == WGMMA ? BN / 2 : MI * NJ * 4;
     // wgmma instruction width along N (m64nWNk16): the widest that divides the tile; groups
     // issue one instruction per block (a row group's N, or one block column of a column group).
@@ -119,7 +128,7 @@ struct Kernel {
                   "aligned tensor-core copies; transposed wgmma row groups: the blocks along M");
     static_assert(MATH != TENSOR16 || (BK % 16 == 0 && WTM % 16 == 0 && WTN % 8 == 0), "m16n8k16 tiling");
     static_assert(MATH != TF32 || (BK % 8 == 0 && WTM % 16 == 0 && WTN % 8 == 0), "m16n8k8 tiling");
-    static_assert(MATH != SIMT || (TY * TX == NT && TM * TY == BM && TN * TX == BN), "SIMT tiling");
+    static_assert(MATH != SIMT || (TY * TX == NT && TM * TY == BM && TN * TX == BN && TX <= BN && BK % 4 == 0), "SIMT tiling");
     static_assert(!GROUPED || (PASS == UPDAT && ALIGNED), "grouping is an updat mode of the aligned copy path");
     // wgmma: a warpgroup (4 warps) owns 64 rows and all BN columns, as BN / WN m64nWNk16 tiles.
     static_assert(MATH != WGMMA || (sizeof(T) == 2 && (COLS_W ? BK % BS == 0 : BK == 64 && (PASS == UPDAT || BK <= BS)) &&
@@ -477,6 +486,58 @@ __device__ __forceinline__ void mma16_step(float (&acc)[K::ACC], T* a, T* b, uns
     }
 }
 
+// RUN adjacent elements of a stage (at an offset that is a multiple of RUN) in one vector load.
+template <int RUN, typename T>
+__device__ __forceinline__ void load_run(const T* p, float (&out)[RUN]) {
+    struct alignas(RUN * sizeof(T)) Run { T v[RUN]; };
+    const Run r = *reinterpret_cast<const Run*>(p);
+#pragma unroll
+    for (int e = 0; e < RUN; ++e) out[e] = Elem<T>::to_float(r.v[e]);
+}
+
+// A SIMT thread's COUNT rows (of M or N, in runs of RUN, see Kernel::simt_row) of one operand at
+// depths k0 .. k0 + 3: from a K-major stage one 4-deep load a row, otherwise one load a run and depth.
+template <bool KMAJOR, int COUNT, int RUN, int THREADS, int PITCH, typename T>
+__device__ __forceinline__ void load_simt_operand(float (&v)[COUNT][4], const T* s, int t, int k0) {
+#pragma unroll
+    for (int i = 0; i < COUNT; i += RUN) {
+        const int row = (i / RUN) * THREADS * RUN + t * RUN;
+        if constexpr (KMAJOR) {
+#pragma unroll
+            for (int e = 0; e < RUN; ++e) load_run<4>(s + (row + e) * PITCH + k0, v[i + e]);
+        } else {
+#pragma unroll
+            for (int kk = 0; kk < 4; ++kk) {
+                float run[RUN];
+                load_run<RUN>(s + (k0 + kk) * PITCH + row, run);
+#pragma unroll
+                for (int e = 0; e < RUN; ++e) v[i + e][kk] = run[e];
+            }
+        }
+    }
+}
+
+// One step of exact float32 (SIMT) math, 4 deep at a time. Scalar shared-memory reads, one per
+// row and column per depth, bounded these kernels (S fp32 fprop at 10 %: about 6 loads per 8
+// FFMA, 49 us against 20 us of weight traffic); vector runs cut that to (TM + TN) / 4 loads or
+// fewer per TM x TN FFMAs.
+template <class K, typename T>
+__device__ __forceinline__ void simt_step(float (&acc)[K::ACC], const T* a, const T* b) {
+    const int tx = threadIdx.x % K::TX, ty = threadIdx.x / K::TX;
+#pragma unroll 2
+    for (int k0 = 0; k0 < K::BK; k0 += 4) {
+        float av[K::TM][4], bv[K::TN][4];
+        load_simt_operand<K::A_KMAJOR, K::TM, K::RM, K::TY, K::A_PITCH>(av, a, ty, k0);
+        load_simt_operand<K::B_KMAJOR, K::TN, K::RN, K::TX, K::B_PITCH>(bv, b, tx, k0);
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk)
+#pragma unroll
+            for (int i = 0; i < K::TM; ++i)
+#pragma unroll
+                for (int j = 0; j < K::TN; ++j) acc[i * K::TN + j] = fmaf(av[i][kk], bv[j][kk], acc[i * K::TN + j]);
+    }
+}
+
 // The main loop: a STAGES-deep cp.async pipeline feeding tensor-core or SIMT math.
 // load(step, a_stage, b_stage) issues the copies of one step's A and B tiles.
 // skip(step): this warp has nothing to multiply in that step (column groups).
@@ -532,19 +593,7 @@ __device__ __forceinline__ void main_loop(Load&& load, int n_steps, T* smem, flo
                     }
             }
         } else {
-            const int tx = tid % K::TX, ty = tid / K::TX;
-#pragma unroll 4
-            for (int k = 0; k < K::BK; ++k) {
-                float av[K::TM], bv[K::TN];
-#pragma unroll
-                for (int i = 0; i < K::TM; ++i) av[i] = Elem<T>::to_float(*K::a_at(a, ty + i * K::TY, k));
-#pragma unroll
-                for (int j = 0; j < K::TN; ++j) bv[j] = Elem<T>::to_float(*K::b_at(b, k, tx + j * K::TX));
-#pragma unroll
-                for (int i = 0; i < K::TM; ++i)
-#pragma unroll
-                    for (int j = 0; j < K::TN; ++j) acc[i * K::TN + j] = fmaf(av[i], bv[j], acc[i * K::TN + j]);
-            }
+            simt_step<K, T>(acc, a, b);
         }
         after(step, acc);
     }
@@ -689,7 +738,7 @@ __device__ __forceinline__ void for_each_acc(F f) {
 #pragma unroll
         for (int i = 0; i < K::TM; ++i)
 #pragma unroll
-            for (int j = 0; j < K::TN; ++j) f(i * K::TN + j, ty + i * K::TY, tx + j * K::TX);
+            for (int j = 0; j < K::TN; ++j) f(i * K::TN + j, K::simt_row(ty, i), K::simt_col(tx, j));
     } else if constexpr (K::MATH == WGMMA) {
         // Per 64 x WN instruction tile, warp w of the warpgroup holds rows 16w + lane/4 (+8) and,
         // for each 8-column group j, columns 8j + 2(lane % 4) (+1): the m16n8 layout along N.

@@ -27,6 +27,12 @@ def _cupy_or_skip():
     return cupy
 
 
+@pytest.fixture(scope="session")
+def cupy():
+    """CuPy, for tests of the GPU backend alone (mark them ``gpu``); skips without a device."""
+    return _cupy_or_skip()
+
+
 @pytest.fixture(scope="session", params=["numpy", pytest.param("cupy", marks=pytest.mark.gpu)])
 def xp(request):
     """The array module whose arrays are passed to bsmm: numpy (CPU backend) or cupy (GPU)."""

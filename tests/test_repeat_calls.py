@@ -20,13 +20,6 @@ BS = 16
 LAYOUT = np.array([[1, 0, 1, 1], [0, 1, 1, 0], [1, 1, 0, 1]], dtype=np.uint8)  # C = 48, K = 64
 
 
-@pytest.fixture(scope="module")
-def cupy():
-    from conftest import _cupy_or_skip
-
-    return _cupy_or_skip()
-
-
 def make(cupy, axis=1, n=33, dtype="float16", seed=0):
     rng = np.random.default_rng(seed)
     op = bsmm.BlocksparseMatMul(LAYOUT, block_size=BS, feature_axis=axis)
