@@ -26,7 +26,7 @@ from .block_index import BlockIndex
 from .config import settings
 from .dtypes import DTYPE_NAMES, SUPPORTED_DTYPES
 from .launches import SerializedLaunch
-from .kernels import MAX_PART_BLOCKS, GatherVariant, TransposeVariant, Variant, load_kernel
+from .kernels import ELEMENT_BYTES, MAX_PART_BLOCKS, GatherVariant, TransposeVariant, Variant, load_kernel
 from .strided import BlockOrder, check_strided_operands, virtual_width
 from .tensor_maps import MAP_BYTES, tensor_map
 
@@ -251,16 +251,17 @@ class TmaPlan(Plan):
         are stored through TMA: mma.sync tiles and updat row groups get zeros for the output map."""
         n, ld_act, ld_other, ld_out = sizes
         bs = self.variant.block_size
+        e = ELEMENT_BYTES[self.variant.dtype]
         if self.variant.feature_axis == 0:  # updat row groups: xᵀ and dyᵀ, N columns (past N: zeros)
-            return (tensor_map(act_ptr, n, self.feature_rows[0], 2 * ld_act, *self.act_box),
-                    tensor_map(other_ptr, n, self.feature_rows[1], 2 * ld_other, *self.other_box), _NO_MAP)
-        act = tensor_map(act_ptr, ld_act, n, 2 * ld_act, *self.act_box)
+            return (tensor_map(act_ptr, n, self.feature_rows[0], e * ld_act, *self.act_box, e),
+                    tensor_map(other_ptr, n, self.feature_rows[1], e * ld_other, *self.other_box, e), _NO_MAP)
+        act = tensor_map(act_ptr, ld_act, n, e * ld_act, *self.act_box, e)
         stored = self.out_box is not None
         if self.variant.pass_name == "updat":
-            dy = tensor_map(other_ptr, ld_other, n, 2 * ld_other, *self.other_box)
-            return act, dy, tensor_map(out_ptr, bs, self.block_rows, 2 * bs, *self.out_box) if stored else _NO_MAP
-        weights = tensor_map(other_ptr, bs, self.block_rows, 2 * bs, *self.other_box)
-        return act, weights, tensor_map(out_ptr, ld_other * bs, n, 2 * ld_out, *self.out_box) if stored else _NO_MAP
+            dy = tensor_map(other_ptr, ld_other, n, e * ld_other, *self.other_box, e)
+            return act, dy, tensor_map(out_ptr, bs, self.block_rows, e * bs, *self.out_box, e) if stored else _NO_MAP
+        weights = tensor_map(other_ptr, bs, self.block_rows, e * bs, *self.other_box, e)
+        return act, weights, tensor_map(out_ptr, ld_other * bs, n, e * ld_out, *self.out_box, e) if stored else _NO_MAP
 
     @staticmethod
     def boxes(variant: Variant) -> dict:
@@ -273,9 +274,9 @@ class TmaPlan(Plan):
             return dict(act_box=box, other_box=box, out_box=None)
         if variant.cols > 1:  # column groups: a block's features by BM rows, whole weight blocks
             return dict(act_box=(bs, bm), other_box=(bs, bs), out_box=(64, bm))
-        wgmma = variant.math == "wgmma16"
-        box = 64 if wgmma else 32  # 128- or 64-byte rows
-        out_box = (64, bm) if wgmma else None
+        wgmma = variant.math in ("wgmma16", "wgmma_tf32")
+        box = 128 // ELEMENT_BYTES[variant.dtype] if wgmma else 32  # 128- or 64-byte rows
+        out_box = (64, bm) if variant.math == "wgmma16" else None  # (TF32 tiles: fragment stores)
         if variant.pass_name == "updat":
             return dict(act_box=(box, bk), other_box=(box, bk), out_box=out_box)
         return dict(act_box=(bk, bm), other_box=(box, bk) if variant.pass_name == "fprop" else (bk, bn), out_box=out_box)
@@ -406,6 +407,10 @@ def _build_plan(index: BlockIndex, pass_name: str, n: int, dtype: str, feature_a
         tma = _tma_tile("tma16", index, pass_name, n, arch_key, act_blocks, weight_blocks)
     elif mode == "tensor16" and not groups and feature_axis == 1 and aligned:
         tma = _tma_tile("tma_mma16", index, pass_name, n, arch_key, act_blocks, weight_blocks)
+    elif mode == "tf32" and pass_name == "bprop" and feature_axis == 1 and aligned:
+        # TF32 wgmma takes K-major operands only: bprop's dy rows and weight rows are.
+        tma = _tma_tile("tma_tf32", index, pass_name, n, arch_key, act_blocks, weight_blocks)
+        mode = "wgmma_tf32" if tma else mode
     tile = tma or tile
     bm, bn, bk = tile[:3]
     # A batch no deeper than one step: stream many weight blocks through each thread block.

@@ -27,10 +27,10 @@ from .config import CUDA_DIR
 __all__ = ["Variant", "GatherVariant", "TransposeVariant", "compile_variant", "load_kernel", "arch_for", "cuda_include_dirs", "compile_options"]
 
 SOURCE_FILE = "bsmm_matmul.cu"
-MATH_MODES = {"simt": 0, "tensor16": 1, "tf32": 2, "wgmma16": 3}
+MATH_MODES = {"simt": 0, "tensor16": 1, "tf32": 2, "wgmma16": 3, "wgmma_tf32": 3}  # (wgmma on float: TF32)
 #: Math modes whose instructions exist only on one architecture (compiled for it alone);
 #: TMA variants (``Variant.tma``) are built for sm_90a only as well.
-ARCH_ONLY_MODES = {"wgmma16": "sm_90a"}
+ARCH_ONLY_MODES = {"wgmma16": "sm_90a", "wgmma_tf32": "sm_90a"}
 PASS_IDS = {"fprop": 0, "bprop": 1, "updat": 2}
 #: Longest part of a block column (row) one thread block takes; its step-table slice is staged in
 #: shared memory (8 bytes an entry). Passed to NVRTC, so host and kernel agree.
@@ -46,7 +46,7 @@ class Variant:
     dtype: str  # "float32", "float16", "bfloat16"
     block_size: int
     tile: tuple[int, int, int, int, int, int]  # BM, BN, BK, WARPS_M, WARPS_N, STAGES
-    math: str  # "simt", "tensor16", "tf32", "wgmma16" (sm_90a)
+    math: str  # "simt", "tensor16", "tf32", "wgmma16" or "wgmma_tf32" (sm_90a)
     pass_name: str  # "fprop", "bprop", "updat"
     feature_axis: int
     aligned: bool  # 16-byte vector copies are legal for every operand

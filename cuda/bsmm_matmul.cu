@@ -131,11 +131,13 @@ struct Kernel {
     static_assert(MATH != SIMT || (TY * TX == NT && TM * TY == BM && TN * TX == BN && TX <= BN && BK % 4 == 0), "SIMT tiling");
     static_assert(!GROUPED || (PASS == UPDAT && ALIGNED), "grouping is an updat mode of the aligned copy path");
     // wgmma: a warpgroup (4 warps) owns 64 rows and all BN columns, as BN / WN m64nWNk16 tiles.
-    static_assert(MATH != WGMMA || (sizeof(T) == 2 && (COLS_W ? BK % BS == 0 : BK == 64 && (PASS == UPDAT || BK <= BS)) &&
+    static_assert(MATH != WGMMA || ((sizeof(T) == 2 || (PASS == BPROP && COLS == 1)) &&
+                                    (COLS_W ? BK % BS == 0 : BK * sizeof(T) == 128 && (PASS == UPDAT || BK <= BS)) &&
                                     BM % 64 == 0 && WARPS_N == 1 && WARPS_M * 16 == BM && ALIGNED_ && !GROUPED_ &&
                                     (COLS > 1 ? BS == 16 || BS == 32 || BS == 64 : BN % 64 == 0 && AXIS1_)),
-                  "wgmma: 16-bit, aligned, feature axis 1 (row groups: either), BK = 64 (column groups: blocks), "
-                  "64-row warpgroups; groups at blocks 16 to 64 (a block's row spans one swizzle at most)");
+                  "wgmma: 16-bit (TF32: bprop, both operands K-major), aligned, feature axis 1 (row groups: "
+                  "either), BK one 128-byte row (column groups: blocks), 64-row warpgroups; groups at blocks 16 to "
+                  "64 (a block's row spans one swizzle at most)");
 
     // Where element (row, col) of a ROWS x COLS tile (COLS contiguous) lives in its stage.
     template <int ROWS, int PITCH>
@@ -624,8 +626,10 @@ __device__ __forceinline__ void wgmma_step(float (&acc)[K::ACC], const T* a_stag
         fence_registers(acc);
         return;
     }
+    // One instruction is 32 bytes deep: 16 half-precision elements or 8 TF32 ones.
+    constexpr int KSTEP = 32 / sizeof(T);
 #pragma unroll
-    for (int kk = 0; kk < K::BK; kk += 16) {
+    for (int kk = 0; kk < K::BK; kk += KSTEP) {
         // A: K-major rows of 128 bytes, atoms 1024 bytes apart along M; M-major (updat): rows
         // along K, atoms 1024 bytes apart along K, a single atom along M.
         const unsigned long long a_desc =
@@ -634,7 +638,7 @@ __device__ __forceinline__ void wgmma_step(float (&acc)[K::ACC], const T* a_stag
         for (int nc = 0; nc < K::BN / K::WN; ++nc) {
             float(&d)[K::WN / 2] = *reinterpret_cast<float(*)[K::WN / 2]>(&acc[nc * K::WN / 2]);
             if constexpr (K::B_KMAJOR) {  // bprop: rows along N, K contiguous
-                Wgmma<T, K::WN>::template run<false, false>(d, a_desc, wgmma_descriptor(b + nc * K::WN * 64 + kk, 16, 1024));
+                Wgmma<T, K::WN>::template run<false, false>(d, a_desc, wgmma_descriptor(b + nc * K::WN * K::BK + kk, 16, 1024));
             } else {  // fprop, updat: rows along K, N contiguous, 64-column panels BK rows long
                 // N-major descriptor: leading offset = stride between 64-column panels along N
                 // (measured on the H100: the swapped assignment fails), stride offset = 1024
@@ -1069,14 +1073,14 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N * 32 + 32)
                     int ld_out, int accumulate, int band_rows, const __grid_constant__ TensorMap act_map,
                     const __grid_constant__ TensorMap other_map, const __grid_constant__ TensorMap out_map) {
     using K = Kernel<T, BS, BM, BN, BK, WARPS_M, WARPS_N, STAGES, MATH, PASS, AXIS1, ALIGNED, GROUPED, COLS, 1>;
-    static_assert(!GROUPED && ALIGNED && sizeof(T) == 2 &&
+    static_assert(!GROUPED && ALIGNED && (sizeof(T) == 2 || (MATH == WGMMA && PASS == BPROP && COLS == 1)) &&
                       (K::ROWS_T || K::COLS_W || (COLS == 1 && AXIS1 &&
                                      (MATH == WGMMA ? PASS == UPDAT || BS % BK == 0
                                                     : MATH == TENSOR16 && PASS != UPDAT && BK == BS))),
                   "TMA: wgmma passes, or mma.sync fprop/bprop one block a step; one block (column) a tile, or "
                   "wgmma groups");
     // Columns of a box: 128 (wgmma) or 64 (mma.sync, BK = BN = 32) bytes, the swizzle span.
-    constexpr int BOX = MATH == WGMMA ? 64 : 32;
+    constexpr int BOX = MATH == WGMMA ? 128 / (int)sizeof(T) : 32;
     static_assert(MATH != WGMMA || BM * BN <= STAGES * (K::A_STAGE + K::B_STAGE), "the stored tile fits the stages");
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     wait_for_prior_grid();
@@ -1237,7 +1241,7 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N * 32 + 32)
     if constexpr (K::ROWS_T) {
         store_row_group_transposed<K, T, BS>(out, acc, group, accumulate, reinterpret_cast<float*>(smem));
         return;
-    } else if constexpr (MATH == WGMMA) {
+    } else if constexpr (MATH == WGMMA && sizeof(T) == 2) {  // (TF32 tiles: fragment stores)
         if (!accumulate && unit_info.y == 1) {
             // The tile leaves through shared memory and TMA: the thread block may exit once the
             // copy has read it, while its writes drain and the next thread block starts on the

@@ -44,7 +44,7 @@ __device__ __forceinline__ void fence_registers(float (&r)[N]) {
 }
 
 // D[64 x N] += A[64 x 16] · B[16 x N], float32 accumulators (N / 2 a thread).
-// TRANS_A: A is M-major (updat reads x's columns); TRANS_B: B is N-major.
+// TRANS_A: A is M-major (updat reads x's columns); TRANS_B: B is N-major. (TF32: below.)
 template <typename T, int N>
 struct Wgmma {
     template <bool TRANS_A, bool TRANS_B>
@@ -86,6 +86,24 @@ BSMM_WGMMA(__nv_bfloat16, "bf16", 16, BSMM_WGMMA_D8, BSMM_WGMMA_OUT8, "%8", "%9"
 BSMM_WGMMA(__nv_bfloat16, "bf16", 32, BSMM_WGMMA_D16, BSMM_WGMMA_OUT16, "%16", "%17", "%18", "%19")
 BSMM_WGMMA(__nv_bfloat16, "bf16", 64, BSMM_WGMMA_D32, BSMM_WGMMA_OUT32, "%32", "%33", "%34", "%35")
 BSMM_WGMMA(__nv_bfloat16, "bf16", 128, BSMM_WGMMA_D64, BSMM_WGMMA_OUT64, "%64", "%65", "%66", "%67")
+// TF32 (float operands, of which the tensor cores read the top 19 bits): D[64 x N] += A[64 x 8]
+// · B[8 x N]. Both operands K-major, the only layout wgmma takes for 32-bit elements.
+#define BSMM_WGMMA_TF32(N, D, OUT, A, B)                                                                           \
+    template <>                                                                                                    \
+    struct Wgmma<float, N> {                                                                                       \
+        template <bool TRANS_A, bool TRANS_B>                                                                      \
+        static __device__ __forceinline__ void run(float (&d)[N / 2], unsigned long long a_desc,                   \
+                                                   unsigned long long b_desc) {                                    \
+            static_assert(!TRANS_A && !TRANS_B, "TF32 wgmma: K-major operands only");                               \
+            asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"                                                  \
+                         "wgmma.mma_async.sync.aligned.m64n" #N "k8.f32.tf32.tf32 " D ", " A ", " B ", p, 1, 1;\n}\n" \
+                         : OUT                                                                                     \
+                         : "l"(a_desc), "l"(b_desc));                                                              \
+        }                                                                                                          \
+    };
+BSMM_WGMMA_TF32(64, BSMM_WGMMA_D32, BSMM_WGMMA_OUT32, "%32", "%33")
+BSMM_WGMMA_TF32(128, BSMM_WGMMA_D64, BSMM_WGMMA_OUT64, "%64", "%65")
+#undef BSMM_WGMMA_TF32
 #undef BSMM_WGMMA
 #undef BSMM_WGMMA_D8
 #undef BSMM_WGMMA_D16

@@ -221,15 +221,21 @@ def test_tma_maps_describe_what_each_kernel_copies(monkeypatch):
     n, C, K, nnzb = 300, 512, 384, 7
     x, other, out = 0x1000, 0x2000, 0x3000
 
-    def maps(bs, tile, math, pass_name, axis=1, cols=1, sizes=None):
-        variant = Variant("float16", bs, tile, math, pass_name, axis, True, False, cols, True)
+    def maps(bs, tile, math, pass_name, axis=1, cols=1, sizes=None, dtype="float16"):
+        variant = Variant(dtype, bs, tile, math, pass_name, axis, True, False, cols, True)
         plan = cuda_backend.TmaPlan(variant=variant, segments=None, units=None, table=None, workspace_floats=0,
                                     counter_count=0, launcher=None, **cuda_backend.TmaPlan.boxes(variant),
                                     block_rows=nnzb * bs, feature_rows=(C, K))
         default = (n, C, K // bs, K) if pass_name != "updat" else (n, C, K, 0)
-        return plan.maps(x, other, out, sizes or default)
+        found = plan.maps(x, other, out, sizes or default)
+        item = 4 if dtype == "float32" else 2
+        assert all(m == none or m[-1] == item for m in found), "every map is of the operands' element size"
+        return tuple(m if m == none else m[:-1] for m in found)
 
     none = bytes(128)
+    # TF32 bprop on wgmma: 32-float (128-byte) boxes of K-major rows; tiles stored by fragments
+    assert maps(64, (128, 64, 32, 8, 1, 4), "wgmma_tf32", "bprop", sizes=(n, K, C // 64, C), dtype="float32") == (
+        (x, K, n, 4 * K, 32, 128), (other, 64, nnzb * 64, 256, 32, 64), none)
     # one block column a tile (wgmma): 64-feature boxes of BM rows, 64-column weight panels (fprop)
     # or BK x BN K-major weight boxes (bprop), output boxes of 64 x BM
     assert maps(64, (128, 64, 64, 8, 1, 4), "wgmma16", "fprop") == (

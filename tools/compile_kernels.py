@@ -49,6 +49,9 @@ def all_variants() -> list[Variant | GatherVariant | TransposeVariant]:
                         tma_mma = tile_for("tma_mma16", pass_name, bs, n, "sm90", optional=True)
                         if mode == "tensor16" and tma_mma and pass_name != "updat":  # mma.sync fed by TMA
                             variants.add(Variant(dtype, bs, tma_mma, mode, pass_name, 1, True, tma=True))
+                        tma_tf32 = tile_for("tma_tf32", pass_name, bs, n, "sm90", optional=True)
+                        if mode == "tf32" and tma_tf32 and pass_name == "bprop":  # TF32 wgmma (cuda_backend._build_plan)
+                            variants.add(Variant(dtype, bs, tma_tf32, "wgmma_tf32", pass_name, 1, True, tma=True))
                         for axis in (0, 1):
                             for aligned in (True, False):
                                 variants.add(Variant(dtype, bs, tile, mode, pass_name, axis, aligned))
