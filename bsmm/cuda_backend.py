@@ -22,11 +22,12 @@ import weakref
 import cupy
 import numpy as np
 
-from .block_index import BlockIndex
+from .block_index import BlockIndex, block_index
 from .config import settings
 from .dtypes import DTYPE_NAMES, SUPPORTED_DTYPES
 from .launches import SerializedLaunch
-from .kernels import ELEMENT_BYTES, MAX_PART_BLOCKS, GatherVariant, TransposeVariant, Variant, load_kernel
+from .kernels import (ELEMENT_BYTES, MAX_PART_BLOCKS, BlockTransposeVariant, GatherVariant, TransposeVariant, Variant,
+                      load_kernel)
 from .strided import BlockOrder, check_strided_operands, virtual_width
 from .tensor_maps import MAP_BYTES, tensor_map
 
@@ -646,6 +647,46 @@ class TransposedUpdat:
         self.plan.launch(stream_ptr, x_t.data.ptr, dy_t.data.ptr, out_ptr, (self.n, self.ld, self.ld, 0), accumulate)
 
 
+class TransposedWeightsFprop:
+    """TF32 fprop on Hopper as a bprop over the transposed layout: y = x·W is x·W'ᵀ, W' holding
+    each block of W transposed, in the row-major order of the layout's transpose (its
+    ``col_order``). TF32 wgmma reads 32-bit operands K-major only: bprop's weight rows are,
+    fprop's are not. One launch of ``transpose_blocks`` (``cuda/bsmm_transpose.cu``) writes W'
+    into a workspace of nnzb x block² floats, kept per stream like a plan's; then the transposed
+    layout's bprop plan runs on W'. Used where that plan is a TF32 wgmma one
+    (``[kernels.sm90.tma_tf32]``); same launch interface as :class:`Plan`.
+    """
+
+    def __init__(self, index: BlockIndex, n: int, device):
+        self.index_t = block_index(np.ascontiguousarray(index.layout.T), index.block_size)
+        self.plan = _build_plan(self.index_t, "bprop", n, "float32", 1, True, True, device)
+        self.variant = self.plan.variant
+        self.order = cupy.asarray(index.col_order, dtype=np.int32)
+        transpose = BlockTransposeVariant(index.block_size)
+        self.transpose = _Launcher(load_kernel(transpose, device.id), (index.nnzb, transpose.tiles, 1),
+                                   transpose.threads, 0, 3, serialized=_serialized_launches(device))
+        self.weight_count = index.nnzb * index.block_size ** 2
+        self.workspaces: dict = {}  # stream -> W'
+
+    def launch(self, stream_ptr: int, x_ptr: int, w_ptr: int, out_ptr: int, sizes: tuple, accumulate: int) -> None:
+        # (n, C, K / block, K) of the fprop are (n, K', C' / block, C') of the transposed bprop.
+        w_t = self.workspaces.get(stream_ptr)
+        if w_t is None:
+            w_t = self.workspaces[stream_ptr] = cupy.empty(self.weight_count, dtype=np.float32)
+        self.transpose.launch(stream_ptr, w_ptr, w_t.data.ptr, self.order.data.ptr)
+        self.plan.launch(stream_ptr, x_ptr, w_t.data.ptr, out_ptr, sizes, accumulate)
+
+
+def _tf32_fprop(index: BlockIndex, n: int, aligned: bool, device) -> TransposedWeightsFprop | None:
+    """The :class:`TransposedWeightsFprop` of a TF32 fprop on feature axis 1 where its bprop runs
+    on TF32 wgmma, else None."""
+    if (device.compute_capability != "90" or not aligned or index.nnzb == 0
+            or tile_for("tma_tf32", "bprop", index.block_size, n, "sm90", optional=True) is None):
+        return None
+    fprop = TransposedWeightsFprop(index, n, device)
+    return fprop if fprop.variant.math == "wgmma_tf32" else None
+
+
 def _transposes(index: BlockIndex, n: int, dtype: str, feature_axis: int, aligned: bool) -> bool:
     """Whether updat takes :class:`TransposedUpdat` (see there)."""
     cfg = settings()["kernels"]
@@ -669,7 +710,11 @@ def plan_for(index: BlockIndex, pass_name: str, n: int, dtype: str, feature_axis
             plan = plans.get(key)
             if plan is None:
                 device = cupy.cuda.Device(device_id)
-                plan = plans[key] = (
+                plan = None
+                if (pass_name == "fprop" and tf32 and dtype == "float32" and feature_axis == 1
+                        and act_blocks is None and weight_blocks is None):
+                    plan = _tf32_fprop(index, n, aligned, device)
+                plan = plans[key] = plan or (
                     TransposedUpdat(index, n, dtype, device) if transposed else
                     _build_plan(index, pass_name, n, dtype, feature_axis, tf32, aligned, device, act_blocks,
                                 weight_blocks))
@@ -710,7 +755,7 @@ class FastCall:
         self.out_shape, self.out_strides = out.shape, out.strides
         self.act_bytes, self.other_bytes, self.out_bytes = act.nbytes, other.nbytes, out.nbytes
         self.aligned, self.sizes = plan.variant.aligned, sizes
-        # A TransposedUpdat launches three kernels: it keeps the plan's own launch.
+        # A TransposedUpdat (TransposedWeightsFprop) launches three (two) kernels: it keeps the plan's own launch.
         self.head = plan.launcher.head if isinstance(plan, Plan) else None
         self.blocks: dict = {}  # (stream, act, other, out, accumulate) -> _Parameters
         self.seen: set = set()  # keys launched once

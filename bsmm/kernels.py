@@ -122,6 +122,27 @@ class TransposeVariant:
     name_expression = "bsmm::transpose_tiles<unsigned short>"
 
 
+@dataclasses.dataclass(frozen=True)
+class BlockTransposeVariant:
+    """``bsmm::transpose_blocks`` (``cuda/bsmm_transpose.cu``): float weight blocks transposed and
+    reordered for the TF32 fprop that runs as a bprop over the transposed layout."""
+
+    block_size: int
+    source_file = "bsmm_transpose.cu"
+    math = "copy"
+    shared_bytes = 0
+    threads = 256
+
+    @property
+    def tiles(self) -> int:
+        """Thread blocks per weight block (32 x 32 sub-tiles, or the whole block below 32)."""
+        return max(1, self.block_size // 32) ** 2
+
+    @property
+    def name_expression(self) -> str:
+        return f"bsmm::transpose_blocks<{self.block_size}>"
+
+
 def arch_for(compute_capability: str | int) -> str:
     """NVRTC's -arch for a device: sm_90a on Hopper (wgmma, setmaxnreg), sm_XY elsewhere."""
     cc = int(compute_capability)

@@ -44,3 +44,29 @@ __global__ void __launch_bounds__(256) transpose_tiles(const T* __restrict__ src
 }
 
 }  // namespace bsmm
+
+namespace bsmm {
+
+// Weight blocks transposed and reordered: dst block b = (src block order[b])ᵀ, BS x BS floats
+// each. TF32 fprop on Hopper runs as a bprop over the transposed layout (wgmma reads 32-bit
+// operands K-major only, which fprop's weight rows are not; bsmm/cuda_backend.py,
+// TransposedWeightsFprop); order lists the layout's blocks in the transposed layout's order.
+// A thread block moves one TILE x TILE sub-tile through shared memory (pitch TILE + 1: the
+// column reads meet no bank conflicts); grid (blocks, (BS / TILE)^2).
+template <int BS>
+__global__ void __launch_bounds__(256) transpose_blocks(const float* __restrict__ src, float* __restrict__ dst,
+                                                        const int* __restrict__ order) {
+    wait_for_prior_grid();
+    constexpr int TILE = BS < 32 ? BS : 32, PER_ROW = BS / TILE;
+    __shared__ float tile[TILE * (TILE + 1)];
+    const int r0 = (blockIdx.y / PER_ROW) * TILE, c0 = (blockIdx.y % PER_ROW) * TILE;
+    const float* s = src + (long long)order[blockIdx.x] * BS * BS;
+    float* d = dst + (long long)blockIdx.x * BS * BS;
+    for (int i = threadIdx.x; i < TILE * TILE; i += blockDim.x)
+        tile[(i / TILE) * (TILE + 1) + i % TILE] = s[(r0 + i / TILE) * BS + c0 + i % TILE];
+    __syncthreads();
+    for (int i = threadIdx.x; i < TILE * TILE; i += blockDim.x)
+        d[(c0 + i / TILE) * BS + r0 + i % TILE] = tile[(i % TILE) * (TILE + 1) + i / TILE];
+}
+
+}  // namespace bsmm

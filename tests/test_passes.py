@@ -164,6 +164,30 @@ def test_passes_match_reference_at_4096_rows(cupy, bs, dtype, feature_axis, layo
         check_pass(cupy, case, pass_name)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("bs", [64, 128])
+def test_tf32_fprop_through_transposed_weights(cupy, bs):
+    """On Hopper a TF32 fprop runs as the transposed layout's bprop over transposed weight blocks
+    (TransposedWeightsFprop): calls with new weights (the kept workspace rewritten) and an
+    accumulating call all match the float64 reference; a skewed layout, N off the tile."""
+    from bsmm import cuda_backend
+
+    rng = np.random.default_rng([bs, 7])
+    layout = skewed_layout(rng, *SHAPE_IN_BLOCKS[bs])
+    op = bsmm.BlocksparseMatMul(layout, block_size=bs, tf32=True)
+    x_host = random_data(rng, (300, op.C), "float32")
+    x = cupy.asarray(x_host)
+    plan = cuda_backend.plan_for(op.index, "fprop", 300, "float32", 1, True, True)
+    assert isinstance(plan, cuda_backend.TransposedWeightsFprop) == (cupy.cuda.Device().compute_capability == "90")
+    for _ in range(3):
+        w = random_data(rng, op.w_shape, "float32")
+        assert_close(to_numpy(op(x, cupy.asarray(w))), ref_fprop(layout, w, bs, x_host, 1), "tf32")
+    start = random_data(rng, (300, op.K), "float32")
+    out = cupy.asarray(start)
+    op(x, cupy.asarray(w), out=out, accumulate=True)
+    assert_close(to_numpy(out), as_float64(start) + ref_fprop(layout, w, bs, x_host, 1), "tf32")
+
+
 @pytest.mark.parametrize("n", BATCH_SIZES[1:])
 @pytest.mark.parametrize("layout_kind", ["random", "skewed"])
 @pytest.mark.parametrize("feature_axis", [1, 0])

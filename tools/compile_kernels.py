@@ -14,11 +14,12 @@ import sys
 import time
 
 from bsmm.config import settings
-from bsmm.kernels import ARCH_ONLY_MODES, GATHER_UNITS, GatherVariant, TransposeVariant, Variant, _cached_cubin, compile_variant
+from bsmm.kernels import (ARCH_ONLY_MODES, GATHER_UNITS, BlockTransposeVariant, GatherVariant, TransposeVariant, Variant,
+                          _cached_cubin, compile_variant)
 from bsmm.cuda_backend import math_mode, tile_for
 
 
-def all_variants() -> list[Variant | GatherVariant | TransposeVariant]:
+def all_variants() -> list[Variant | GatherVariant | TransposeVariant | BlockTransposeVariant]:
     variants = {GatherVariant(unit) for unit in GATHER_UNITS}  # the convolution's row gathers
     variants.add(TransposeVariant())  # updat's transposed operands (blocks 16, 32)
     block_sizes = settings()["limits"]["block_sizes"]
@@ -52,6 +53,7 @@ def all_variants() -> list[Variant | GatherVariant | TransposeVariant]:
                         tma_tf32 = tile_for("tma_tf32", pass_name, bs, n, "sm90", optional=True)
                         if mode == "tf32" and tma_tf32 and pass_name == "bprop":  # TF32 wgmma (cuda_backend._build_plan)
                             variants.add(Variant(dtype, bs, tma_tf32, "wgmma_tf32", pass_name, 1, True, tma=True))
+                            variants.add(BlockTransposeVariant(bs))  # its fprop (TransposedWeightsFprop)
                         for axis in (0, 1):
                             for aligned in (True, False):
                                 variants.add(Variant(dtype, bs, tile, mode, pass_name, axis, aligned))
