@@ -402,7 +402,7 @@ def _build_plan(index: BlockIndex, pass_name: str, n: int, dtype: str, feature_a
     wgmma = _wgmma_tile(mode, pass_name, bs, n, feature_axis, aligned, arch_key) if not groups else None
     tma = None
     if on_wgmma_groups:
-        mode, tma = "wgmma16", tile
+        mode, tma = "wgmma_tf32" if mode == "tf32" else "wgmma16", tile
     elif wgmma is not None:
         mode, tile = "wgmma16", wgmma
         tma = _tma_tile("tma16", index, pass_name, n, arch_key, act_blocks, weight_blocks)
@@ -561,11 +561,18 @@ def _group_tma_tile(index: BlockIndex, pass_name: str, mode: str, n: int, featur
     updat row groups computed transposed (``[kernels.sm90.tma16.updat_rows]``) on the feature
     axes of ``[kernels] updat_rows_tma_axes``, fprop/bprop column groups
     (``[kernels.sm90.tma16.columns]``) on feature axis 1 from ``wgmma_columns_min_rows`` rows;
-    half precision, aligned, on sm_90a, with the conditions of :func:`_tma_tile`.
+    half precision, aligned, on sm_90a, with the conditions of :func:`_tma_tile`. TF32: updat
+    row groups on feature axis 0 (``[kernels.sm90.tma_tf32.updat_rows]``).
     ``BSMM_WGMMA=0`` turns them off with the other wgmma kernels."""
     cfg = settings()["kernels"]
+    if not aligned or os.environ.get("BSMM_WGMMA", "1") == "0":
+        return None
+    if mode == "tf32":  # TF32 updat row groups on K-major x and dy (feature axis 0: TransposedUpdat's copies)
+        if pass_name != "updat" or feature_axis != 0:
+            return None
+        return _tma_tile("tma_tf32", index, pass_name, n, arch_key, act_blocks, weight_blocks, columns=True)
     axes = cfg["updat_rows_tma_axes"] if pass_name == "updat" else (1,)
-    if mode != "tensor16" or feature_axis not in axes or not aligned or os.environ.get("BSMM_WGMMA", "1") == "0":
+    if mode != "tensor16" or feature_axis not in axes:
         return None
     if pass_name != "updat" and n < cfg["wgmma_columns_min_rows"]:
         return None  # too few row tiles: the groups leave SMs idle
@@ -606,7 +613,8 @@ class TransposedUpdat:
     At block 16 (32) a row of x or dy holds a block's features as one 32 (64)-byte segment,
     its own cache line, and those line requests, not the bytes, bound the pass; transposed,
     every row of a tile is whole lines (T, fp16: block 16 5-6 -> 9-10 % efficiency, block 32
-    14-15 -> 15-18 %; ``results/RESULTS.md``, v8). Used for
+    14-15 -> 15-18 %; ``results/RESULTS.md``, v8). TF32 on Hopper takes it too, for its wgmma
+    row groups, which read 32-bit operands K-major only (:func:`_transposes`). Used for
     the block sizes listed in ``[kernels] updat_transpose``, batches of at least
     ``updat_transpose_min_rows`` rows and where the workspace, (C + K) x N elements (N
     rounded up to 16 bytes with zeros), fits ``updat_transpose_max_bytes``;
@@ -614,12 +622,13 @@ class TransposedUpdat:
     Same launch interface as :class:`Plan`.
     """
 
-    def __init__(self, index: BlockIndex, n: int, dtype: str, device):
+    def __init__(self, index: BlockIndex, n: int, dtype: str, device, tf32: bool = False):
         self.n, self.C, self.K = n, index.C, index.K
-        self.ld = -(-n // 8) * 8  # 16-byte rows of 2-byte elements
-        self.plan = _build_plan(index, "updat", n, dtype, 0, False, True, device)
+        item = ELEMENT_BYTES[dtype]
+        self.ld = -(-n * item // 16) * 16 // item  # 16-byte rows
+        self.plan = _build_plan(index, "updat", n, dtype, 0, tf32, True, device)
         self.variant = self.plan.variant
-        kernel = load_kernel(_TRANSPOSE, device.id)
+        kernel = load_kernel(TransposeVariant(item), device.id)
         tile = TransposeVariant.TILE
         self.transpose_x, self.transpose_dy = (
             _Launcher(kernel, (-(-self.ld // tile), -(-features // tile), 1), TransposeVariant.threads, 0, 5,
@@ -629,9 +638,9 @@ class TransposedUpdat:
         self.workspaces: dict = {}  # stream -> (x transposed, dy transposed)
 
     @staticmethod
-    def workspace_bytes(index: BlockIndex, n: int) -> int:
-        """Bytes of the two transposed copies for a batch of ``n`` rows."""
-        return (index.C + index.K) * (-(-n // 8) * 8) * 2
+    def workspace_bytes(index: BlockIndex, n: int, item: int = 2) -> int:
+        """Bytes of the two transposed copies for a batch of ``n`` rows of ``item``-byte elements."""
+        return (index.C + index.K) * -(-n * item // 16) * 16
 
     def workspace_for(self, stream_ptr: int) -> tuple:
         entry = self.workspaces.get(stream_ptr)
@@ -687,12 +696,18 @@ def _tf32_fprop(index: BlockIndex, n: int, aligned: bool, device) -> TransposedW
     return fprop if fprop.variant.math == "wgmma_tf32" else None
 
 
-def _transposes(index: BlockIndex, n: int, dtype: str, feature_axis: int, aligned: bool) -> bool:
-    """Whether updat takes :class:`TransposedUpdat` (see there)."""
+def _transposes(index: BlockIndex, n: int, dtype: str, feature_axis: int, aligned: bool, tf32: bool = False) -> bool:
+    """Whether updat takes :class:`TransposedUpdat` (see there). TF32 does on Hopper at the block
+    sizes of ``[kernels.sm90.tma_tf32.updat_rows]``: its wgmma row groups need x and dy K-major."""
     cfg = settings()["kernels"]
-    return (feature_axis == 1 and aligned and dtype in ("float16", "bfloat16") and n >= cfg["updat_transpose_min_rows"]
-            and index.block_size in cfg["updat_transpose"]
-            and TransposedUpdat.workspace_bytes(index, n) <= cfg["updat_transpose_max_bytes"])
+    if feature_axis != 1 or not aligned or n < cfg["updat_transpose_min_rows"]:
+        return False
+    if dtype == "float32":
+        wanted = (tf32 and cupy.cuda.Device().compute_capability == "90"
+                  and tile_for("tma_tf32", "updat", index.block_size, n, "sm90", columns=True) is not None)
+    else:
+        wanted = index.block_size in cfg["updat_transpose"]
+    return wanted and TransposedUpdat.workspace_bytes(index, n, ELEMENT_BYTES[dtype]) <= cfg["updat_transpose_max_bytes"]
 
 
 def plan_for(index: BlockIndex, pass_name: str, n: int, dtype: str, feature_axis: int, tf32: bool,
@@ -715,7 +730,7 @@ def plan_for(index: BlockIndex, pass_name: str, n: int, dtype: str, feature_axis
                         and act_blocks is None and weight_blocks is None):
                     plan = _tf32_fprop(index, n, aligned, device)
                 plan = plans[key] = plan or (
-                    TransposedUpdat(index, n, dtype, device) if transposed else
+                    TransposedUpdat(index, n, dtype, device, tf32) if transposed else
                     _build_plan(index, pass_name, n, dtype, feature_axis, tf32, aligned, device, act_blocks,
                                 weight_blocks))
     return plan
@@ -854,7 +869,7 @@ def updat(index: BlockIndex, x, dy, out, feature_axis: int, accumulate: bool, tf
     dtype = DTYPE_NAMES[x.dtype]
     aligned = _aligned(feature_axis, n, x, dy, out)
     plan = plan_for(index, "updat", n, dtype, feature_axis, tf32, aligned,
-                    transposed=_transposes(index, n, dtype, feature_axis, aligned))
+                    transposed=_transposes(index, n, dtype, feature_axis, aligned, tf32))
     ld_x, ld_dy = (index.C, index.K) if feature_axis == 1 else (n, n)
     sizes = (n, ld_x, ld_dy, 0)
     plan.launch(_current_stream().ptr, x.data.ptr, dy.data.ptr, out.data.ptr, sizes, int(accumulate))
@@ -907,7 +922,6 @@ def shifted_pass(pass_name: str, index: BlockIndex, act, other, out, rows: int, 
 
 
 _GATHERS = {unit: GatherVariant(unit) for unit in (16, 8, 4, 2)}
-_TRANSPOSE = TransposeVariant()
 
 
 def gather_rows(dst, src, row_map) -> None:

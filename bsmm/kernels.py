@@ -111,15 +111,20 @@ class GatherVariant:
 
 @dataclasses.dataclass(frozen=True)
 class TransposeVariant:
-    """``bsmm::transpose_tiles`` (``cuda/bsmm_transpose.cu``) over 2-byte elements: the
-    transposed copies of x and dy that updat reads on feature axis 1 at blocks 16 and 32."""
+    """``bsmm::transpose_tiles`` (``cuda/bsmm_transpose.cu``) over elements of ``element_bytes``:
+    the transposed copies of x and dy that updat reads on feature axis 1 (half precision at
+    blocks 16 and 32, TF32 on Hopper)."""
 
+    element_bytes: int = 2
     source_file = "bsmm_transpose.cu"
     math = "copy"
     shared_bytes = 0
     threads = 256
     TILE = 64  # rows and columns of the matrix per thread block
-    name_expression = "bsmm::transpose_tiles<unsigned short>"
+
+    @property
+    def name_expression(self) -> str:
+        return f"bsmm::transpose_tiles<{'unsigned short' if self.element_bytes == 2 else 'unsigned int'}>"
 
 
 @dataclasses.dataclass(frozen=True)

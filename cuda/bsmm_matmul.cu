@@ -131,11 +131,11 @@ struct Kernel {
     static_assert(MATH != SIMT || (TY * TX == NT && TM * TY == BM && TN * TX == BN && TX <= BN && BK % 4 == 0), "SIMT tiling");
     static_assert(!GROUPED || (PASS == UPDAT && ALIGNED), "grouping is an updat mode of the aligned copy path");
     // wgmma: a warpgroup (4 warps) owns 64 rows and all BN columns, as BN / WN m64nWNk16 tiles.
-    static_assert(MATH != WGMMA || ((sizeof(T) == 2 || (PASS == BPROP && COLS == 1)) &&
+    static_assert(MATH != WGMMA || ((sizeof(T) == 2 || (PASS == BPROP && COLS == 1) || (ROWS_T && !AXIS1)) &&
                                     (COLS_W ? BK % BS == 0 : BK * sizeof(T) == 128 && (PASS == UPDAT || BK <= BS)) &&
                                     BM % 64 == 0 && WARPS_N == 1 && WARPS_M * 16 == BM && ALIGNED_ && !GROUPED_ &&
                                     (COLS > 1 ? BS == 16 || BS == 32 || BS == 64 : BN % 64 == 0 && AXIS1_)),
-                  "wgmma: 16-bit (TF32: bprop, both operands K-major), aligned, feature axis 1 (row groups: "
+                  "wgmma: 16-bit (TF32: bprop or axis-0 row groups, both operands K-major), aligned, feature axis 1 (row groups: "
                   "either), BK one 128-byte row (column groups: blocks), 64-row warpgroups; groups at blocks 16 to "
                   "64 (a block's row spans one swizzle at most)");
 
@@ -1073,7 +1073,8 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N * 32 + 32)
                     int ld_out, int accumulate, int band_rows, const __grid_constant__ TensorMap act_map,
                     const __grid_constant__ TensorMap other_map, const __grid_constant__ TensorMap out_map) {
     using K = Kernel<T, BS, BM, BN, BK, WARPS_M, WARPS_N, STAGES, MATH, PASS, AXIS1, ALIGNED, GROUPED, COLS, 1>;
-    static_assert(!GROUPED && ALIGNED && (sizeof(T) == 2 || (MATH == WGMMA && PASS == BPROP && COLS == 1)) &&
+    static_assert(!GROUPED && ALIGNED && (sizeof(T) == 2 || (MATH == WGMMA && PASS == BPROP && COLS == 1) ||
+                                          (K::ROWS_T && !AXIS1)) &&
                       (K::ROWS_T || K::COLS_W || (COLS == 1 && AXIS1 &&
                                      (MATH == WGMMA ? PASS == UPDAT || BS % BK == 0
                                                     : MATH == TENSOR16 && PASS != UPDAT && BK == BS))),

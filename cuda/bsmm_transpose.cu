@@ -1,5 +1,5 @@
-// Transpose of a row-major matrix of 2-byte elements: dst (cols x ld) = srcᵀ, src (rows x cols),
-// with zeros in dst columns rows..ld-1.
+// Transpose of a row-major matrix of 2- or 4-byte elements: dst (cols x ld) = srcᵀ, src (rows x
+// cols), with zeros in dst columns rows..ld-1.
 //
 // The updat pass at blocks 16 and 32 on feature axis 1 reads x and dy as 32/64-byte row
 // segments, one cache line each, and the number of lines, not the bytes, bounds it; on the
@@ -7,8 +7,9 @@
 // The zero columns pad the batch to whole 16-byte chunks, which the kernel's tail copies read.
 //
 // A 64 x 64 tile goes through shared memory so that both the reads and the writes are
-// 16-byte accesses along rows; the odd pitch (33 words) keeps the column reads to at most
-// two-way bank conflicts. Needs cols and ld multiples of 8 and 16-byte aligned pointers.
+// 16-byte accesses along rows; the odd pitch (33 or 65 words) keeps the column reads to at most
+// two-way bank conflicts. Needs cols and ld whole 16-byte runs and 16-byte aligned pointers.
+// (TF32 updat on Hopper reads the 4-byte copies: wgmma takes 32-bit operands K-major only.)
 
 #include "bsmm_common.cuh"
 
@@ -17,9 +18,9 @@ namespace bsmm {
 template <typename T>
 __global__ void __launch_bounds__(256) transpose_tiles(const T* __restrict__ src, T* __restrict__ dst, int rows,
                                                        int cols, int ld) {
-    static_assert(sizeof(T) == 2, "16-byte accesses of 8 elements");
+    static_assert(sizeof(T) == 2 || sizeof(T) == 4, "16-byte accesses of 8 or 4 elements");
     wait_for_prior_grid();
-    constexpr int TILE = 64, VEC = 8, PITCH = TILE + 2, CHUNKS = TILE * TILE / VEC;
+    constexpr int TILE = 64, VEC = 16 / sizeof(T), PITCH = TILE + 4 / sizeof(T), CHUNKS = TILE * TILE / VEC;
     __shared__ T tile[TILE * PITCH];
     const int r0 = blockIdx.x * TILE, c0 = blockIdx.y * TILE;
     for (int q = threadIdx.x; q < CHUNKS; q += blockDim.x) {
@@ -31,7 +32,7 @@ __global__ void __launch_bounds__(256) transpose_tiles(const T* __restrict__ src
         for (int e = 0; e < VEC; ++e) tile[r * PITCH + c + e] = v[e];
     }
     __syncthreads();
-    // Eight consecutive lanes write one 128-byte run of a dst row.
+    // Eight (sixteen) consecutive lanes write one 128 (256)-byte run of a dst row.
     for (int q = threadIdx.x; q < CHUNKS; q += blockDim.x) {
         const int c = q / (TILE / VEC), r = (q % (TILE / VEC)) * VEC;
         if (c0 + c >= cols || r0 + r >= ld) continue;

@@ -21,7 +21,8 @@ from bsmm.cuda_backend import math_mode, tile_for
 
 def all_variants() -> list[Variant | GatherVariant | TransposeVariant | BlockTransposeVariant]:
     variants = {GatherVariant(unit) for unit in GATHER_UNITS}  # the convolution's row gathers
-    variants.add(TransposeVariant())  # updat's transposed operands (blocks 16, 32)
+    variants.add(TransposeVariant(2))  # updat's transposed operands (half precision at blocks 16, 32)
+    variants.add(TransposeVariant(4))  # (TF32 on Hopper)
     block_sizes = settings()["limits"]["block_sizes"]
     for dtype, tf32_modes in (("float32", (False, True)), ("float16", (False,)), ("bfloat16", (False,))):
         for tf32 in tf32_modes:
@@ -54,6 +55,10 @@ def all_variants() -> list[Variant | GatherVariant | TransposeVariant | BlockTra
                         if mode == "tf32" and tma_tf32 and pass_name == "bprop":  # TF32 wgmma (cuda_backend._build_plan)
                             variants.add(Variant(dtype, bs, tma_tf32, "wgmma_tf32", pass_name, 1, True, tma=True))
                             variants.add(BlockTransposeVariant(bs))  # its fprop (TransposedWeightsFprop)
+                        tf32_rows = tile_for("tma_tf32", pass_name, bs, n, "sm90", columns=True)
+                        if mode == "tf32" and tf32_rows and pass_name == "updat" and n > 64:  # on x and dy transposed
+                            variants.add(Variant(dtype, bs, tf32_rows[:6], "wgmma_tf32", pass_name, 0, True, False,
+                                                 tf32_rows[6], tma=True))
                         for axis in (0, 1):
                             for aligned in (True, False):
                                 variants.add(Variant(dtype, bs, tile, mode, pass_name, axis, aligned))
