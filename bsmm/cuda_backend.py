@@ -686,11 +686,17 @@ class TransposedWeightsFprop:
         self.plan.launch(stream_ptr, x_ptr, w_t.data.ptr, out_ptr, sizes, accumulate)
 
 
+def _tf32_wgmma_tile(pass_name: str, block_size: int, n: int, columns: bool = False) -> tuple | None:
+    """The ``[kernels.sm90.tma_tf32]`` tile of this pass where the current device is Hopper, else None."""
+    if cupy.cuda.Device().compute_capability != "90":
+        return None
+    return tile_for("tma_tf32", pass_name, block_size, n, "sm90", columns=columns, optional=True)
+
+
 def _tf32_fprop(index: BlockIndex, n: int, aligned: bool, device) -> TransposedWeightsFprop | None:
     """The :class:`TransposedWeightsFprop` of a TF32 fprop on feature axis 1 where its bprop runs
     on TF32 wgmma, else None."""
-    if (device.compute_capability != "90" or not aligned or index.nnzb == 0
-            or tile_for("tma_tf32", "bprop", index.block_size, n, "sm90", optional=True) is None):
+    if not aligned or index.nnzb == 0 or _tf32_wgmma_tile("bprop", index.block_size, n) is None:
         return None
     fprop = TransposedWeightsFprop(index, n, device)
     return fprop if fprop.variant.math == "wgmma_tf32" else None
@@ -703,8 +709,7 @@ def _transposes(index: BlockIndex, n: int, dtype: str, feature_axis: int, aligne
     if feature_axis != 1 or not aligned or n < cfg["updat_transpose_min_rows"]:
         return False
     if dtype == "float32":
-        wanted = (tf32 and cupy.cuda.Device().compute_capability == "90"
-                  and tile_for("tma_tf32", "updat", index.block_size, n, "sm90", columns=True) is not None)
+        wanted = tf32 and _tf32_wgmma_tile("updat", index.block_size, n, columns=True) is not None
     else:
         wanted = index.block_size in cfg["updat_transpose"]
     return wanted and TransposedUpdat.workspace_bytes(index, n, ELEMENT_BYTES[dtype]) <= cfg["updat_transpose_max_bytes"]
@@ -714,7 +719,9 @@ def plan_for(index: BlockIndex, pass_name: str, n: int, dtype: str, feature_axis
              aligned: bool, act_blocks: tuple | None = None, weight_blocks: BlockOrder | None = None,
              transposed: bool = False) -> Plan:
     """The cached plan for this pass on the current device, built on first use
-    (``transposed``: the :class:`TransposedUpdat` of an updat on feature axis 1)."""
+    (``transposed``: the :class:`TransposedUpdat` of an updat on feature axis 1, which the caller
+    asks for: its copies assume rows C and K apart). A TF32 fprop gets its
+    :class:`TransposedWeightsFprop` where that applies."""
     device_id = cupy.cuda.runtime.getDevice()
     key = (pass_name, n, dtype, feature_axis, tf32, aligned, device_id, act_blocks, weight_blocks, transposed)
     plans = _PLANS.get(index)

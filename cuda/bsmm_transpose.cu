@@ -44,10 +44,6 @@ __global__ void __launch_bounds__(256) transpose_tiles(const T* __restrict__ src
     }
 }
 
-}  // namespace bsmm
-
-namespace bsmm {
-
 // Weight blocks transposed and reordered: dst block b = (src block order[b])ᵀ, BS x BS floats
 // each. TF32 fprop on Hopper runs as a bprop over the transposed layout (wgmma reads 32-bit
 // operands K-major only, which fprop's weight rows are not; bsmm/cuda_backend.py,

@@ -44,7 +44,7 @@ __device__ __forceinline__ void fence_registers(float (&r)[N]) {
 }
 
 // D[64 x N] += A[64 x 16] · B[16 x N], float32 accumulators (N / 2 a thread).
-// TRANS_A: A is M-major (updat reads x's columns); TRANS_B: B is N-major. (TF32: below.)
+// TRANS_A: A is M-major (updat reads x's columns); TRANS_B: B is N-major. (TF32: m64nNk8.)
 template <typename T, int N>
 struct Wgmma {
     template <bool TRANS_A, bool TRANS_B>
@@ -64,46 +64,34 @@ struct Wgmma {
 #define BSMM_WGMMA_OUT32 "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
 #define BSMM_WGMMA_OUT64 "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
 // One specialization per (element type, N); the descriptors and transpose flags follow the
-// accumulators (operands %N/2 ...). The scale-d predicate is true: D accumulates.
-#define BSMM_WGMMA(CTYPE, PTX_TYPE, N, D, OUT, A, B, TA, TB)                                                      \
+// accumulators (operands %N/2 ...). The scale-d predicate is true: D accumulates. K: the depth
+// of one instruction, 32 bytes (16 half-precision elements, 8 TF32 ones). TRANS: the transpose
+// immediates, which only 16-bit types take; TF32 (float operands, of which the tensor cores read
+// the top 19 bits) takes both operands K-major.
+#define BSMM_WGMMA(CTYPE, PTX_TYPE, K, N, D, OUT, A, B, TRANS)                                                   \
     template <>                                                                                                    \
     struct Wgmma<CTYPE, N> {                                                                                       \
         template <bool TRANS_A, bool TRANS_B>                                                                      \
         static __device__ __forceinline__ void run(float (&d)[N / 2], unsigned long long a_desc,                   \
                                                    unsigned long long b_desc) {                                    \
+            static_assert(sizeof(CTYPE) == 2 || (!TRANS_A && !TRANS_B), "TF32 wgmma: K-major operands only");      \
             asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"                                                  \
-                         "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." PTX_TYPE "." PTX_TYPE " " D ", " A ", " B   \
-                         ", p, 1, 1, " TA ", " TB ";\n}\n"                                                          \
+                         "wgmma.mma_async.sync.aligned.m64n" #N "k" #K ".f32." PTX_TYPE "." PTX_TYPE " " D ", " A     \
+                         ", " B ", p, 1, 1" TRANS ";\n}\n"                                                          \
                          : OUT                                                                                     \
                          : "l"(a_desc), "l"(b_desc), "n"(TRANS_A ? 1 : 0), "n"(TRANS_B ? 1 : 0));                  \
         }                                                                                                          \
     };
-BSMM_WGMMA(__half, "f16", 16, BSMM_WGMMA_D8, BSMM_WGMMA_OUT8, "%8", "%9", "%10", "%11")
-BSMM_WGMMA(__half, "f16", 32, BSMM_WGMMA_D16, BSMM_WGMMA_OUT16, "%16", "%17", "%18", "%19")
-BSMM_WGMMA(__half, "f16", 64, BSMM_WGMMA_D32, BSMM_WGMMA_OUT32, "%32", "%33", "%34", "%35")
-BSMM_WGMMA(__half, "f16", 128, BSMM_WGMMA_D64, BSMM_WGMMA_OUT64, "%64", "%65", "%66", "%67")
-BSMM_WGMMA(__nv_bfloat16, "bf16", 16, BSMM_WGMMA_D8, BSMM_WGMMA_OUT8, "%8", "%9", "%10", "%11")
-BSMM_WGMMA(__nv_bfloat16, "bf16", 32, BSMM_WGMMA_D16, BSMM_WGMMA_OUT16, "%16", "%17", "%18", "%19")
-BSMM_WGMMA(__nv_bfloat16, "bf16", 64, BSMM_WGMMA_D32, BSMM_WGMMA_OUT32, "%32", "%33", "%34", "%35")
-BSMM_WGMMA(__nv_bfloat16, "bf16", 128, BSMM_WGMMA_D64, BSMM_WGMMA_OUT64, "%64", "%65", "%66", "%67")
-// TF32 (float operands, of which the tensor cores read the top 19 bits): D[64 x N] += A[64 x 8]
-// · B[8 x N]. Both operands K-major, the only layout wgmma takes for 32-bit elements.
-#define BSMM_WGMMA_TF32(N, D, OUT, A, B)                                                                           \
-    template <>                                                                                                    \
-    struct Wgmma<float, N> {                                                                                       \
-        template <bool TRANS_A, bool TRANS_B>                                                                      \
-        static __device__ __forceinline__ void run(float (&d)[N / 2], unsigned long long a_desc,                   \
-                                                   unsigned long long b_desc) {                                    \
-            static_assert(!TRANS_A && !TRANS_B, "TF32 wgmma: K-major operands only");                               \
-            asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"                                                  \
-                         "wgmma.mma_async.sync.aligned.m64n" #N "k8.f32.tf32.tf32 " D ", " A ", " B ", p, 1, 1;\n}\n" \
-                         : OUT                                                                                     \
-                         : "l"(a_desc), "l"(b_desc));                                                              \
-        }                                                                                                          \
-    };
-BSMM_WGMMA_TF32(64, BSMM_WGMMA_D32, BSMM_WGMMA_OUT32, "%32", "%33")
-BSMM_WGMMA_TF32(128, BSMM_WGMMA_D64, BSMM_WGMMA_OUT64, "%64", "%65")
-#undef BSMM_WGMMA_TF32
+BSMM_WGMMA(__half, "f16", 16, 16, BSMM_WGMMA_D8, BSMM_WGMMA_OUT8, "%8", "%9", ", %10, %11")
+BSMM_WGMMA(__half, "f16", 16, 32, BSMM_WGMMA_D16, BSMM_WGMMA_OUT16, "%16", "%17", ", %18, %19")
+BSMM_WGMMA(__half, "f16", 16, 64, BSMM_WGMMA_D32, BSMM_WGMMA_OUT32, "%32", "%33", ", %34, %35")
+BSMM_WGMMA(__half, "f16", 16, 128, BSMM_WGMMA_D64, BSMM_WGMMA_OUT64, "%64", "%65", ", %66, %67")
+BSMM_WGMMA(__nv_bfloat16, "bf16", 16, 16, BSMM_WGMMA_D8, BSMM_WGMMA_OUT8, "%8", "%9", ", %10, %11")
+BSMM_WGMMA(__nv_bfloat16, "bf16", 16, 32, BSMM_WGMMA_D16, BSMM_WGMMA_OUT16, "%16", "%17", ", %18, %19")
+BSMM_WGMMA(__nv_bfloat16, "bf16", 16, 64, BSMM_WGMMA_D32, BSMM_WGMMA_OUT32, "%32", "%33", ", %34, %35")
+BSMM_WGMMA(__nv_bfloat16, "bf16", 16, 128, BSMM_WGMMA_D64, BSMM_WGMMA_OUT64, "%64", "%65", ", %66, %67")
+BSMM_WGMMA(float, "tf32", 8, 64, BSMM_WGMMA_D32, BSMM_WGMMA_OUT32, "%32", "%33", "")
+BSMM_WGMMA(float, "tf32", 8, 128, BSMM_WGMMA_D64, BSMM_WGMMA_OUT64, "%64", "%65", "")
 #undef BSMM_WGMMA
 #undef BSMM_WGMMA_D8
 #undef BSMM_WGMMA_D16
