@@ -625,7 +625,7 @@ class TransposedUpdat:
     def __init__(self, index: BlockIndex, n: int, dtype: str, device, tf32: bool = False):
         self.n, self.C, self.K = n, index.C, index.K
         item = ELEMENT_BYTES[dtype]
-        self.ld = -(-n * item // 16) * 16 // item  # 16-byte rows
+        self.ld = self.row_elements(n, item)
         self.plan = _build_plan(index, "updat", n, dtype, 0, tf32, True, device)
         self.variant = self.plan.variant
         kernel = load_kernel(TransposeVariant(item), device.id)
@@ -638,9 +638,14 @@ class TransposedUpdat:
         self.workspaces: dict = {}  # stream -> (x transposed, dy transposed)
 
     @staticmethod
+    def row_elements(n: int, item: int) -> int:
+        """Elements of one row of a transposed copy: the batch of ``n`` rows padded to 16 bytes."""
+        return -(-n * item // 16) * 16 // item
+
+    @staticmethod
     def workspace_bytes(index: BlockIndex, n: int, item: int = 2) -> int:
         """Bytes of the two transposed copies for a batch of ``n`` rows of ``item``-byte elements."""
-        return (index.C + index.K) * -(-n * item // 16) * 16
+        return (index.C + index.K) * TransposedUpdat.row_elements(n, item) * item
 
     def workspace_for(self, stream_ptr: int) -> tuple:
         entry = self.workspaces.get(stream_ptr)
