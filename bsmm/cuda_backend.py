@@ -360,17 +360,19 @@ def _row_groups(index: BlockIndex, cols: int, window: int | None = None) -> np.n
 
 
 def _column_groups(index: BlockIndex, pass_name: str, mode: str, n: int, aligned: bool, arch_key: str,
-                   item_bytes: int = 2, tile: tuple | None = None):
+                   item_bytes: int = 2, tile: tuple | None = None, least: float | None = None):
     """(tile, cols, step table, steps per unit) of a column-group launch where one pays, else None.
 
     updat: row groups (:func:`_row_groups`; steps per unit is None), a batch past one step only,
     where the groups hold enough blocks on average (``[kernels] group_min_blocks_per_step``).
     ``tile``: the wgmma group tile of :func:`_group_tma_tile` to use instead of the ``mode``
     table's, with the block size's ``wgmma_group_min_blocks_per_step`` (0 if absent) as the threshold.
+    ``least``: another threshold for the ``mode`` table's tiles.
     """
     cfg = settings()["kernels"]
-    least = (cfg["group_min_blocks_per_step"] if tile is None
-             else cfg["wgmma_group_min_blocks_per_step"].get(str(index.block_size), 0))
+    if least is None:
+        least = (cfg["group_min_blocks_per_step"] if tile is None
+                 else cfg["wgmma_group_min_blocks_per_step"].get(str(index.block_size), 0))
     if tile is None and aligned:
         tile = tile_for(mode, pass_name, index.block_size, n, arch_key, columns=True)
     if tile is None or (pass_name == "updat" and n <= tile[2]):
@@ -388,7 +390,9 @@ def _column_groups(index: BlockIndex, pass_name: str, mode: str, n: int, aligned
 
 def _build_plan(index: BlockIndex, pass_name: str, n: int, dtype: str, feature_axis: int, tf32: bool,
                 aligned: bool, device, act_blocks: tuple | None = None,
-                weight_blocks: BlockOrder | None = None) -> Plan:
+                weight_blocks: BlockOrder | None = None, act_transposed: bool = False) -> Plan:
+    # act_transposed: fprop/bprop on feature axis 0 operands whose output is written on axis 1
+    # (TransposedActivations); feature_axis is then 0, which keeps the wgmma and TMA kernels out.
     bs = index.block_size
     mode = math_mode(dtype, pass_name, bs, tf32)
     arch_key = f"sm{device.compute_capability}"
@@ -397,7 +401,8 @@ def _build_plan(index: BlockIndex, pass_name: str, n: int, dtype: str, feature_a
     groups = _column_groups(index, pass_name, mode, n, aligned, arch_key, item_bytes, group_tma) if group_tma else None
     on_wgmma_groups = groups is not None
     if groups is None:
-        groups = _column_groups(index, pass_name, mode, n, aligned, arch_key, item_bytes)
+        least = settings()["kernels"]["act_transpose_group_min_blocks_per_step"] if act_transposed else None
+        groups = _column_groups(index, pass_name, mode, n, aligned, arch_key, item_bytes, least=least)
     tile, cols = (groups[0], groups[1]) if groups else (tile_for(mode, pass_name, bs, n, arch_key), 1)
     wgmma = _wgmma_tile(mode, pass_name, bs, n, feature_axis, aligned, arch_key) if not groups else None
     tma = None
@@ -416,7 +421,8 @@ def _build_plan(index: BlockIndex, pass_name: str, n: int, dtype: str, feature_a
     bm, bn, bk = tile[:3]
     # A batch no deeper than one step: stream many weight blocks through each thread block.
     grouped = pass_name == "updat" and aligned and 0 < n <= bk
-    variant = Variant(dtype, bs, tile, mode, pass_name, feature_axis, aligned, grouped, cols, tma is not None)
+    variant = Variant(dtype, bs, tile, mode, pass_name, feature_axis, aligned, grouped, cols, tma is not None,
+                      act_transposed)
     kernel = load_kernel(variant, device.id)
     cfg = settings()["kernels"]
     target_ctas = cfg["waves"] * device.attributes["MultiProcessorCount"]
@@ -606,6 +612,57 @@ _PLANS: "weakref.WeakKeyDictionary[BlockIndex, dict]" = weakref.WeakKeyDictionar
 _PLAN_LOCK = threading.Lock()
 
 
+def _transpose_launcher(item: int, ld: int, features: int, device) -> _Launcher:
+    """A launch of ``transpose_tiles`` (``cuda/bsmm_transpose.cu``) turning an (N, features)
+    operand of ``item``-byte elements into its (features, ld) copy."""
+    tile = TransposeVariant.TILE
+    return _Launcher(load_kernel(TransposeVariant(item), device.id), (-(-ld // tile), -(-features // tile), 1),
+                     TransposeVariant.threads, 0, 5, serialized=_serialized_launches(device))
+
+
+class TransposedActivations:
+    """fprop (bprop) on feature axis 1 through a transposed copy of x (dy): one launch of
+    ``cuda/bsmm_transpose.cu`` into a workspace, then the pass reading that copy as on feature
+    axis 0 and writing its output on axis 1 (``Variant.act_transposed``).
+
+    At block 16 a row of the activations holds a block's features as one 32-byte segment, its
+    own cache-line request, and those requests, not the bytes, bound the pass; in the copy every
+    row of a tile is whole lines. Used for the block sizes of ``[kernels] act_transpose``,
+    float16/bfloat16, batches of at least ``act_transpose_min_rows`` rows and where the copy,
+    features x N elements (N rounded up to 16 bytes with zeros), fits
+    ``act_transpose_max_bytes``; kept per stream like :class:`TransposedUpdat`'s. Same launch
+    interface as :class:`Plan`.
+    """
+
+    def __init__(self, index: BlockIndex, pass_name: str, n: int, dtype: str, device):
+        self.n = n
+        self.features = index.C if pass_name == "fprop" else index.K
+        item = ELEMENT_BYTES[dtype]
+        self.ld = TransposedUpdat.row_elements(n, item)
+        self.plan = _build_plan(index, pass_name, n, dtype, 0, False, True, device, act_transposed=True)
+        self.variant = self.plan.variant
+        self.transpose = _transpose_launcher(item, self.ld, self.features, device)
+        self.dtype = SUPPORTED_DTYPES[dtype]
+        self.workspaces: dict = {}  # stream -> the activations transposed
+
+    @staticmethod
+    def wanted(index: BlockIndex, n: int, dtype: str, feature_axis: int, aligned: bool) -> bool:
+        """Whether a pass of ``n`` rows on ``feature_axis`` takes the transposed copy (see above)."""
+        cfg = settings()["kernels"]
+        if feature_axis != 1 or not aligned or dtype == "float32" or n < cfg["act_transpose_min_rows"]:
+            return False
+        copy_bytes = max(index.C, index.K) * TransposedUpdat.row_elements(n, 2) * 2
+        return index.block_size in cfg["act_transpose"] and copy_bytes <= cfg["act_transpose_max_bytes"]
+
+    def launch(self, stream_ptr: int, act_ptr: int, w_ptr: int, out_ptr: int, sizes: tuple, accumulate: int) -> None:
+        act_t = self.workspaces.get(stream_ptr)
+        if act_t is None:
+            act_t = self.workspaces[stream_ptr] = cupy.empty((self.features, self.ld), dtype=self.dtype)
+        self.transpose.launch(stream_ptr, act_ptr, act_t.data.ptr, self.n, self.features, self.ld)
+        # (n, activation row length, output blocks, output row length): the copy's rows are ld long.
+        self.plan.launch(stream_ptr, act_t.data.ptr, w_ptr, out_ptr, (sizes[0], self.ld, *sizes[2:]), accumulate)
+
+
 class TransposedUpdat:
     """updat on feature axis 1 through transposed copies of x and dy: two launches of
     ``cuda/bsmm_transpose.cu`` into a workspace, then the feature-axis-0 updat over them.
@@ -628,12 +685,8 @@ class TransposedUpdat:
         self.ld = self.row_elements(n, item)
         self.plan = _build_plan(index, "updat", n, dtype, 0, tf32, True, device)
         self.variant = self.plan.variant
-        kernel = load_kernel(TransposeVariant(item), device.id)
-        tile = TransposeVariant.TILE
-        self.transpose_x, self.transpose_dy = (
-            _Launcher(kernel, (-(-self.ld // tile), -(-features // tile), 1), TransposeVariant.threads, 0, 5,
-                      serialized=_serialized_launches(device))
-            for features in (self.C, self.K))
+        self.transpose_x, self.transpose_dy = (_transpose_launcher(item, self.ld, features, device)
+                                               for features in (self.C, self.K))
         self.dtype = SUPPORTED_DTYPES[dtype]
         self.workspaces: dict = {}  # stream -> (x transposed, dy transposed)
 
@@ -724,8 +777,9 @@ def plan_for(index: BlockIndex, pass_name: str, n: int, dtype: str, feature_axis
              aligned: bool, act_blocks: tuple | None = None, weight_blocks: BlockOrder | None = None,
              transposed: bool = False) -> Plan:
     """The cached plan for this pass on the current device, built on first use
-    (``transposed``: the :class:`TransposedUpdat` of an updat on feature axis 1, which the caller
-    asks for: its copies assume rows C and K apart). A TF32 fprop gets its
+    (``transposed``: the :class:`TransposedUpdat` of an updat on feature axis 1, or the
+    :class:`TransposedActivations` of an fprop/bprop there, which the caller asks for: their
+    copies assume rows of C and K features). A TF32 fprop gets its
     :class:`TransposedWeightsFprop` where that applies."""
     device_id = cupy.cuda.runtime.getDevice()
     key = (pass_name, n, dtype, feature_axis, tf32, aligned, device_id, act_blocks, weight_blocks, transposed)
@@ -741,10 +795,11 @@ def plan_for(index: BlockIndex, pass_name: str, n: int, dtype: str, feature_axis
                 if (pass_name == "fprop" and tf32 and dtype == "float32" and feature_axis == 1
                         and act_blocks is None and weight_blocks is None):
                     plan = _tf32_fprop(index, n, aligned, device)
-                plan = plans[key] = plan or (
-                    TransposedUpdat(index, n, dtype, device, tf32) if transposed else
-                    _build_plan(index, pass_name, n, dtype, feature_axis, tf32, aligned, device, act_blocks,
-                                weight_blocks))
+                if transposed:
+                    plan = (TransposedUpdat(index, n, dtype, device, tf32) if pass_name == "updat" else
+                            TransposedActivations(index, pass_name, n, dtype, device))
+                plan = plans[key] = plan or _build_plan(index, pass_name, n, dtype, feature_axis, tf32, aligned,
+                                                        device, act_blocks, weight_blocks)
     return plan
 
 
@@ -853,7 +908,9 @@ def _sparse_pass(pass_name: str, index: BlockIndex, act, w, out, feature_axis: i
     if n == 0 or out.size == 0:
         return None
     dtype = DTYPE_NAMES[act.dtype]
-    plan = plan_for(index, pass_name, n, dtype, feature_axis, tf32, _aligned(feature_axis, n, act, w, out))
+    aligned = _aligned(feature_axis, n, act, w, out)
+    plan = plan_for(index, pass_name, n, dtype, feature_axis, tf32, aligned,
+                    transposed=TransposedActivations.wanted(index, n, dtype, feature_axis, aligned))
     ld_act, ld_out = (features_in, features_out) if feature_axis == 1 else (n, n)
     # Column groups read the number of output blocks from the otherwise unused ld_other.
     sizes = (n, ld_act, features_out // index.block_size, ld_out)

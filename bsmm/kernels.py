@@ -58,6 +58,10 @@ class Variant:
     # (with cols > 1: column groups, or updat row groups computed transposed), or tensor16
     # fprop/bprop one block a step (small batches).
     tma: bool = False
+    # fprop/bprop (cp.async kernel): the activations come from a transposed copy, read as on
+    # feature axis 0 (``feature_axis`` is then 0), and the output is written on feature axis 1
+    # (``cuda_backend.TransposedActivations``).
+    act_transposed: bool = False
 
     source_file = SOURCE_FILE
 
@@ -85,7 +89,8 @@ class Variant:
         bm, bn, bk, wm, wn, stages = self.tile
         return (
             f"bsmm::bsmm_matmul{'_tma' if self.tma else ''}<{C_TYPES[self.dtype]}, {self.block_size}, {bm}, {bn}, {bk}, {wm}, {wn}, {stages}, "
-            f"{MATH_MODES[self.math]}, {PASS_IDS[self.pass_name]}, {int(self.feature_axis == 1)}, {int(self.aligned)}, "
+            f"{MATH_MODES[self.math]}, {PASS_IDS[self.pass_name]}, {2 if self.act_transposed else int(self.feature_axis == 1)}, "
+            f"{int(self.aligned)}, "
             f"{int(self.grouped)}, {self.cols}>"
         )
 

@@ -51,7 +51,14 @@ template <typename T, int BS, int BM_, int BN_, int BK_, int WARPS_M_, int WARPS
 struct Kernel {
     static constexpr int BM = BM_, BN = BN_, BK = BK_, WARPS_M = WARPS_M_, WARPS_N = WARPS_N_, STAGES = STAGES_;
     static constexpr int MATH = MATH_, PASS = PASS_;
-    static constexpr bool AXIS1 = AXIS1_ != 0, ALIGNED = ALIGNED_ != 0;
+    // AXIS1_: the feature axis of the operands, 1 (rows of the batch, features contiguous) or 0;
+    // 2 (fprop/bprop, cp.async): the activations come from a transposed copy, read as on axis 0,
+    // and the output is written on axis 1. At block 16 a row of axis-1 activations holds a block's
+    // features as one 32-byte segment, its own cache-line request, and those requests, not the
+    // bytes, bound the pass (bsmm/cuda_backend.py, TransposedActivations).
+    static constexpr bool AXIS1 = AXIS1_ == 1, OUT_AXIS1 = AXIS1_ != 0, ALIGNED = ALIGNED_ != 0;
+    static_assert(AXIS1_ != 2 || (PASS_ != UPDAT && MATH_ != WGMMA && !TMA_),
+                  "transposed activations: fprop/bprop of the cp.async kernel");
     // updat with the whole batch in one step: a thread block streams a group of weight blocks
     // through the pipeline, one block per step, instead of owning a single block.
     static constexpr bool GROUPED = GROUPED_ != 0;
@@ -879,14 +886,14 @@ __device__ __forceinline__ void store_sparse_tile(T* __restrict__ out, const flo
     // bprop otherwise) carries how many output blocks exist.
     // Tensor-core fragments hold column pairs (i, i + 1) = (n, n + 1): with features along rows
     // and aligned rows, each pair is one 4- or 8-byte access (and so is the read of accumulate).
-    constexpr bool PAIRS = K::AXIS1 && K::ALIGNED && K::MATH != SIMT;
+    constexpr bool PAIRS = K::OUT_AXIS1 && K::ALIGNED && K::MATH != SIMT;
     for_each_acc<K>([&](int i, int m, int n) {
         if (PAIRS && i % 2) return;
         const int row = m0 + m;
         if (row >= n_rows) return;
         const long long feature = (long long)unit * (K::COLS > 1 ? K::BN : BS) + n0 + n;
         if (K::COLS > 1 && feature >= (long long)ld_other * BS) return;
-        T* dst = K::AXIS1 ? out + (long long)row * ld_out + feature : out + feature * ld_out + row;
+        T* dst = K::OUT_AXIS1 ? out + (long long)row * ld_out + feature : out + feature * ld_out + row;
         // accumulate: added in float and rounded once (strided convolutions sum their offsets here).
         if constexpr (PAIRS) {
             store_pair(dst, acc[i], acc[i + 1], accumulate);

@@ -543,17 +543,7 @@ def test_column_groups(xp, bs, tile, dtype, wgmma, monkeypatch):
         for n in (1, 7, 70, 300):
             case = make_case(rng, layout, bs, n, dtype, axis)
             for pass_name in ("fprop", "bprop"):
-                args = device_inputs(xp, case, pass_name)
-                expected = reference(case, pass_name)
-                out = poisoned(xp, expected.shape, case.x.dtype)
-                call(case.op, pass_name, args, out=out)
-                assert_close(to_numpy(out), expected, dtype, f"{pass_name} N={n} axis={axis}")
-                again = to_numpy(call(case.op, pass_name, args))
-                assert again.tobytes() == to_numpy(out).tobytes(), f"{pass_name} N={n} not bitwise repeatable"
-                start = random_data(rng, expected.shape, dtype)
-                summed = to_xp(xp, start)
-                call(case.op, pass_name, args, out=summed, accumulate=True)
-                assert_close(to_numpy(summed), as_float64(start) + expected, dtype, f"{pass_name} N={n} +=")
+                check_pass_repeat_accumulate(xp, rng, case, pass_name, device_inputs(xp, case, pass_name))
     plans = cuda_backend._PLANS[case.op.index]
     aligned_plans = [p for p in plans.values() if p.variant.aligned]
     assert aligned_plans and all(p.variant.cols == tile[6] for p in aligned_plans), \
@@ -596,6 +586,23 @@ def test_banded_order_matches_launch_order(xp, bs, dtype, monkeypatch):
             results.append(to_numpy(out))
         assert_close(results[0], reference(case, pass_name), dtype, f"{pass_name} in bands")
         assert results[0].tobytes() == results[1].tobytes(), f"{pass_name}: bands changed the result"
+
+
+def check_pass_repeat_accumulate(xp, rng, case: Case, pass_name: str, args: tuple) -> None:
+    """fprop/bprop into a NaN-poisoned out= gives the reference, a second call the same bits,
+    and accumulate=True the reference added to fresh random contents."""
+    n, dtype = case.x.shape[1 - case.op.feature_axis], case.dtype
+    where = f"{pass_name} N={n} axis={case.op.feature_axis}"
+    expected = reference(case, pass_name)
+    out = poisoned(xp, expected.shape, case.x.dtype)
+    call(case.op, pass_name, args, out=out)
+    assert_close(to_numpy(out), expected, dtype, where)
+    again = to_numpy(call(case.op, pass_name, args))
+    assert again.tobytes() == to_numpy(out).tobytes(), f"{where} not bitwise repeatable"
+    start = random_data(rng, expected.shape, dtype)
+    summed = to_xp(xp, start)
+    call(case.op, pass_name, args, out=summed, accumulate=True)
+    assert_close(to_numpy(summed), as_float64(start) + expected, dtype, f"{where} +=")
 
 
 def check_updat_repeat_accumulate(xp, rng, case: Case, args: tuple) -> None:
@@ -707,6 +714,54 @@ def test_updat_through_transposed_copies(xp, bs, dtype, wgmma, monkeypatch):
             assert to_numpy(copy).tobytes() == padded.tobytes(), f"transposed copy N={n}"
     monkeypatch.setitem(kernels, "updat_transpose_max_bytes", 0)
     assert not cuda_backend._transposes(case.op.index, 1001, dtype, 1, True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("groups", [True, False], ids=["column_groups", "one_block"])
+@pytest.mark.parametrize("bs", [16, 32])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_passes_through_transposed_activations(xp, bs, dtype, groups, monkeypatch):
+    """GPU: fprop and bprop on feature axis 1 through a transposed copy of x (dy), forced here
+    for blocks 16 and 32 and any batch: the copy equals the activations transposed with
+    zero-padded batch columns (N off 8 included), the output (written on axis 1) the reference;
+    one block a step or column groups, long columns cut into parts; NaN-poisoned output,
+    bitwise repeat, accumulate, inputs unchanged; refused past the workspace limit."""
+    if xp is np:
+        pytest.skip("transposed copies are a GPU path")
+    from bsmm import cuda_backend
+
+    monkeypatch.setattr(cuda_backend, "_PLANS", type(cuda_backend._PLANS)())
+    overrides = {"act_transpose": [bs], "act_transpose_min_rows": 1, "min_part_blocks": 2,
+                "act_transpose_group_min_blocks_per_step": 0 if groups else 1e9}
+    for key, value in overrides.items():
+        monkeypatch.setitem(bsmm.config.settings()["kernels"], key, value)
+    rng = np.random.default_rng([bs, len(dtype), 11])
+    layout = random_layout(rng, 13, 21, 0.35)
+    layout[1, :] = 0
+    layout[:, 3] = 0
+    layout[:, 5] = 1  # a long column (row) for the parts
+    layout[2, :] = 1
+    for n in (1, 7, 130, 1001):
+        case = make_case(rng, layout, bs, n, dtype, 1)
+        for pass_name in ("fprop", "bprop"):
+            args = device_inputs(xp, case, pass_name)
+            before = [to_numpy(a).copy() for a in args]
+            check_pass_repeat_accumulate(xp, rng, case, pass_name, args)
+            assert all(to_numpy(a).tobytes() == b.tobytes() for a, b in zip(args, before)), "input modified"
+            plan = next(p for key, p in cuda_backend._PLANS[case.op.index].items()
+                        if key[0] == pass_name and key[1] == n)
+            assert isinstance(plan, cuda_backend.TransposedActivations), f"{pass_name} did not take the copy"
+            # (bsmm.toml lists column-group tiles for large batches only)
+            assert plan.variant.act_transposed and (plan.variant.cols > 1) == (groups and n > 64), f"{plan.variant}"
+            copy, = plan.workspaces.values()
+            padded = np.zeros((args[0].shape[1], -(-n // 8) * 8), dtype=case.x.dtype)
+            padded[:, :n] = to_numpy(args[0]).T
+            assert to_numpy(copy).tobytes() == padded.tobytes(), f"transposed copy N={n}"
+    parted = [p.plan for p in cuda_backend._PLANS[case.op.index].values()
+              if isinstance(p, cuda_backend.TransposedActivations)]
+    assert any(p.workspace_floats > 0 for p in parted), "no column was cut into parts"
+    monkeypatch.setitem(bsmm.config.settings()["kernels"], "act_transpose_max_bytes", 0)
+    assert not cuda_backend.TransposedActivations.wanted(case.op.index, 1001, dtype, 1, True)
 
 
 @pytest.mark.gpu

@@ -59,6 +59,13 @@ def all_variants() -> list[Variant | GatherVariant | TransposeVariant | BlockTra
                         if mode == "tf32" and tf32_rows and pass_name == "updat" and n > 64:  # on x and dy transposed
                             variants.add(Variant(dtype, bs, tf32_rows[:6], "wgmma_tf32", pass_name, 0, True, False,
                                                  tf32_rows[6], tma=True))
+                        if (mode == "tensor16" and pass_name != "updat" and n > 64
+                                and bs in settings()["kernels"]["act_transpose"]):
+                            # on transposed activations, output on axis 1 (cuda_backend.TransposedActivations)
+                            variants.add(Variant(dtype, bs, tile, mode, pass_name, 0, True, act_transposed=True))
+                            if columns:
+                                variants.add(Variant(dtype, bs, columns[:6], mode, pass_name, 0, True, False,
+                                                     columns[6], act_transposed=True))
                         for axis in (0, 1):
                             for aligned in (True, False):
                                 variants.add(Variant(dtype, bs, tile, mode, pass_name, axis, aligned))
