@@ -646,12 +646,13 @@ class TransposedActivations:
         self.workspaces: dict = {}  # stream -> the activations transposed
 
     @staticmethod
-    def wanted(index: BlockIndex, n: int, dtype: str, feature_axis: int, aligned: bool) -> bool:
-        """Whether a pass of ``n`` rows on ``feature_axis`` takes the transposed copy (see above)."""
+    def wanted(index: BlockIndex, pass_name: str, n: int, dtype: str, feature_axis: int, aligned: bool) -> bool:
+        """Whether this pass of ``n`` rows on ``feature_axis`` takes the transposed copy (see above)."""
         cfg = settings()["kernels"]
         if feature_axis != 1 or not aligned or dtype == "float32" or n < cfg["act_transpose_min_rows"]:
             return False
-        copy_bytes = max(index.C, index.K) * TransposedUpdat.row_elements(n, 2) * 2
+        item = ELEMENT_BYTES[dtype]
+        copy_bytes = (index.C if pass_name == "fprop" else index.K) * TransposedUpdat.row_elements(n, item) * item
         return index.block_size in cfg["act_transpose"] and copy_bytes <= cfg["act_transpose_max_bytes"]
 
     def launch(self, stream_ptr: int, act_ptr: int, w_ptr: int, out_ptr: int, sizes: tuple, accumulate: int) -> None:
@@ -837,7 +838,8 @@ class FastCall:
         self.out_shape, self.out_strides = out.shape, out.strides
         self.act_bytes, self.other_bytes, self.out_bytes = act.nbytes, other.nbytes, out.nbytes
         self.aligned, self.sizes = plan.variant.aligned, sizes
-        # A TransposedUpdat (TransposedWeightsFprop) launches three (two) kernels: it keeps the plan's own launch.
+        # A TransposedUpdat (TransposedActivations, TransposedWeightsFprop) launches three (two)
+        # kernels: it keeps the plan's own launch.
         self.head = plan.launcher.head if isinstance(plan, Plan) else None
         self.blocks: dict = {}  # (stream, act, other, out, accumulate) -> _Parameters
         self.seen: set = set()  # keys launched once
@@ -883,7 +885,8 @@ class FastCall:
 
     def _keep(self, key: tuple):
         """The block to launch for a key seen before, kept from now on; a key seen the first time
-        (or any key of a TransposedUpdat) launches through the plan instead, and gives None."""
+        (or any key of a plan that copies first, as TransposedUpdat) launches through the plan
+        instead, and gives None."""
         stream_ptr, act_ptr, other_ptr, out_ptr, accumulate = key
         if self.head is None or key not in self.seen:
             if self.head is not None:
@@ -910,7 +913,7 @@ def _sparse_pass(pass_name: str, index: BlockIndex, act, w, out, feature_axis: i
     dtype = DTYPE_NAMES[act.dtype]
     aligned = _aligned(feature_axis, n, act, w, out)
     plan = plan_for(index, pass_name, n, dtype, feature_axis, tf32, aligned,
-                    transposed=TransposedActivations.wanted(index, n, dtype, feature_axis, aligned))
+                    transposed=TransposedActivations.wanted(index, pass_name, n, dtype, feature_axis, aligned))
     ld_act, ld_out = (features_in, features_out) if feature_axis == 1 else (n, n)
     # Column groups read the number of output blocks from the otherwise unused ld_other.
     sizes = (n, ld_act, features_out // index.block_size, ld_out)

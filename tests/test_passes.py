@@ -760,8 +760,9 @@ def test_passes_through_transposed_activations(xp, bs, dtype, groups, monkeypatc
     parted = [p.plan for p in cuda_backend._PLANS[case.op.index].values()
               if isinstance(p, cuda_backend.TransposedActivations)]
     assert any(p.workspace_floats > 0 for p in parted), "no column was cut into parts"
+    assert cuda_backend.TransposedActivations.wanted(case.op.index, "bprop", 1001, dtype, 1, True)
     monkeypatch.setitem(bsmm.config.settings()["kernels"], "act_transpose_max_bytes", 0)
-    assert not cuda_backend.TransposedActivations.wanted(case.op.index, 1001, dtype, 1, True)
+    assert not cuda_backend.TransposedActivations.wanted(case.op.index, "bprop", 1001, dtype, 1, True)
 
 
 @pytest.mark.gpu

@@ -114,6 +114,24 @@ def test_updat_transposes_only_listed_half_precision_axis_1_long_batches(monkeyp
                                         1, True)  # block 32 is not listed
 
 
+def test_fprop_bprop_transpose_activations_only_listed_half_precision_axis_1_long_batches(monkeypatch):
+    kernels = bsmm.config.settings()["kernels"]
+    monkeypatch.setitem(kernels, "act_transpose", [16])
+    monkeypatch.setitem(kernels, "act_transpose_max_bytes", 2 * 256 * 4096)  # K x N, not C x N
+    monkeypatch.setitem(kernels, "act_transpose_min_rows", 128)
+    wanted = cuda_backend.TransposedActivations.wanted
+    index = bsmm.block_index(np.ones((32, 16), dtype=np.uint8), 16)  # C = 512, K = 256
+    assert wanted(index, "bprop", 4096, "float16", 1, True)  # dy: K x N
+    assert wanted(index, "bprop", 4090, "bfloat16", 1, True)  # N padded to 4096
+    assert not wanted(index, "fprop", 4096, "float16", 1, True)  # x (C x N) is past the limit
+    assert not wanted(index, "bprop", 4097, "float16", 1, True)
+    assert not wanted(index, "bprop", 127, "float16", 1, True)  # a short batch
+    assert not wanted(index, "bprop", 4096, "float16", 0, True)  # already transposed
+    assert not wanted(index, "bprop", 4096, "float16", 1, False)  # unaligned operands
+    assert not wanted(index, "bprop", 4096, "float32", 1, True)
+    assert not wanted(bsmm.block_index(np.ones((16, 8), dtype=np.uint8), 32), "bprop", 4096, "float16", 1, True)
+
+
 def test_updat_batch_parts_fill_idle_waves_only_where_that_pays(monkeypatch):
     monkeypatch.setitem(bsmm.config.settings()["kernels"], "updat_cut_gain", 0.25)
     parts = cuda_backend._batch_parts
