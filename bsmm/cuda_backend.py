@@ -612,6 +612,20 @@ _PLANS: "weakref.WeakKeyDictionary[BlockIndex, dict]" = weakref.WeakKeyDictionar
 _PLAN_LOCK = threading.Lock()
 
 
+def _copy_row_elements(n: int, item: int) -> int:
+    """Elements of one row of a transposed copy: the batch of ``n`` rows padded to 16 bytes."""
+    return -(-n * item // 16) * 16 // item
+
+
+def _per_stream(workspaces: dict, stream_ptr: int, make):
+    """The workspace kept for this stream, made by ``make()`` on first use (a CUDA graph captures
+    its address, so it stays)."""
+    found = workspaces.get(stream_ptr)
+    if found is None:
+        found = workspaces[stream_ptr] = make()
+    return found
+
+
 def _transpose_launcher(item: int, ld: int, features: int, device) -> _Launcher:
     """A launch of ``transpose_tiles`` (``cuda/bsmm_transpose.cu``) turning an (N, features)
     operand of ``item``-byte elements into its (features, ld) copy."""
@@ -638,7 +652,7 @@ class TransposedActivations:
         self.n = n
         self.features = index.C if pass_name == "fprop" else index.K
         item = ELEMENT_BYTES[dtype]
-        self.ld = TransposedUpdat.row_elements(n, item)
+        self.ld = _copy_row_elements(n, item)
         self.plan = _build_plan(index, pass_name, n, dtype, 0, False, True, device, act_transposed=True)
         self.variant = self.plan.variant
         self.transpose = _transpose_launcher(item, self.ld, self.features, device)
@@ -652,13 +666,11 @@ class TransposedActivations:
         if feature_axis != 1 or not aligned or dtype == "float32" or n < cfg["act_transpose_min_rows"]:
             return False
         item = ELEMENT_BYTES[dtype]
-        copy_bytes = (index.C if pass_name == "fprop" else index.K) * TransposedUpdat.row_elements(n, item) * item
+        copy_bytes = (index.C if pass_name == "fprop" else index.K) * _copy_row_elements(n, item) * item
         return index.block_size in cfg["act_transpose"] and copy_bytes <= cfg["act_transpose_max_bytes"]
 
     def launch(self, stream_ptr: int, act_ptr: int, w_ptr: int, out_ptr: int, sizes: tuple, accumulate: int) -> None:
-        act_t = self.workspaces.get(stream_ptr)
-        if act_t is None:
-            act_t = self.workspaces[stream_ptr] = cupy.empty((self.features, self.ld), dtype=self.dtype)
+        act_t = _per_stream(self.workspaces, stream_ptr, lambda: cupy.empty((self.features, self.ld), dtype=self.dtype))
         self.transpose.launch(stream_ptr, act_ptr, act_t.data.ptr, self.n, self.features, self.ld)
         # (n, activation row length, output blocks, output row length): the copy's rows are ld long.
         self.plan.launch(stream_ptr, act_t.data.ptr, w_ptr, out_ptr, (sizes[0], self.ld, *sizes[2:]), accumulate)
@@ -683,7 +695,7 @@ class TransposedUpdat:
     def __init__(self, index: BlockIndex, n: int, dtype: str, device, tf32: bool = False):
         self.n, self.C, self.K = n, index.C, index.K
         item = ELEMENT_BYTES[dtype]
-        self.ld = self.row_elements(n, item)
+        self.ld = _copy_row_elements(n, item)
         self.plan = _build_plan(index, "updat", n, dtype, 0, tf32, True, device)
         self.variant = self.plan.variant
         self.transpose_x, self.transpose_dy = (_transpose_launcher(item, self.ld, features, device)
@@ -692,24 +704,13 @@ class TransposedUpdat:
         self.workspaces: dict = {}  # stream -> (x transposed, dy transposed)
 
     @staticmethod
-    def row_elements(n: int, item: int) -> int:
-        """Elements of one row of a transposed copy: the batch of ``n`` rows padded to 16 bytes."""
-        return -(-n * item // 16) * 16 // item
-
-    @staticmethod
     def workspace_bytes(index: BlockIndex, n: int, item: int = 2) -> int:
         """Bytes of the two transposed copies for a batch of ``n`` rows of ``item``-byte elements."""
-        return (index.C + index.K) * TransposedUpdat.row_elements(n, item) * item
-
-    def workspace_for(self, stream_ptr: int) -> tuple:
-        entry = self.workspaces.get(stream_ptr)
-        if entry is None:
-            entry = self.workspaces[stream_ptr] = (
-                cupy.empty((self.C, self.ld), dtype=self.dtype), cupy.empty((self.K, self.ld), dtype=self.dtype))
-        return entry
+        return (index.C + index.K) * _copy_row_elements(n, item) * item
 
     def launch(self, stream_ptr: int, x_ptr: int, dy_ptr: int, out_ptr: int, sizes: tuple, accumulate: int) -> None:
-        x_t, dy_t = self.workspace_for(stream_ptr)
+        x_t, dy_t = _per_stream(self.workspaces, stream_ptr, lambda: (
+            cupy.empty((self.C, self.ld), dtype=self.dtype), cupy.empty((self.K, self.ld), dtype=self.dtype)))
         self.transpose_x.launch(stream_ptr, x_ptr, x_t.data.ptr, self.n, self.C, self.ld)
         self.transpose_dy.launch(stream_ptr, dy_ptr, dy_t.data.ptr, self.n, self.K, self.ld)
         self.plan.launch(stream_ptr, x_t.data.ptr, dy_t.data.ptr, out_ptr, (self.n, self.ld, self.ld, 0), accumulate)
@@ -738,9 +739,7 @@ class TransposedWeightsFprop:
 
     def launch(self, stream_ptr: int, x_ptr: int, w_ptr: int, out_ptr: int, sizes: tuple, accumulate: int) -> None:
         # (n, C, K / block, K) of the fprop are (n, K', C' / block, C') of the transposed bprop.
-        w_t = self.workspaces.get(stream_ptr)
-        if w_t is None:
-            w_t = self.workspaces[stream_ptr] = cupy.empty(self.weight_count, dtype=np.float32)
+        w_t = _per_stream(self.workspaces, stream_ptr, lambda: cupy.empty(self.weight_count, dtype=np.float32))
         self.transpose.launch(stream_ptr, w_ptr, w_t.data.ptr, self.order.data.ptr)
         self.plan.launch(stream_ptr, x_ptr, w_t.data.ptr, out_ptr, sizes, accumulate)
 
