@@ -1,4 +1,4 @@
-"""Command line: ``python -m bsmm demo`` and ``python -m bsmm bench``."""
+"""Command line: ``python -m bsmm demo``, ``python -m bsmm bench`` and ``python -m bsmm tune``."""
 
 from __future__ import annotations
 
@@ -57,7 +57,14 @@ def _bench(args) -> int:
     if args.backend == "gpu" or (args.backend == "auto" and gpu_available()):
         import cupy
 
+        from .tune import in_effect
+
         meta["gpu"] = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["name"].decode()
+        # Tiles `bsmm tune` kept on this machine change what is measured: say so in the results.
+        meta["tuned_entries"] = in_effect()
+        if meta["tuned_entries"]:
+            print(f"note: {meta['tuned_entries']} launch tiles tuned on this machine are in effect "
+                  "(BSMM_TUNED=0 measures bsmm.toml's)", file=sys.stderr)
         rows = bench_gpu(workloads=tuple(args.workloads.split(",")), progress=log, quick=args.quick,
                          only_dtypes=args.dtype and tuple(args.dtype.split(",")),
                          only_block_sizes=args.block_size and tuple(int(b) for b in args.block_size.split(",")))
@@ -73,6 +80,74 @@ def _bench(args) -> int:
         from .plot import plot_speedup
 
         plot_speedup(rows, args.plot)
+    return 0
+
+
+def _tune_cases(args) -> list:
+    from .bench import WORKLOADS
+    from .tune import PASSES, Case
+
+    spec = dict(WORKLOADS[args.workload]) if args.workload else dict(
+        N=4096, C=8192, block_sizes=(32,), densities=(0.1,), dtypes=("float16",))
+    N = args.N or spec["N"]
+    C = args.C or spec["C"]
+    K = args.K or C
+    block_sizes = [int(b) for b in args.block_size.split(",")] if args.block_size else spec["block_sizes"]
+    densities = [float(d) / 100 for d in args.densities.split(",")] if args.densities else spec["densities"]
+    dtypes = args.dtype.split(",") if args.dtype else spec["dtypes"]
+    passes = args.passes.split(",") if args.passes else PASSES
+    for name, given, allowed in (("--passes", passes, PASSES), ("--dtype", dtypes, ("float32", "tf32", "float16", "bfloat16"))):
+        unknown = sorted(set(given) - set(allowed))
+        if unknown:
+            raise ValueError(f"{name} {','.join(unknown)}: expected some of {','.join(allowed)}")
+    return [Case(p, N, C, K, bs, d, dtype, args.feature_axis)
+            for dtype in dtypes for bs in block_sizes for d in densities for p in passes]
+
+
+class _Progress:
+    """Prints tune's lines to stderr; on a terminal, a round's progress bar rewrites one line."""
+
+    def __init__(self):
+        self.tty = sys.stderr.isatty()
+        self.open = False
+
+    def __call__(self, line: str) -> None:
+        bar = " round " in line and self.tty
+        if self.open and not bar:
+            sys.stderr.write("\n")
+        sys.stderr.write(("\r\033[K" if bar else "") + line + ("" if bar else "\n"))
+        sys.stderr.flush()
+        self.open = bar
+
+
+def _tune(args) -> int:
+    from . import tune
+
+    if args.reset:
+        path = tune.tuned_path()
+        print(f"removed {path}: bsmm.toml's launch tiles are in effect" if path.is_file() else f"no {path} to remove")
+        path.unlink(missing_ok=True)
+        return 0
+    if args.show:
+        print(tune.current_tuned_table())
+        return 0
+    try:
+        cases = _tune_cases(args)
+    except ValueError as error:
+        print(f"bsmm tune: {error}", file=sys.stderr)
+        return 2
+    if not gpu_available():
+        print("bsmm tune: it measures kernels on a CUDA GPU, and CuPy finds none here", file=sys.stderr)
+        return 2
+    results = tune.tune(cases, rounds=args.rounds, margin=args.margin / 100,
+                        runner=tune.Runner(calls=args.calls, batches=args.batches), write=not args.dry_run,
+                        progress=_Progress())
+    print(tune.format_report(results))
+    kept = sum(r.kept is not None for r in results)
+    if args.dry_run:
+        print(f"\n--dry-run: {kept} kept tiles not written")
+    else:
+        print(f"\n{kept} kept tiles written to {tune.tuned_path()}" if kept else "\nno tile beat the current ones")
     return 0
 
 
@@ -96,6 +171,26 @@ def main(argv=None) -> int:
     bench.add_argument("--plot", help="draw speed-up over dense vs sparsity to this image (needs matplotlib)")
     bench.add_argument("-v", "--verbose", action="store_true", help="print each row as it is measured")
     bench.set_defaults(run=_bench)
+    tune = commands.add_parser("tune", help="refine bsmm.toml's launch tiles for this GPU and these shapes (GPU)",
+                               description="Times launch tiles near bsmm.toml's on the given passes and shapes and "
+                                           "keeps the faster ones for this machine (bsmm.tune).")
+    tune.add_argument("--workload", choices=("S", "T", "I"), help="shapes of a benchmark workload (BENCHMARKS.md)")
+    tune.add_argument("--N", type=int, help="batch rows (default 4096)")
+    tune.add_argument("--C", type=int, help="input features (default 8192)")
+    tune.add_argument("--K", type=int, help="output features (default C)")
+    tune.add_argument("--block-size", help="block sizes, comma-separated (default 32)")
+    tune.add_argument("--densities", help="percentages, comma-separated (default 10)")
+    tune.add_argument("--dtype", help="float32, tf32, float16, bfloat16; comma-separated (default float16)")
+    tune.add_argument("--passes", help="fprop, bprop, updat; comma-separated (default all three)")
+    tune.add_argument("--feature-axis", type=int, choices=(0, 1), default=1)
+    tune.add_argument("--rounds", type=int, default=2, help="moves from the best tile so far (default 2)")
+    tune.add_argument("--margin", type=float, default=3.0, help="percent faster a tile must be to be kept (default 3)")
+    tune.add_argument("--calls", type=int, default=20, help="back-to-back calls a timing batch")
+    tune.add_argument("--batches", type=int, default=7, help="timing batches a median")
+    tune.add_argument("--dry-run", action="store_true", help="measure and report, write nothing")
+    tune.add_argument("--show", action="store_true", help="print the tiles tuned on this machine")
+    tune.add_argument("--reset", action="store_true", help="remove the tiles tuned on this machine")
+    tune.set_defaults(run=_tune)
     args = parser.parse_args(argv)
     return args.run(args)
 

@@ -10,6 +10,7 @@ one is random too. Times are medians over repeated calls after a warm-up.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import math
 import statistics
@@ -140,6 +141,25 @@ _T_FLOAT32_BLOCKS = {"float32": (32, 64), "tf32": (64,)}
 _L2_BYTES = 50 * 2**20
 
 
+def weight_sets(op: BlocksparseMatMul, dtype, rng) -> list:
+    """Random weight arrays for ``op`` on the GPU, as many as it takes (up to 8) for two sets to
+    outgrow the L2, so that calls rotating through them do not time small weights out of L2."""
+    w_bytes = op.blocks * op.block_size ** 2 * np.dtype(dtype).itemsize
+    n_sets = max(1, min(8, math.ceil(2 * _L2_BYTES / max(w_bytes, 1))))
+    return [rng.standard_normal(op.w_shape, dtype=np.float32).astype(dtype) for _ in range(n_sets)]
+
+
+def pass_calls(op: BlocksparseMatMul, x, dy, ws: list, outputs: dict) -> dict[str, Callable[[], object]]:
+    """The three passes of ``op`` as argument-less calls into ``outputs[pass]``, fprop and bprop
+    taking the next of the weight sets ``ws`` at each call."""
+    turn = itertools.count()
+    return {
+        "fprop": lambda: op.fprop(x, ws[next(turn) % len(ws)], out=outputs["fprop"]),
+        "bprop": lambda: op.bprop(dy, ws[next(turn) % len(ws)], out=outputs["bprop"]),
+        "updat": lambda: op.updat(x, dy, out=outputs["updat"]),
+    }
+
+
 def _gpu_seconds(fn, calls: int, batches: int) -> float:
     """Median per-call time of back-to-back calls from Python, by CUDA events, warm-up excluded."""
     import cupy
@@ -245,18 +265,10 @@ def bench_gpu(workloads=("S", "T", "I"), calls: int = 20, batches: int = 11, see
                 for density in (spec["densities"][:2] if quick else spec["densities"]):
                     layout = random_layout(C // bs, C // bs, density=density, seed=seed)
                     op = BlocksparseMatMul(layout, block_size=bs, tf32=tf32)
-                    w_bytes = op.blocks * bs * bs * np_dtype.itemsize
-                    # Rotate weight sets so small weights are not timed out of L2.
-                    n_sets = max(1, min(8, math.ceil(2 * _L2_BYTES / max(w_bytes, 1))))
-                    ws = [rng.standard_normal(op.w_shape, dtype=np.float32).astype(np_dtype) for _ in range(n_sets)]
+                    ws = weight_sets(op, np_dtype, rng)
                     y = cupy.empty((N, C), dtype=np_dtype)
-                    dw = cupy.empty(op.w_shape, dtype=np_dtype)
-                    turn = iter(range(1 << 62))
-                    runs = {
-                        "fprop": lambda: op.fprop(x, ws[next(turn) % n_sets], out=y),
-                        "bprop": lambda: op.bprop(dy, ws[next(turn) % n_sets], out=y),
-                        "updat": lambda: op.updat(x, dy, out=dw),
-                    }
+                    runs = pass_calls(op, x, dy, ws, {"fprop": y, "bprop": y,
+                                                      "updat": cupy.empty(op.w_shape, dtype=np_dtype)})
                     for pass_name, run in runs.items():
                         sparse = _gpu_seconds(run, calls, batches)
                         graph = _graph_seconds(run, calls, batches)

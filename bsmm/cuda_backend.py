@@ -11,6 +11,7 @@ counters kept per (plan, stream) and reused.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import dataclasses
 import math
@@ -18,6 +19,7 @@ import os
 import struct
 import threading
 import weakref
+from typing import Iterator
 
 import cupy
 import numpy as np
@@ -32,7 +34,7 @@ from .strided import BlockOrder, check_strided_operands, virtual_width
 from .tensor_maps import MAP_BYTES, tensor_map
 
 __all__ = ["FastCall", "fprop", "bprop", "updat", "strided_pass", "shifted_pass", "gather_rows", "plan_for",
-           "tile_for"]
+           "tile_for", "forget_plans", "recording_table_lookups"]
 
 _VEC_BYTES = 16
 # Bound once: the per-call path looks these up on every launch.
@@ -55,6 +57,25 @@ def _batch_class(n: int) -> str:
     return "large"
 
 
+#: While :func:`recording_table_lookups` runs: (entry, tile) of every launch-table entry
+#: :func:`tile_for` returned, entry = (section, table, group, block size, batch class).
+_table_lookups: list | None = None
+
+
+@contextlib.contextmanager
+def recording_table_lookups() -> Iterator[list]:
+    """Collects the launch-table entries that plans built meanwhile read (``bsmm tune`` learns
+    which entry a pass runs with from it); one recorder at a time."""
+    global _table_lookups
+    if _table_lookups is not None:
+        raise RuntimeError("launch-table lookups are already being recorded")
+    _table_lookups = found = []
+    try:
+        yield found
+    finally:
+        _table_lookups = None
+
+
 def tile_for(math_mode: str, pass_name: str, block_size: int, n: int, arch_key: str | None = None,
              columns: bool = False, optional: bool = False) -> tuple | None:
     """[BM, BN, BK, WARPS_M, WARPS_N, STAGES] from the launch table in ``bsmm.toml``.
@@ -69,11 +90,14 @@ def tile_for(math_mode: str, pass_name: str, block_size: int, n: int, arch_key: 
         group = "updat" if pass_name == "updat" else "sparse"
     batches = (_batch_class(n), "any")  # updat tables may give small-batch tiles before "any"
     tables = settings()["kernels"]
-    for section in (tables.get(arch_key or "", {}), tables["default"]):
+    for arch, section in ((arch_key, tables.get(arch_key or "", {})), ("default", tables["default"])):
         entries = section.get(math_mode, {}).get(group, {}).get(str(block_size), {})
-        entry = next((entries[b] for b in batches if b in entries), None)
-        if entry is not None:
-            return tuple(int(v) for v in entry)
+        batch = next((b for b in batches if b in entries), None)
+        if batch is not None:
+            tile = tuple(int(v) for v in entries[batch])
+            if _table_lookups is not None:
+                _table_lookups.append(((arch, math_mode, group, str(block_size), batch), tile))
+            return tile
     if columns or optional:
         return None
     raise NotImplementedError(f"no {math_mode} kernel tile for {pass_name} at block size {block_size}")
@@ -610,6 +634,14 @@ def _tma_tile(table: str, index: BlockIndex, pass_name: str, n: int, arch_key: s
 
 _PLANS: "weakref.WeakKeyDictionary[BlockIndex, dict]" = weakref.WeakKeyDictionary()
 _PLAN_LOCK = threading.Lock()
+
+
+def forget_plans() -> None:
+    """Drop every cached plan, so that the next call of a pass plans it from the current settings
+    (:func:`bsmm.config.overriding`). Operators keep the calls they already made
+    (:class:`FastCall`): make new ones."""
+    with _PLAN_LOCK:
+        _PLANS.clear()
 
 
 def _copy_row_elements(n: int, item: int) -> int:

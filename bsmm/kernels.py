@@ -22,7 +22,7 @@ import sys
 import threading
 from pathlib import Path
 
-from .config import CUDA_DIR
+from .config import CUDA_DIR, cache_dir
 
 __all__ = ["Variant", "GatherVariant", "TransposeVariant", "compile_variant", "load_kernel", "arch_for", "cuda_include_dirs", "compile_options"]
 
@@ -223,10 +223,7 @@ def compile_variant(variant: Variant | GatherVariant | TransposeVariant, arch: s
 
 
 def _cache_dir() -> Path:
-    root = os.environ.get("BSMM_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "bsmm"
-    )
-    path = Path(root) / "kernels"
+    path = cache_dir() / "kernels"
     path.mkdir(parents=True, exist_ok=True)
     return path
 

@@ -7,6 +7,8 @@
 # conv: compile, the convolution, row-gather and strided GPU tests, their memcheck, the conv bench.
 # race: compile, compute-sanitizer racecheck over one GPU test of each kernel kind.
 # models: the small-world LSTM experiment ($LSTM_BUDGET s, default 240); its table.
+# tune: `python -m bsmm tune` with the remaining arguments (e.g. --workload T --block-size 64
+# --dtype float16 --dry-run); its report, and the kept tiles in $BSMM_CACHE_DIR/tuned.toml.
 set -uo pipefail
 OUT=${OUT:-/tmp/bsmm-out}
 mkdir -p "$OUT"
@@ -71,6 +73,14 @@ if [[ $stage == note || $stage == conv ]]; then
   grep -E "^\|" "$OUT/conv.md" | awk '!seen[$0]++'
   echo "conv profile (wide32, block 32, 50 %):"
   cat "$OUT/profile_conv.txt"
+fi
+if [[ $stage == tune ]]; then
+  t0=$(date +%s)
+  python3 -m bsmm tune "$@" >"$OUT/tune.md" 2>"$OUT/tune.log" || status=1
+  echo "tune [$(( $(date +%s) - t0 ))s]:"
+  cat "$OUT/tune.md"
+  tail -3 "$OUT/tune.log"
+  cp "$BSMM_CACHE_DIR/tuned.toml" "$OUT/tuned.toml" 2>/dev/null
 fi
 if [[ $stage == models ]]; then
   t0=$(date +%s)
