@@ -89,7 +89,8 @@ def _survey(request: dict) -> dict:
     cupy.cuda.runtime.deviceSynchronize()
     return {"device": cupy.cuda.runtime.getDeviceProperties(device.id)["name"].decode(),
             "arch": f"sm{device.compute_capability}",
-            "max_shared": device.attributes["MaxSharedMemoryPerBlockOptin"], "cases": found}
+            "max_shared": cupy.cuda.runtime.deviceGetAttribute(
+                cupy.cuda.runtime.cudaDevAttrMaxSharedMemoryPerBlockOptin, device.id), "cases": found}
 
 
 def _measure(request: dict) -> None:
