@@ -96,7 +96,8 @@ def _tune_cases(args) -> list:
     densities = [float(d) / 100 for d in args.densities.split(",")] if args.densities else spec["densities"]
     dtypes = args.dtype.split(",") if args.dtype else spec["dtypes"]
     passes = args.passes.split(",") if args.passes else PASSES
-    for name, given, allowed in (("--passes", passes, PASSES), ("--dtype", dtypes, ("float32", "tf32", "float16", "bfloat16"))):
+    kinds = ("float32", "tf32", "float16", "bfloat16")
+    for name, given, allowed in (("--passes", passes, PASSES), ("--dtype", dtypes, kinds)):
         unknown = sorted(set(given) - set(allowed))
         if unknown:
             raise ValueError(f"{name} {','.join(unknown)}: expected some of {','.join(allowed)}")

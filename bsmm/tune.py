@@ -34,7 +34,7 @@ from typing import Callable, Iterable
 from .config import settings, tuned_path
 from .kernels import ELEMENT_BYTES, MAX_PART_BLOCKS, Variant
 
-__all__ = ["Case", "Entry", "candidate_tiles", "tune", "tuned_entries", "format_report"]
+__all__ = ["Case", "Entry", "candidate_tiles", "checking_cases", "tune", "tuned_entries", "format_report"]
 
 PASSES = ("fprop", "bprop", "updat")
 
@@ -51,10 +51,37 @@ class Case:
     density: float
     dtype: str
     feature_axis: int = 1
+    holes: bool = False  # every third block row and column of the layout emptied (:func:`checking_cases`)
 
     def __str__(self) -> str:
         return (f"{self.pass_name} {self.dtype} N={self.N} C={self.C} K={self.K} block {self.block_size} "
-                f"{self.density:.0%}" + (" axis 0" if self.feature_axis == 0 else ""))
+                f"{self.density:.0%}" + (" axis 0" if self.feature_axis == 0 else "")
+                + (" with empty block rows and columns" if self.holes else ""))
+
+
+#: Batch rows a kept tile is also checked at, by its entry's batch class: the class's edges and odd sizes.
+CHECK_ROWS = {"n16": (1, 7, 16), "n32": (17, 31, 32), "n64": (33, 63, 64), "large": (65, 129, 1000),
+              "any": (1, 7, 65, 129, 1000)}
+
+
+def checking_cases(cases: list[Case], batch: str) -> list[Case]:
+    """What a tile kept for an entry of batch class ``batch`` must also compute as the current
+    tile does: each of ``cases`` at the rows of :data:`CHECK_ROWS` (and, for the open classes,
+    at its own N and 7 rows more), on its layout and on one with empty block rows and columns.
+
+    Examples
+    --------
+    >>> checked = checking_cases([Case("fprop", 4096, 512, 512, 32, 0.1, "float16")], "large")
+    >>> sorted({c.N for c in checked}), sorted({c.holes for c in checked})
+    ([65, 129, 1000, 4096, 4103], [False, True])
+    """
+    found = {}
+    for case in cases:
+        rows = CHECK_ROWS[batch] + ((case.N, case.N + 7) if batch in ("large", "any") else ())
+        for n in rows:
+            for holes in (False, True):
+                found.setdefault(dataclasses.replace(case, N=n, holes=holes), None)
+    return list(found)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,7 +142,8 @@ def tile_fits(variant: Variant, max_shared: int) -> bool:
     groups, updat = variant.cols > 1, variant.pass_name == "updat"
     if wgmma and groups and updat and (bm != variant.cols * variant.block_size or bn != variant.block_size):
         return False  # transposed row groups: M holds the group's blocks
-    if groups and not wgmma and (wn != variant.cols or (bm != variant.block_size if updat else bk != variant.block_size)):
+    whole_blocks = bm == variant.block_size if updat else bk == variant.block_size
+    if groups and not wgmma and (wn != variant.cols or not whole_blocks):
         return False  # a warp column a block; updat row groups take whole blocks, column groups a block row a step
     if wgmma:
         column_groups = groups and not updat
@@ -149,8 +177,13 @@ def candidate_tiles(variant: Variant, max_shared: int) -> list[tuple]:
     --------
     >>> from bsmm.kernels import Variant
     >>> v = Variant("float16", 64, (128, 64, 64, 8, 1, 4), "wgmma16", "fprop", 1, True, tma=True)
-    >>> candidate_tiles(v, 232448)
-    [(128, 64, 64, 8, 1, 3), (128, 64, 64, 8, 1, 5), (128, 64, 64, 8, 1, 6), (64, 64, 64, 4, 1, 4), (256, 64, 64, 16, 1, 4)]
+    >>> for tile in candidate_tiles(v, 232448):
+    ...     print(tile)
+    (128, 64, 64, 8, 1, 3)
+    (128, 64, 64, 8, 1, 5)
+    (128, 64, 64, 8, 1, 6)
+    (64, 64, 64, 4, 1, 4)
+    (256, 64, 64, 16, 1, 4)
     """
     bm, bn, bk, wm, wn, stages = variant.tile
     moves = [(bm, bk, wm, wn, s) for s in (stages - 1, stages + 1, stages + 2)]
@@ -168,7 +201,8 @@ def candidate_tiles(variant: Variant, max_shared: int) -> list[tuple]:
     found = []
     for m, k, a, b, s in moves:
         tile = (m, bn, k, a, b, s)
-        if tile != variant.tile and tile not in found and tile_fits(dataclasses.replace(variant, tile=tile), max_shared):
+        fits = tile_fits(dataclasses.replace(variant, tile=tile), max_shared)
+        if fits and tile != variant.tile and tile not in found:
             found.append(tile)
     return found
 
@@ -200,7 +234,8 @@ class EntryResult:
     current: tuple
     trials: list[Trial] = dataclasses.field(default_factory=list)
     kept: tuple | None = None
-    confirmed: float | None = None  # the kept tile's score in its confirming run
+    confirmed: float | None = None  # the best tile's score in its confirming run
+    rejected: str | None = None  # why the best tile failed the check at other shapes
 
 
 class Runner:
@@ -249,9 +284,10 @@ class Runner:
         return found
 
     def measure(self, entry: Entry, tiles: list[tuple], cases: list[Case],
-                progress: Callable[[Trial], None] | None = None) -> list[Trial]:
+                progress: Callable[[Trial], None] | None = None, check: bool = False) -> list[Trial]:
         """Each tile of ``tiles`` set at ``entry`` and timed on ``cases`` beside the current tiles,
-        in as many workers as faults take (a faulting tile is reported, the rest go on)."""
+        in as many workers as faults take (a faulting tile is reported, the rest go on).
+        ``check``: outputs compared only, not timed (a trial without ratios or error passed)."""
         trials: dict[tuple, Trial] = {}
         remaining = list(tiles)
         while remaining:
@@ -262,7 +298,8 @@ class Runner:
                 if "trying" in line:
                     current[:] = [tuple(line["trying"])]
                 elif "tile" in line:
-                    trial = trials[tuple(line["tile"])] = Trial(tuple(line["tile"]), line.get("ratios"), line.get("error"))
+                    tile = tuple(line["tile"])
+                    trial = trials[tile] = Trial(tile, line.get("ratios"), line.get("error"))
                     remaining.remove(trial.tile)
                     current.clear()
                     finished.append(trial.tile)
@@ -271,7 +308,7 @@ class Runner:
 
             request = {"entry": dataclasses.asdict(entry), "tiles": [list(t) for t in remaining],
                        "cases": [dataclasses.asdict(c) for c in cases], "calls": self.calls,
-                       "batches": self.batches, "seed": self.seed}
+                       "batches": self.batches, "seed": self.seed, "check": check}
             status, errors = self._run(request, on_line)
             if not remaining:
                 break
@@ -285,6 +322,10 @@ class Runner:
             if progress:
                 progress(trial)
         return [trials[t] for t in tiles]
+
+    def check(self, entry: Entry, tile: tuple, cases: list[Case]) -> str | None:
+        """None where ``tile`` set at ``entry`` gives the current tile's outputs on ``cases``, else why not."""
+        return self.measure(entry, [tile], cases, check=True)[0].error
 
 
 def _variant(fields: dict) -> Variant:
@@ -368,12 +409,19 @@ def _tune_entry(result: EntryResult, runner, rounds: int, margin: float, max_sha
         return
     confirm = runner.measure(result.entry, [best.tile], result.cases)[0]
     result.confirmed = confirm.score
-    if confirm.score <= 1 - margin:
-        result.kept = best.tile
-        say(f"{label} {result.entry.name}: {list(best.tile)} kept, {confirm.score:.3f}x time on confirming")
-    else:
+    if confirm.score > 1 - margin:
         say(f"{label} {result.entry.name}: {list(best.tile)} was {best.score:.3f}x, "
             f"{confirm.score:.3f}x on confirming: the current tile stays")
+        return
+    # The tile will serve every shape of its batch class, not only the ones timed.
+    wrong = runner.check(result.entry, best.tile, checking_cases(result.cases, result.entry.batch))
+    if wrong:
+        result.rejected = wrong
+        say(f"{label} {result.entry.name}: {list(best.tile)} was {confirm.score:.3f}x but {wrong}: "
+            "the current tile stays")
+        return
+    result.kept = best.tile
+    say(f"{label} {result.entry.name}: {list(best.tile)} kept, {confirm.score:.3f}x time on confirming")
 
 
 def _bar(done: int, total: int, width: int = 20) -> str:

@@ -6,9 +6,10 @@ stdin and reads one JSON line per result from its stdout:
 - ``{"survey": [case, ...], "seed"}``: plans each case (a :class:`bsmm.tune.Case` as a dict)
   and prints ``{"device", "arch", "max_shared", "cases": [{"entry", "variant"}, ...]}``: the
   launch-table entry each pass took its tile from (None if none) and its kernel variant.
-- ``{"entry", "tiles", "cases", "calls", "batches", "seed"}``: for each tile, prints
+- ``{"entry", "tiles", "cases", "calls", "batches", "seed", "check"}``: for each tile, prints
   ``{"trying": tile}``, then ``{"tile", "ratios"}`` (its time over the current tile's, case by
-  case, each pair timed one after the other) or ``{"tile", "error"}``. A tile whose outputs
+  case, each pair timed one after the other; with ``check``, nothing is timed and ``{"tile"}``
+  says the outputs matched) or ``{"tile", "error"}``. A tile whose outputs
   differ from the current tile's beyond the dtype's tolerance, or hold NaN, is an error. After a
   CUDA error the process exits with status 3, as the GPU may be unusable; the parent goes on in
   a fresh one.
@@ -52,8 +53,16 @@ class _Operands:
 
     def op(self, case: Case) -> BlocksparseMatMul:
         """A new operator (no plans, no kept calls) over the case's layout."""
-        layout = self._once(("layout", case.C, case.K, case.block_size, case.density), lambda: random_layout(
-            case.C // case.block_size, case.K // case.block_size, density=case.density, seed=self.seed))
+
+        def make_layout():
+            layout = random_layout(case.C // case.block_size, case.K // case.block_size, density=case.density,
+                                   seed=self.seed)
+            if case.holes:
+                layout[::3, :] = 0
+                layout[:, ::3] = 0
+            return layout
+
+        layout = self._once(("layout", case.C, case.K, case.block_size, case.density, case.holes), make_layout)
         return BlocksparseMatMul(layout, block_size=case.block_size, feature_axis=case.feature_axis,
                                  tf32=case.dtype == "tf32")
 
@@ -63,10 +72,12 @@ class _Operands:
 
         def activations(features):
             shape = (case.N, features) if case.feature_axis == 1 else (features, case.N)
-            return self._once(("act", shape, dtype), lambda: self.rng.standard_normal(shape, dtype=np.float32).astype(dtype))
+            return self._once(("act", shape, dtype),
+                              lambda: self.rng.standard_normal(shape, dtype=np.float32).astype(dtype))
 
         x, dy = activations(case.C), activations(case.K)
-        ws = self._once(("w", case.C, case.K, case.block_size, case.density, dtype), lambda: weight_sets(op, dtype, self.rng))
+        ws = self._once(("w", case.C, case.K, case.block_size, case.density, case.holes, dtype),
+                        lambda: weight_sets(op, dtype, self.rng))
         out = self._once(("out", case), lambda: cupy.empty(
             op.w_shape if case.pass_name == "updat" else (x if case.pass_name == "bprop" else dy).shape, dtype=dtype))
         return pass_calls(op, x, dy, ws, {case.pass_name: out})[case.pass_name], out
@@ -109,7 +120,8 @@ def _measure(request: dict) -> None:
                 out.fill(np.nan)
                 run()
                 found.append(out.astype(np.float64))
-                times.append(_gpu_seconds(run, calls, batches))
+                if not request["check"]:
+                    times.append(_gpu_seconds(run, calls, batches))
         cuda_backend.forget_plans()  # nothing planned with ``layer`` outlives it
         return found, times
 
@@ -122,7 +134,9 @@ def _measure(request: dict) -> None:
                 error = float(cupy.linalg.norm(got - expected) / max(float(cupy.linalg.norm(expected)), 1e-30))
                 if not error <= TOLERANCE[case.dtype]:  # NaN fails too
                     raise ValueError(f"{case}: relative difference {error:.1e} from the current tile's output")
-            result = {"tile": tile, "ratios": [t / b for t, b in zip(times, base)]}
+            result = {"tile": tile}
+            if not request["check"]:
+                result["ratios"] = [t / b for t, b in zip(times, base)]
         except _CUDA_ERRORS as error:
             print(json.dumps({"tile": tile, "error": f"CUDA error: {error}"}), flush=True)
             sys.exit(3)

@@ -176,13 +176,19 @@ def test_tile_lookups_are_recorded_only_while_asked():
 class StandIn:
     """A runner whose times follow a made-up cost: the tile nearest ``best`` is fastest."""
 
-    def __init__(self, entry, variant, best, confirm_factor=1.0, fails=()):
+    def __init__(self, entry, variant, best, confirm_factor=1.0, fails=(), wrong=None):
         self.entry, self.variant, self.best = entry, variant, best
-        self.confirm_factor, self.fails = confirm_factor, set(fails)
+        self.confirm_factor, self.fails, self.wrong = confirm_factor, set(fails), wrong
         self.measured: list[list[tuple]] = []
+        self.checked: list = []
+
+    def check(self, entry, tile, cases):
+        self.checked.append((tile, cases))
+        return self.wrong
 
     def survey(self, cases):
-        found = [{"entry": dataclasses.asdict(self.entry), "variant": dataclasses.asdict(self.variant)}] * (len(cases) - 1)
+        used = {"entry": dataclasses.asdict(self.entry), "variant": dataclasses.asdict(self.variant)}
+        found = [used] * (len(cases) - 1)
         return {"device": "Stand-in GPU", "arch": "sm90", "max_shared": H100_SHARED,
                 "cases": found + [{"entry": None, "variant": dataclasses.asdict(self.variant)}]}
 
@@ -219,6 +225,7 @@ def test_tune_moves_towards_the_fastest_tile_and_writes_what_it_kept(cache):
     assert result.entry == ENTRY64 and result.cases == CASES[:2]  # updat had no table entry
     assert result.kept == (256, 64, 64, 16, 1, 5)
     assert math.isclose(result.confirmed, runner.cost(result.kept) / runner.cost(TMA64.tile))
+    assert runner.checked == [(result.kept, tune.checking_cases(CASES[:2], "large"))]
     assert runner.measured[0] == tune.candidate_tiles(TMA64, H100_SHARED)
     assert all(set(later).isdisjoint(runner.measured[0]) for later in runner.measured[1:-1]), "no tile twice"
     assert any("skipped: CompileException" in line for line in lines)
@@ -251,6 +258,20 @@ def test_tune_keeps_the_current_tile_unless_it_is_beaten_twice_by_the_margin(cac
     (result,) = tune.tune(CASES[:2], runner=StandIn(ENTRY64, TMA64, best=(128, 64, 64, 8, 1, 5)), margin=0.2,
                           progress=None)
     assert result.kept is None  # 0.95 / 1.05 is not 20 % faster
+    wrong = StandIn(ENTRY64, TMA64, best=(128, 64, 64, 8, 1, 5), wrong="fprop at N=7: relative difference 1e+00")
+    (result,) = tune.tune(CASES[:2], runner=wrong, progress=None)
+    assert result.kept is None and result.rejected.startswith("fprop at N=7") and result.confirmed < 0.97
+    assert not (cache / "tuned.toml").exists()
+
+
+def test_a_kept_tile_is_checked_at_the_edges_of_its_batch_class_and_on_empty_rows_and_columns():
+    case = tune.Case("updat", 4096, 1024, 512, 32, 0.25, "bfloat16", 0)
+    checked = tune.checking_cases([case, dataclasses.replace(case, density=0.1)], "any")
+    assert len(checked) == 2 * 7 * 2 and len(set(checked)) == len(checked)
+    assert {c.N for c in checked} == {1, 7, 65, 129, 1000, 4096, 4103}
+    assert all(c.C == 1024 and c.K == 512 and c.feature_axis == 0 and c.dtype == "bfloat16" for c in checked)
+    small = tune.checking_cases([tune.Case("fprop", 32, 12288, 12288, 32, 0.02, "float16")], "n32")
+    assert sorted({c.N for c in small}) == [17, 31, 32] and "empty block rows" in str(small[1])
 
 
 def test_a_tile_is_tried_only_where_it_fits_every_variant_of_the_entry():
@@ -330,7 +351,8 @@ def test_tune_cases_follow_the_workload_and_the_arguments():
         return cli._tune_cases(cli.argparse.Namespace(**{**arguments, **given}))
 
     default = cases()
-    assert {(c.N, c.C, c.K, c.block_size, c.density, c.dtype) for c in default} == {(4096, 8192, 8192, 32, 0.1, "float16")}
+    shapes = {(c.N, c.C, c.K, c.block_size, c.density, c.dtype) for c in default}
+    assert shapes == {(4096, 8192, 8192, 32, 0.1, "float16")}
     assert [c.pass_name for c in default] == ["fprop", "bprop", "updat"]
     assert cases(workload="S", K=4096, block_size="32,64", densities="2", dtype="tf32", passes="updat",
                  feature_axis=0) == [tune.Case("updat", 32, 12288, 4096, bs, 0.02, "tf32", 0) for bs in (32, 64)]
