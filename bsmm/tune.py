@@ -4,7 +4,9 @@ A pass runs with the tile of one launch-table entry (table, block size, batch cl
 passes and shapes asked for, :func:`tune` finds which entries they use, tries tiles near each
 entry's (more or fewer stages, rows, warps, depth), each on every case that uses the entry,
 and keeps the fastest where it beats the current tile by at least ``margin`` over those cases
-(geometric mean of the time ratios) in a second, confirming measurement. Kept tiles go to
+(geometric mean of the time ratios), again in a second, confirming measurement, and where it
+computes what the current tile does at the edges of its batch class too
+(:func:`checking_cases`). Kept tiles go to
 :func:`bsmm.config.tuned_path` as overrides of the device's architecture section
 (``[kernels.sm90...]``), which :func:`bsmm.config.settings` reads from then on
 (``BSMM_TUNED=0`` ignores them; ``python -m bsmm tune --reset`` removes them).
