@@ -24,6 +24,14 @@
 #define BSMM_ACT_L1 1
 #endif
 
+// What bounds a pass (tools/probe_bounds.py): -DBSMM_PROBE_COPY_ONLY keeps every copy into the
+// stages and the store of the output but skips the multiplications; -DBSMM_PROBE_MATH_ONLY keeps
+// the multiplications (of whatever the stages hold) but copies nothing in. Results are wrong under
+// either; the kernel cache keys on the options, so such cubins never serve a real call.
+#if defined(BSMM_PROBE_COPY_ONLY) && defined(BSMM_PROBE_MATH_ONLY)
+#error "BSMM_PROBE_COPY_ONLY and BSMM_PROBE_MATH_ONLY exclude each other"
+#endif
+
 namespace bsmm {
 
 // fprop/bprop: (segment, row tile) of this thread block when the output is visited in bands of
@@ -433,7 +441,11 @@ struct Stages {
     __device__ __forceinline__ Stages(T* smem, Load& l) : sa(smem), sb(smem + K::STAGES * K::A_STAGE), load(l) {}
     __device__ __forceinline__ T* a(int step) const { return sa + (step % K::STAGES) * K::A_STAGE; }
     __device__ __forceinline__ T* b(int step) const { return sb + (step % K::STAGES) * K::B_STAGE; }
-    __device__ __forceinline__ void fill(int step) const { load(step, a(step), b(step)); }
+    __device__ __forceinline__ void fill(int step) const {
+#ifndef BSMM_PROBE_MATH_ONLY
+        load(step, a(step), b(step));
+#endif
+    }
     template <int AHEAD>
     __device__ __forceinline__ void zero_and_start(float (&acc)[K::ACC], int n_steps) const {
 #pragma unroll
@@ -571,6 +583,10 @@ __device__ __forceinline__ void main_loop(Load&& load, int n_steps, T* smem, flo
         if (step + K::STAGES - 1 < n_steps) stages.fill(step + K::STAGES - 1);
         cp_async_commit();
         if (skip(step)) continue;
+#ifdef BSMM_PROBE_COPY_ONLY
+        after(step, acc);  // (grouped updat stores a block a step)
+        continue;
+#endif
         T* a = stages.a(step);
         T* b = stages.b(step);
         if constexpr (K::MATH == TENSOR16) {
@@ -716,8 +732,10 @@ __device__ __forceinline__ void main_loop_wgmma(Load&& load, int n_steps, T* sme
         __syncthreads();
         if (step + AHEAD < n_steps) stages.fill(step + AHEAD);
         cp_async_commit();
+#ifndef BSMM_PROBE_COPY_ONLY
         wgmma_step<K, T>(acc, stages.a(step), stages.b(step));
         wgmma_wait<1>();
+#endif
     }
     wgmma_wait<0>();
     fence_registers(acc);
@@ -1152,6 +1170,10 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N * 32 + 32)
                 if (step >= STAGES) mbarrier_wait(&empty[s], (step / STAGES - 1) & 1);
                 T* a = sa + s * K::A_STAGE;
                 T* b = sb + s * K::B_STAGE;
+#ifdef BSMM_PROBE_MATH_ONLY
+                mbarrier_arrive(&full[s]);
+                continue;
+#endif
                 if constexpr (K::COLS_W) {
                     // For each block row (column) r of the step: its activation panel, BM batch
                     // rows (past N: zeros), and its present weight blocks, block (r, j) at slot
@@ -1219,6 +1241,10 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N * 32 + 32)
     for (int step = 0; step < n_steps; ++step) {
         const int s = step % STAGES;
         mbarrier_wait(&full[s], (step / STAGES) & 1);
+#ifdef BSMM_PROBE_COPY_ONLY
+        if (threadIdx.x % 32 == 0) mbarrier_arrive(&empty[s]);
+        continue;
+#endif
         if constexpr (MATH == WGMMA) {
             if constexpr (K::COLS_W)
                 wgmma_group_step<K, T, BS>(acc, sa + s * K::A_STAGE, sb + s * K::B_STAGE,

@@ -1,4 +1,6 @@
-"""One pass, a few times, for Nsight Compute: python tools/ncu_probe.py WORKLOAD DTYPE BLOCK DENSITY PASS."""
+"""One pass, a few times, for Nsight Compute: python tools/ncu_probe.py WORKLOAD DTYPE BLOCK DENSITY PASS.
+
+PASS "dense" runs cupy.matmul on the workload's fprop shape instead, the reference the rows are measured against."""
 import sys
 
 import cupy
@@ -13,7 +15,8 @@ op = bsmm.BlocksparseMatMul(layout, block_size=bs)
 np_dtype = bsmm.SUPPORTED_DTYPES[dtype]
 x = cupy.random.standard_normal((n, c), dtype=np.float32).astype(np_dtype)
 w = cupy.random.standard_normal(op.w_shape, dtype=np.float32).astype(np_dtype)
-run = {"fprop": lambda: op.fprop(x, w), "bprop": lambda: op.bprop(x, w), "updat": lambda: op.updat(x, x)}[pass_name]
+dense_w = cupy.random.standard_normal((c, c), dtype=np.float32).astype(np_dtype) if pass_name == "dense" else None
+run = {"dense": lambda: cupy.matmul(x, dense_w), "fprop": lambda: op.fprop(x, w), "bprop": lambda: op.bprop(x, w), "updat": lambda: op.updat(x, x)}[pass_name]
 for _ in range(5):
     run()
 cupy.cuda.Device().synchronize()
