@@ -388,6 +388,17 @@ def _loop(f, *batched):
     return np.stack([host(f(*args)) for args in zip(*batched)])
 
 
+def assert_matches_loop(batched, looped, folded: bool) -> None:
+    """vmap against a loop of calls: bitwise where vmap makes the loop's calls, within float32's
+    tolerance where it folds the batch into the rows of one pass. One pass over 3 x N rows need
+    not round as three over N do: OpenBLAS's Haswell kernels (2 threads, an AMD EPYC host) gave
+    15-row sgemm results a unit in the last place off the 5-row ones."""
+    if folded:
+        assert_close(batched, looped, "float32", "vmap against a loop")
+    else:
+        np.testing.assert_array_equal(batched, looped)
+
+
 @AXES
 def test_vmap_over_activations_matches_a_loop(device, axis):
     op, _, _, w = make_case(50, axis, 1)
@@ -397,7 +408,7 @@ def test_vmap_over_activations_matches_a_loop(device, axis):
     f = jax.vmap(bjax.blocksparse_matmul, in_axes=(0, None, None))
     ys = f(put(xs, device), w_, op)
     expected = _loop(lambda x: bjax.blocksparse_matmul(put(x, device), w_, op), xs)
-    np.testing.assert_array_equal(host(ys), expected)
+    assert_matches_loop(host(ys), expected, folded=axis == 1)
     for b in range(3):
         assert_close(host(ys)[b], ref_fprop(op.layout, w, BS, xs[b], axis), "float32")
     # feature_axis 1 folds the batch into N (one pass, batch_shape ()); axis 0 loops over views.
@@ -449,8 +460,8 @@ def test_gradients_under_vmap_match_a_loop(device, axis):
     summed = jax.grad(lambda w: jax.vmap(loss, in_axes=(None, 0, 0))(w, xs_, dys_).sum())(w_)
     for b in range(3):
         dw, dx = jax.grad(loss, argnums=(0, 1))(w_, xs_[b], dys_[b])
-        np.testing.assert_array_equal(host(per_example[0])[b], host(dw))
-        np.testing.assert_array_equal(host(per_example[1])[b], host(dx))
+        np.testing.assert_array_equal(host(per_example[0])[b], host(dw))  # one updat per example
+        assert_matches_loop(host(per_example[1])[b], host(dx), folded=axis == 1)
     expected = sum(ref_updat(op.layout, BS, xs[b], dys[b], axis) for b in range(3))
     assert_close(host(summed), expected, "float32", "grad of vmap")
 
