@@ -5,6 +5,7 @@ where it is not installed their doctests cannot run, and importing them raises I
 """
 
 import importlib.util
+import os
 
 _ADAPTERS = {
     "bsmm/torch.py": "torch",
@@ -17,6 +18,4 @@ _ADAPTERS = {
 collect_ignore = [path for path, module in _ADAPTERS.items() if importlib.util.find_spec(module) is None]
 
 # Tests measure the launch tables bsmm.toml ships, never tiles `bsmm tune` kept on this machine.
-import os  # noqa: E402
-
 os.environ["BSMM_TUNED"] = "0"

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from bsmm.kernels import Variant, compile_options
+from bsmm.kernels import Variant, compile_options, compile_variant
+from conftest import compile_or_skip
 
 TOOL = Path(__file__).resolve().parents[1] / "tools" / "probe_bounds.py"
 COPY_ONLY, MATH_ONLY = "-DBSMM_PROBE_COPY_ONLY", "-DBSMM_PROBE_MATH_ONLY"
@@ -36,33 +37,18 @@ def load_tool():
     return module
 
 
-def nvrtc_or_skip(variant, arch):
-    from bsmm.kernels import compile_variant
-
-    try:
-        compile_variant(variant, arch)
-    except Exception as error:  # noqa: BLE001 - no NVRTC library: nothing to check with
-        if "nvrtc" not in str(error).lower():
-            raise
-        pytest.skip(f"NVRTC is not available: {error}")
-
-
 @pytest.mark.parametrize("option", [COPY_ONLY, MATH_ONLY], ids=["copy_only", "math_only"])
 def test_every_kind_of_kernel_compiles_under_each_switch(option, monkeypatch, tmp_path):
-    from bsmm.kernels import compile_variant
-
     monkeypatch.setenv("BSMM_CACHE_DIR", str(tmp_path))  # compiled, not found in a warm cache
     monkeypatch.setenv("BSMM_NVRTC_OPTIONS", option)
-    nvrtc_or_skip(*KINDS[0])
+    compile_or_skip(*KINDS[0])
     for variant, arch in KINDS[1:]:
         compile_variant(variant, arch)
 
 
 def test_the_switches_refuse_each_other(monkeypatch, tmp_path):
     monkeypatch.setenv("BSMM_CACHE_DIR", str(tmp_path))
-    nvrtc_or_skip(*KINDS[0])
-    from bsmm.kernels import compile_variant
-
+    compile_or_skip(*KINDS[0])
     monkeypatch.setenv("BSMM_NVRTC_OPTIONS", f"{COPY_ONLY} {MATH_ONLY}")
     with pytest.raises(Exception, match="exclude each other"):
         compile_variant(*KINDS[0])

@@ -11,6 +11,7 @@ import bsmm
 import bsmm.bench as bench
 import bsmm.config as config
 import bsmm.cuda_backend as cuda_backend
+from bsmm.tune import Entry
 
 dtype = bsmm.SUPPORTED_DTYPES[sys.argv[1] if len(sys.argv) > 1 else "float16"]
 density = float(sys.argv[2]) if len(sys.argv) > 2 else 0.1
@@ -26,7 +27,7 @@ print("| --- | --- | --- | --- | --- | --- | --- | --- |")
 for bs, options in tiles.items():
     cols = c // bs
     for tile in options:
-        layer = {} if tile is None else {"kernels": {"sm90": {"tma16": {"sparse": {str(bs): {"large": tile}}}}}}
+        layer = {} if tile is None else Entry("sm90", "tma16", "sparse", str(bs), "large").layer(tile)
         with config.overriding(layer):
             cuda_backend.forget_plans()
             for spread in (1, 2, 4):
