@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import importlib.util
 from pathlib import Path
+from types import SimpleNamespace
 
+import numpy as np
 import pytest
 
 from bsmm.kernels import Variant, compile_options, compile_variant
@@ -80,3 +82,91 @@ def test_bounds_table():
     assert lines[2] == "| T | float16 | 64 | 10% | fprop | 200.0 | 160.0 | 100.0 | 40% | 50% | 40% |"
     assert set(tool.MODES) == {"full", "copy only", "math only"}
     assert tool.MODES["copy only"] == COPY_ONLY and tool.MODES["math only"] == MATH_ONLY
+
+
+# ---- the roofline: bytes a plan moves --------------------------------------------------------
+
+def fake_plan(variant, segments, grid, table=None, workspace_floats=0):
+    return SimpleNamespace(variant=variant, segments=np.asarray(segments), table=np.asarray(table if table is not None else []),
+                           launcher=SimpleNamespace(grid=grid), workspace_floats=workspace_floats)
+
+
+def copied_tile_by_tile(variant, segments, grid, table, n):
+    """Elements the copies bring in, counted tile by tile and step by step as the kernel walks them."""
+    bm, bn, bk = variant.tile[:3]
+    bs, total = variant.block_size, 0
+    for unit, begin, end, _ in segments:
+        for y in range(grid[1]):
+            rows = min(bm, n - y * bm)  # rows past N are zero-filled, not read
+            for _z in range(grid[2]):
+                if variant.pass_name == "updat":
+                    for r0 in range(begin, end, bk):
+                        depth = min(bk, end - r0)
+                        if variant.cols > 1:
+                            present = sum(1 for j in table[unit][1:1 + variant.cols] if j >= 0)
+                            total += depth * bs * (1 + present)
+                        else:
+                            total += depth * (bm + bn)
+                elif variant.cols > 1:
+                    for entry in table[begin:end]:
+                        total += rows * bs + sum(bs * bs for j in entry[1:] if j >= 0)
+                else:
+                    for _block in range(begin, end):
+                        for _step in range(bs // bk):
+                            total += rows * bk + bk * bn
+    return total
+
+
+def random_segments(rng, units, longest):
+    return [(u, b, b + int(rng.integers(1, longest)), 0) for u, b in zip(range(units), rng.integers(0, 50, units))]
+
+
+@pytest.mark.parametrize("n", [4096, 1000, 7])
+def test_moved_bytes_counts_what_the_kernels_copy(n):
+    tool = load_tool()
+    rng = np.random.default_rng(0)
+    plain = Variant("float16", 128, (256, 128, 64, 16, 1, 4), "wgmma16", "fprop", 1, True, tma=True)
+    split_n = Variant("float32", 64, (128, 32, 32, 4, 1, 2), "tensor16", "bprop", 1, True)  # BN < block
+    updat = Variant("bfloat16", 64, (64, 64, 64, 4, 1, 4), "wgmma16", "updat", 1, True, tma=True)
+    cases = []
+    for variant in (plain, split_n):
+        bm, bn = variant.tile[:2]
+        cases.append((variant, random_segments(rng, 9, 12), (9, -(-n // bm), variant.block_size // bn), None))
+    cases.append((updat, [(u, b, b + int(rng.integers(1, n + 1)), 0) for u, b in enumerate(rng.integers(0, n, 6))],
+                  (6, 1, 1), None))
+    groups = Variant("float16", 32, (128, 128, 64, 8, 1, 3), "wgmma16", "fprop", 1, True, cols=4, tma=True)
+    table = np.where(rng.random((60, 5)) < 0.4, rng.integers(0, 99, (60, 5)), -1)
+    table[:, 0] = rng.integers(0, 50, 60)
+    cases.append((groups, random_segments(rng, 5, 10), (5, -(-n // 128), 1), table))
+    rows = Variant("float16", 32, (128, 32, 64, 8, 1, 3), "wgmma16", "updat", 1, True, cols=4, tma=True)
+    row_table = np.where(rng.random((8, 9)) < 0.6, rng.integers(0, 99, (8, 9)), -1)
+    cases.append((rows, [(u, 0, n, 0) for u in range(8)], (8, 1, 1), row_table))
+    for variant, segments, grid, table in cases:
+        item = 4 if variant.dtype == "float32" else 2
+        got = tool.moved_bytes(fake_plan(variant, segments, grid, table, workspace_floats=10), n)
+        assert got == {"staged": copied_tile_by_tile(variant, segments, grid, table, n) * item, "partials": 80}, variant
+
+
+def test_moved_bytes_adds_the_transposed_copies():
+    tool = load_tool()
+    inner = fake_plan(Variant("float16", 16, (256, 16, 16, 8, 1, 6), "tensor16", "fprop", 0, True, act_transposed=True),
+                      [(0, 0, 3, 0)], (1, 2, 1))
+    fprop = SimpleNamespace(plan=inner, features=512, ld=104, dtype=np.dtype("float16"))
+    got = tool.moved_bytes(fprop, 100)
+    assert got["transposed"] == 512 * (100 + 104) * 2  # x read, its copy written
+    assert got["staged"] == tool.moved_bytes(inner, 100)["staged"] == 3 * (100 * 16 + 2 * 16 * 16) * 2
+    updat = SimpleNamespace(plan=inner, transpose_x=None, C=512, K=256, ld=104, dtype=np.dtype("bfloat16"))
+    assert tool.moved_bytes(updat, 100)["transposed"] == (512 + 256) * (100 + 104) * 2
+    weights = SimpleNamespace(plan=inner, weight_count=5 * 64 * 64)
+    assert tool.moved_bytes(weights, 100)["transposed"] == 2 * 5 * 64 * 64 * 4
+
+
+def test_roofline_table():
+    tool = load_tool()
+    full = dict(row("fprop", 0.1, 200e-6, 800e-6), N=4096, C=8192, K=8192)
+    runs = {"full": [full], "copy only": [dict(full, sparse_s=100e-6)], "math only": [dict(full, sparse_s=50e-6)]}
+    lines = tool.roofline_table(runs, lambda r: 500_000_000).splitlines()
+    # 4096 x 8192 x 8192 x 2 x 10 % = 55.0 GFLOP; dense: 549.8 GFLOP in 800 us = 687 TFLOP/s.
+    assert lines[2] == "| float16 | 64 | 10% | fprop | 55% | 40 / 80 / 160 | 500 | 5.0 / 2.5 | 55.0 | 687 |"
+    runs["math only"] = []
+    assert len(tool.roofline_table(runs, lambda r: 1).splitlines()) == 2, "a row missing from a run is left out"
