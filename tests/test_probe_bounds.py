@@ -87,7 +87,8 @@ def test_bounds_table():
 # ---- the roofline: bytes a plan moves --------------------------------------------------------
 
 def fake_plan(variant, segments, grid, table=None, workspace_floats=0):
-    return SimpleNamespace(variant=variant, segments=np.asarray(segments), table=np.asarray(table if table is not None else []),
+    return SimpleNamespace(variant=variant, segments=np.asarray(segments),
+                           table=np.asarray(table if table is not None else []),
                            launcher=SimpleNamespace(grid=grid), workspace_floats=workspace_floats)
 
 

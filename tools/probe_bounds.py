@@ -30,7 +30,8 @@ import numpy as np
 
 MODES = {"full": "", "copy only": "-DBSMM_PROBE_COPY_ONLY", "math only": "-DBSMM_PROBE_MATH_ONLY"}
 #: Efficiency per useful FLOP that issue 3 asks of workload T, by (dtype, block size).
-TARGETS = {**{(half, bs): t for half in ("float16", "bfloat16") for bs, t in ((16, .15), (32, .30), (64, .55), (128, .70))},
+TARGETS = {**{(half, bs): t for half in ("float16", "bfloat16")
+              for bs, t in ((16, .15), (32, .30), (64, .55), (128, .70))},
            ("float32", 32): .50, ("float32", 64): .75, ("tf32", 64): .40}
 ITEM_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
@@ -124,7 +125,8 @@ def pass_bytes(row: dict) -> int:
     rng = cupy.random.default_rng(1)
     x, dy = (rng.standard_normal((n, c), dtype=np.float32).astype(dtype) for _ in range(2))
     w = rng.standard_normal(op.w_shape, dtype=np.float32).astype(dtype)
-    {"fprop": lambda: op.fprop(x, w), "bprop": lambda: op.bprop(dy, w), "updat": lambda: op.updat(x, dy)}[row["pass_name"]]()
+    passes = {"fprop": lambda: op.fprop(x, w), "bprop": lambda: op.bprop(dy, w), "updat": lambda: op.updat(x, dy)}
+    passes[row["pass_name"]]()
     # (The index may be shared with other rows' operators of the same layout: their plans differ in dtype.)
     plans = [plan for key, plan in cuda_backend._PLANS[op.index].items()
              if key[:3] == (row["pass_name"], n, dtype) and key[4] == tf32]
