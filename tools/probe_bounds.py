@@ -28,12 +28,13 @@ from pathlib import Path
 
 import numpy as np
 
+from bsmm.kernels import ELEMENT_BYTES
+
 MODES = {"full": "", "copy only": "-DBSMM_PROBE_COPY_ONLY", "math only": "-DBSMM_PROBE_MATH_ONLY"}
 #: Efficiency per useful FLOP that issue 3 asks of workload T, by (dtype, block size).
 TARGETS = {**{(half, bs): t for half in ("float16", "bfloat16")
               for bs, t in ((16, .15), (32, .30), (64, .55), (128, .70))},
            ("float32", 32): .50, ("float32", 64): .75, ("tf32", 64): .40}
-ITEM_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
 def _host(array) -> np.ndarray:
@@ -57,7 +58,7 @@ def moved_bytes(plan, n: int) -> dict[str, int]:
         plan = plan.plan
     v = plan.variant
     bm, bn, bk = v.tile[:3]
-    bs, item = v.block_size, ITEM_BYTES[v.dtype]
+    bs, item = v.block_size, ELEMENT_BYTES[v.dtype]
     segments, table = _host(plan.segments).astype(np.int64), _host(plan.table)
     _, tiles_y, tiles_z = plan.launcher.grid
     if v.grouped:  # small-batch updat: segments are runs of blocks, each tile the whole batch deep
@@ -116,6 +117,7 @@ def pass_bytes(row: dict) -> int:
     import cupy
 
     from bsmm import BlocksparseMatMul, cuda_backend
+    from bsmm.bench import pass_calls
     from bsmm.layouts import random_layout
 
     bs, n, c = row["block_size"], row["N"], row["C"]
@@ -125,14 +127,14 @@ def pass_bytes(row: dict) -> int:
     rng = cupy.random.default_rng(1)
     x, dy = (rng.standard_normal((n, c), dtype=np.float32).astype(dtype) for _ in range(2))
     w = rng.standard_normal(op.w_shape, dtype=np.float32).astype(dtype)
-    passes = {"fprop": lambda: op.fprop(x, w), "bprop": lambda: op.bprop(dy, w), "updat": lambda: op.updat(x, dy)}
-    passes[row["pass_name"]]()
+    outputs = {"fprop": cupy.empty((n, c), dtype=dtype), "updat": cupy.empty(op.w_shape, dtype=dtype)}
+    pass_calls(op, x, dy, [w], outputs | {"bprop": outputs["fprop"]})[row["pass_name"]]()
     # (The index may be shared with other rows' operators of the same layout: their plans differ in dtype.)
     plans = [plan for key, plan in cuda_backend._PLANS[op.index].items()
              if key[:3] == (row["pass_name"], n, dtype) and key[4] == tf32]
     assert len(plans) == 1, f"{row_key(row)}: {len(plans)} plans"
     out = op.blocks * bs * bs if row["pass_name"] == "updat" else n * c
-    return sum(moved_bytes(plans[0], n).values()) + out * ITEM_BYTES[dtype]
+    return sum(moved_bytes(plans[0], n).values()) + out * ELEMENT_BYTES[dtype]
 
 
 def roofline_table(runs: dict[str, list[dict]], bytes_of) -> str:
