@@ -574,7 +574,10 @@ __device__ __forceinline__ void main_loop(Load&& load, int n_steps, T* smem, flo
     const int wm0 = (warp % K::WARPS_M) * K::WTM, wn0 = (warp / K::WARPS_M) * K::WTN;
     // Tensor-core A fragments of a whole step, kept across steps where keep_a allows (grouped
     // updat only: one BK-deep step, few registers); other kernels load them per 16-deep slice.
-    constexpr int A_KEPT = K::GROUPED && K::MATH == TENSOR16 ? K::BK / 16 : 1;
+    // Grouped updat's loader skips the copy of a kept A tile, so its stage holds another step's
+    // data (or nothing): the fragments must then be kept whatever BK is, one 16-deep slice too.
+    constexpr bool KEEPS_A = K::GROUPED && K::MATH == TENSOR16;
+    constexpr int A_KEPT = KEEPS_A ? K::BK / 16 : 1;
     unsigned a_frags[A_KEPT][K::MI > 0 ? K::MI : 1][4];  // (SIMT tiles have no MI)
     for (int step = 0; step < n_steps; ++step) {
         cp_async_wait<K::STAGES - 2>();
@@ -590,7 +593,7 @@ __device__ __forceinline__ void main_loop(Load&& load, int n_steps, T* smem, flo
         T* a = stages.a(step);
         T* b = stages.b(step);
         if constexpr (K::MATH == TENSOR16) {
-            mma16_step<K, T, A_KEPT>(acc, a, b, a_frags, A_KEPT == 1 || !keep_a(step));
+            mma16_step<K, T, A_KEPT>(acc, a, b, a_frags, !KEEPS_A || !keep_a(step));
         } else if constexpr (K::MATH == TF32) {
 #pragma unroll
             for (int kk = 0; kk < K::BK; kk += 8) {
