@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-__all__ = ["Operand", "as_operand", "check_same_place", "empty_aligned", "overlaps"]
+__all__ = ["Operand", "as_operand", "check_plain_ndarray", "check_same_place", "empty_aligned", "overlaps"]
 
 #: Byte alignment of CPU results: TensorFlow (and Eigen) kernels abort on less when a
 #: result reaches them through DLPack; NumPy only promises 16.
@@ -118,16 +118,37 @@ def overlaps(a, b) -> bool:
     return start_a < start_b + b.nbytes and start_b < start_a + a.nbytes and a.nbytes > 0 and b.nbytes > 0
 
 
+def check_plain_ndarray(array, argument: str) -> None:
+    """Raise TypeError if ``array`` is a NumPy subclass whose meaning bsmm would lose.
+
+    ``numpy.matrix`` (always 2-D, ``*`` is a product) and masked arrays (bsmm
+    would compute through the masked values and drop the mask) are refused;
+    other subclasses, such as ``numpy.memmap``, are plain arrays to bsmm.
+    """
+    if type(array) is np.ndarray or not isinstance(array, np.ndarray):
+        return
+    if isinstance(array, np.matrix):
+        raise TypeError(f"{argument} is a numpy.matrix; pass a plain numpy.ndarray (np.asarray({argument}))")
+    if isinstance(array, np.ma.MaskedArray):
+        raise TypeError(
+            f"{argument} is a numpy masked array, whose mask bsmm cannot honour; pass a plain numpy.ndarray "
+            f"with the masked entries filled as you mean them ({argument}.filled(0))"
+        )
+
+
 def as_operand(array, argument: str) -> Operand:
     """Classify ``array`` and expose its memory as NumPy or CuPy, without copying.
 
     Raises
     ------
     TypeError
-        If ``array`` is not an array (NumPy, CuPy, or a DLPack producer), or
-        DLPack cannot express its dtype for NumPy/CuPy.
+        If ``array`` is not an array (NumPy, CuPy, or a DLPack producer), is a
+        ``numpy.matrix`` or masked array, is a PyTorch tensor that requires grad,
+        or DLPack cannot express its dtype for NumPy/CuPy.
     """
     if isinstance(array, np.ndarray):
+        if type(array) is not np.ndarray:
+            check_plain_ndarray(array, argument)
         return Operand(array, "cpu", "numpy", None)
     cupy_ndarray = _cupy_ndarray()
     if cupy_ndarray is not None and isinstance(array, cupy_ndarray):
@@ -147,6 +168,12 @@ def as_operand(array, argument: str) -> Operand:
 
             return Operand(cupy.from_dlpack(array), "cuda", library, device_id)
     except (BufferError, TypeError, ValueError, RuntimeError) as error:
+        if getattr(array, "requires_grad", False) is True:  # PyTorch refuses to export it; detach() drops gradients
+            raise TypeError(
+                f"{argument} requires grad, and the plain operator has no autograd: use bsmm.torch "
+                f"(blocksparse_matmul, BlockSparseLinear, blocksparse_conv, BlockSparseConv1d/2d/3d), "
+                f"which pass gradients on"
+            ) from error
         # e.g. bfloat16, which NumPy's DLPack import does not know (the framework adapters handle it)
         raise TypeError(f"{argument} ({library} array) cannot be shared through DLPack: {error}") from error
     raise TypeError(f"{argument} lives on DLPack device type {device_type}; bsmm runs on the CPU and on CUDA GPUs")

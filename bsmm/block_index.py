@@ -1,8 +1,9 @@
 """The block index: which blocks of a weight are present, and in what order.
 
-A *layout* is a 2-D array of 0/1 of shape ``(C // bs, K // bs)``; ``layout[c, k]``
-says whether block ``(c, k)`` of the weight ``W`` (``C`` input features by ``K``
-output features) is stored.
+A *layout* is a 2-D array of shape ``(C // bs, K // bs)``; ``layout[c, k] != 0``
+says that block ``(c, k)`` of the weight ``W`` (``C`` input features by ``K``
+output features) is stored. Any finite non-zero number means present; NaN and
+infinities are refused. Checked layouts are kept as uint8 0/1.
 
 **Block order.** Block data is an array of shape ``(nnzb, bs, bs)`` in row-major
 order over the layout, the order of ``np.nonzero(layout)`` and of
@@ -21,9 +22,10 @@ import threading
 
 import numpy as np
 
+from .arrays import check_plain_ndarray
 from .config import settings
 
-__all__ = ["BlockIndex", "block_index", "check_layout", "check_block_size"]
+__all__ = ["BlockIndex", "block_index", "check_layout", "check_block_size", "MAX_BLOCKS"]
 
 
 def check_block_size(block_size) -> int:
@@ -36,31 +38,91 @@ def check_block_size(block_size) -> int:
     return int(block_size)
 
 
-def check_layout(layout) -> np.ndarray:
-    """Return ``layout`` as a read-only C-contiguous uint8 array of 0/1, or raise.
+#: Most present blocks a layout may have: the index tables are int32.
+MAX_BLOCKS = 2**31 - 1
+#: Most elements ``C * K`` of the ``W`` a layout describes.
+MAX_ELEMENTS = 2**62 - 1
+# Cells scanned at a time when a layout is checked: bounds the temporaries of huge layouts.
+_SCAN_CELLS = 2**24
 
-    Raises
-    ------
-    ValueError
-        If ``layout`` is not 2-D, has an empty dimension, or holds values other than 0 and 1.
+
+def _layout_array(layout) -> np.ndarray:
+    """``layout`` as a NumPy array, checked by shape and dtype only: nothing of its size is allocated.
+
+    A NumPy array (a broadcast view too) is used as it is, not copied.
     """
+    check_plain_ndarray(layout, "layout")
     if hasattr(layout, "__cuda_array_interface__") and hasattr(layout, "get"):
         layout = layout.get()  # a CuPy layout: tables are built on the host anyway
-    array = np.asarray(layout)
+    try:
+        array = np.asarray(layout)
+    except ValueError as error:  # e.g. [[1, 0], [1]]: NumPy's "inhomogeneous shape" message
+        raise ValueError(
+            f"layout must be a 2-D array (C // block_size, K // block_size) whose rows all have the same "
+            f"length; got a ragged {type(layout).__name__} ({error})"
+        ) from error
     if array.ndim != 2:
         raise ValueError(f"layout must be 2-D (C // block_size, K // block_size); got shape {array.shape}")
     if 0 in array.shape:
         raise ValueError(f"layout must have at least one block row and column; got shape {array.shape}")
     if array.dtype.kind not in "biuf":
-        raise ValueError(f"layout must hold 0/1 numbers; got dtype {array.dtype}")
-    if not np.isin(array, (0, 1)).all():
-        bad = array[~np.isin(array, (0, 1))].flat[0].item()
-        raise ValueError(f"layout must hold only 0 and 1; found {bad!r}")
-    checked = np.ascontiguousarray(array, dtype=np.uint8)
-    if checked is array:
-        checked = checked.copy()  # never alias the caller's array: the index is cached
+        raise ValueError(f"layout must hold numbers (bool, int or float); got dtype {array.dtype}")
+    if max(array.shape) > MAX_BLOCKS:
+        raise ValueError(f"layout may have at most {MAX_BLOCKS} block rows and columns; got shape {array.shape}")
+    return array
+
+
+def _row_chunks(array: np.ndarray):
+    """Views of consecutive rows of ``array``, about ``_SCAN_CELLS`` cells each."""
+    rows = max(1, _SCAN_CELLS // array.shape[1])
+    for start in range(0, array.shape[0], rows):
+        yield array[start:start + rows]
+
+
+def _checked_values(array: np.ndarray) -> np.ndarray:
+    """The read-only uint8 0/1 copy of a layout from :func:`_layout_array`, after its values are checked.
+
+    Sizes are checked before anything of the layout's size is allocated.
+    """
+    if array.size > MAX_BLOCKS:  # else nnzb <= size fits: no count needed
+        present = 0
+        for chunk in _row_chunks(array):
+            present += np.count_nonzero(chunk)
+            if present > MAX_BLOCKS:
+                raise ValueError(
+                    f"layout may have at most {MAX_BLOCKS} present blocks (the block index is int32); "
+                    f"got shape {array.shape} with at least {present} non-zeros"
+                )
+    if array.dtype.kind == "f":
+        for chunk in _row_chunks(array):
+            if not np.isfinite(chunk).all():
+                bad = chunk[~np.isfinite(chunk)].flat[0].item()
+                raise ValueError(f"layout must hold finite numbers (non-zero: present, 0: absent); found {bad!r}")
+    checked = np.not_equal(array, 0).view(np.uint8)  # a new array: never aliases the caller's (the index is cached)
     checked.flags.writeable = False
     return checked
+
+
+def check_layout(layout) -> np.ndarray:
+    """Return ``layout`` as a new read-only C-contiguous uint8 array of 0/1, or raise.
+
+    Any finite non-zero value (bool, int or float) means a present block.
+
+    Raises
+    ------
+    TypeError
+        If ``layout`` is a ``numpy.matrix`` or a masked array.
+    ValueError
+        If ``layout`` is ragged, not 2-D, has an empty dimension, holds something
+        other than numbers, holds NaN or an infinity, or has more than
+        :data:`MAX_BLOCKS` present blocks.
+
+    Examples
+    --------
+    >>> check_layout([[2, 0], [0.5, -1]]).tolist()
+    [[1, 0], [1, 1]]
+    """
+    return _checked_values(_layout_array(layout))
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -145,7 +207,8 @@ def block_index(layout, block_size: int = 32) -> BlockIndex:
 
     Parameters
     ----------
-    layout : (C // block_size, K // block_size) array of 0/1
+    layout : (C // block_size, K // block_size) array
+        Non-zero (finite) entries are present blocks; see :func:`check_layout`.
     block_size : int
         One of ``bsmm.toml``'s ``limits.block_sizes`` (8, 16, 32, 64, 128).
 
@@ -157,9 +220,14 @@ def block_index(layout, block_size: int = 32) -> BlockIndex:
     ([0, 1, 3], [0, 0, 1], [0, 1, 2])
     """
     block_size = check_block_size(block_size)
-    checked = check_layout(layout)
-    if checked.size * block_size * block_size >= 2**62:
-        raise ValueError(f"layout {checked.shape} with block_size {block_size} is too large")
+    array = _layout_array(layout)
+    elements = array.size * block_size * block_size
+    if elements > MAX_ELEMENTS:  # before the values are scanned: a broadcast view may be this large
+        raise ValueError(
+            f"layout of shape {array.shape} with block_size {block_size} describes a W of {elements} elements; "
+            f"at most {MAX_ELEMENTS} are supported"
+        )
+    checked = _checked_values(array)
     key = (checked.shape, block_size, np.packbits(checked).tobytes())
     with _CACHE_LOCK:
         cached = _CACHE.get(key)

@@ -52,9 +52,21 @@ def dense_to_blocks(index: BlockIndex, dense):
 
 
 def _check_feature_axis(feature_axis) -> int:
-    if feature_axis not in (0, 1) or isinstance(feature_axis, bool):
+    """Return ``feature_axis`` as the int 0 or 1, or raise (the one check every operator and adapter uses)."""
+    if isinstance(feature_axis, (bool, np.bool_)) or not isinstance(feature_axis, (int, np.integer)):
+        raise TypeError(f"feature_axis must be an int, 0 or 1; got {feature_axis!r} ({type(feature_axis).__name__})")
+    if feature_axis not in (0, 1):
         raise ValueError(f"feature_axis must be 0 or 1; got {feature_axis!r}")
     return int(feature_axis)
+
+
+def _check_tf32(tf32) -> bool:
+    """Return ``tf32`` as a bool (None: the ``bsmm.toml`` default), or raise: ``"no"`` is not False."""
+    if tf32 is None:
+        return bool(settings()["defaults"]["tf32"])
+    if not isinstance(tf32, (bool, np.bool_)):
+        raise TypeError(f"tf32 must be a bool or None; got {tf32!r} ({type(tf32).__name__})")
+    return bool(tf32)
 
 
 class BlocksparseMatMul:
@@ -94,7 +106,7 @@ class BlocksparseMatMul:
     def __init__(self, layout, block_size: int | None = None, feature_axis: int | None = None,
                  tf32: bool | None = None):
         defaults = settings()["defaults"]
-        self.tf32 = bool(defaults["tf32"] if tf32 is None else tf32)
+        self.tf32 = _check_tf32(tf32)
         self.index: BlockIndex = block_index(
             layout, defaults["block_size"] if block_size is None else block_size
         )
@@ -108,7 +120,7 @@ class BlocksparseMatMul:
         defaults = settings()["defaults"]
         op.index = index
         op.feature_axis = _check_feature_axis(defaults["feature_axis"] if feature_axis is None else feature_axis)
-        op.tf32 = bool(defaults["tf32"] if tf32 is None else tf32)
+        op.tf32 = _check_tf32(tf32)
         op._gpu_calls = {}
         return op
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import scipy.sparse
 
-from .arrays import as_operand
+from .arrays import as_operand, check_plain_ndarray
 from .block_index import BlockIndex, block_index, check_block_size
 from .dtypes import canonical_dtype
 from .matmul import BlocksparseMatMul, _array_module, blocks_to_dense
@@ -13,15 +13,42 @@ from .matmul import BlocksparseMatMul, _array_module, blocks_to_dense
 __all__ = ["BlockSparseMatrix"]
 
 
+def _check_data(data) -> None:
+    """Raise unless ``data`` is block data a product can use as it is.
+
+    Contiguity is decided here, once, as the operator's passes decide it for ``w``:
+    a strided ``data`` is refused rather than copied behind the caller's back.
+    """
+    operand = as_operand(data, "data")
+    if operand.library not in ("numpy", "cupy"):
+        raise TypeError(f"data must be a NumPy or CuPy array; got a {operand.library} {type(data).__name__}")
+    canonical_dtype(data.dtype, "data", operand.backend)
+    if not data.flags.c_contiguous:
+        raise ValueError(
+            f"data must be C-contiguous; got strides {data.strides} (pass np.ascontiguousarray(data))"
+        )
+
+
 class BlockSparseMatrix:
     """A block-sparse matrix ``W`` (C, K): its layout and its present blocks.
 
     Parameters
     ----------
-    layout : (C // block_size, K // block_size) array of 0/1
-    data : (nnzb, bs, bs) NumPy or CuPy array
+    layout : (C // block_size, K // block_size) array
+        Non-zero (finite) entries are present blocks.
+    data : (nnzb, bs, bs) C-contiguous NumPy or CuPy array
         The present blocks in row-major order over the layout; ``block_size`` is
-        ``data.shape[1]``. Held, not copied.
+        ``data.shape[1]``. Held, not copied. float32, float16 or bfloat16;
+        float64 as a NumPy array (the CPU backend only).
+
+    Raises
+    ------
+    TypeError
+        If ``data`` is not a NumPy or CuPy array (``numpy.matrix`` and masked
+        arrays included) or its dtype is not supported where it lives.
+    ValueError
+        If ``layout`` is invalid (see :func:`bsmm.block_index.check_layout`), or
+        ``data`` is not of shape ``(nnzb, bs, bs)`` for it or not C-contiguous.
 
     ``W @ X``, ``X @ W``, ``W.T @ X`` and ``X @ W.T`` run the block-sparse
     passes; ``X`` may be 1-D or 2-D (a leading stack of rows on the left, too).
@@ -52,7 +79,7 @@ class BlockSparseMatrix:
             _index = block_index(layout, shape[1])
             if tuple(shape) != _index.w_shape:
                 raise ValueError(f"data must have shape {_index.w_shape} for this layout; got {tuple(shape)}")
-            canonical_dtype(data.dtype, "data")
+            _check_data(data)
         self.index = _index
         self.data = data
         self.transposed = _transposed
@@ -101,8 +128,9 @@ class BlockSparseMatrix:
         return dense.T if self.transposed else dense
 
     def astype(self, dtype) -> "BlockSparseMatrix":
-        """A copy with block data cast to ``dtype`` (float32, float16 or bfloat16)."""
-        data = self.data.astype(canonical_dtype(dtype, "dtype"))
+        """A copy with block data cast to ``dtype`` (float32, float16 or bfloat16; float64 for NumPy data)."""
+        backend = "cpu" if _array_module(self.data) is np else "cuda"
+        data = self.data.astype(canonical_dtype(dtype, "dtype", backend), order="C")
         return BlockSparseMatrix(None, data, _index=self.index, _transposed=self.transposed)
 
     @classmethod
@@ -125,7 +153,8 @@ class BlockSparseMatrix:
         shape = tuple(getattr(dense, "shape", ()))
         if len(shape) != 2 or shape[0] % block_size or shape[1] % block_size:
             raise ValueError(f"dense must be 2-D with both sides multiples of block_size {block_size}; got shape {shape}")
-        canonical_dtype(dense.dtype, "dense")
+        check_plain_ndarray(dense, "dense")
+        canonical_dtype(dense.dtype, "dense", "cpu" if _array_module(dense) is np else "cuda")
         xp = _array_module(dense)
         blocked = dense.reshape(shape[0] // block_size, block_size, shape[1] // block_size, block_size)
         # float64 norms: float32 squares of tiny or huge entries underflow or overflow.
@@ -158,10 +187,10 @@ class BlockSparseMatrix:
     def to_scipy(self) -> scipy.sparse.bsr_array:
         """This matrix as ``scipy.sparse.bsr_array`` (float32 for float16/bfloat16, which SciPy lacks).
 
-        The float32 block data of an untransposed matrix is shared, not copied.
+        The float32 or float64 block data of an untransposed matrix is shared, not copied.
         """
         data = self.data.get() if _array_module(self.data) is not np else self.data
-        if data.dtype != np.float32:
+        if data.dtype not in (np.float32, np.float64):
             data = data.astype(np.float32)
         index = self.index
         if not self.transposed:
@@ -177,7 +206,7 @@ class BlockSparseMatrix:
 
         ``block_size`` defaults to the matrix's own for a square-blocked BSR
         input. Explicitly stored zero blocks stay present. ``dtype`` defaults to
-        the matrix's if supported, else float32.
+        the matrix's (float32, float16 or float64; the result is NumPy data), else float32.
         """
         if not scipy.sparse.issparse(matrix):
             raise TypeError(f"matrix must be a scipy.sparse matrix or array; got {type(matrix).__name__}")
@@ -199,8 +228,8 @@ class BlockSparseMatrix:
         layout = np.zeros((rows // block_size, cols // block_size), dtype=np.uint8)
         layout[np.repeat(np.arange(layout.shape[0]), np.diff(bsr.indptr)), bsr.indices] = 1
         if dtype is None:
-            dtype = bsr.dtype if bsr.dtype in (np.float32, np.float16) else np.float32
-        data = np.ascontiguousarray(bsr.data, dtype=canonical_dtype(dtype, "dtype"))
+            dtype = bsr.dtype if bsr.dtype in (np.float32, np.float16, np.float64) else np.float32
+        data = np.ascontiguousarray(bsr.data, dtype=canonical_dtype(dtype, "dtype", "cpu"))
         return cls(layout, data)
 
     # -- products ----------------------------------------------------------------------------

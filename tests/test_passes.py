@@ -760,9 +760,9 @@ def test_passes_through_transposed_activations(xp, bs, dtype, groups, monkeypatc
     parted = [p.plan for p in cuda_backend._PLANS[case.op.index].values()
               if isinstance(p, cuda_backend.TransposedActivations)]
     assert any(p.workspace_floats > 0 for p in parted), "no column was cut into parts"
-    assert cuda_backend.TransposedActivations.wanted(case.op.index, "bprop", 1001, dtype, 1, True)
+    assert bsmm.planner.transposes_activations(case.op.index, "bprop", 1001, dtype, 1, True)
     monkeypatch.setitem(bsmm.config.settings()["kernels"], "act_transpose_max_bytes", 0)
-    assert not cuda_backend.TransposedActivations.wanted(case.op.index, "bprop", 1001, dtype, 1, True)
+    assert not bsmm.planner.transposes_activations(case.op.index, "bprop", 1001, dtype, 1, True)
 
 
 @pytest.mark.gpu
@@ -845,7 +845,7 @@ def test_tma_matches_cp_async_bitwise(xp, dtype, bs, n, monkeypatch):
     # wgmma groups (TMA only) visit other steps and parts: not the tile compared here.
     monkeypatch.setitem(kernels, "wgmma_group_min_blocks_per_step", {str(bs): float("inf")})
     # updat's cut of the batch depends on the kernel's occupancy, which differs between the two.
-    monkeypatch.setattr(cuda_backend, "_batch_parts", lambda ctas, resident, most: min(3, most))
+    monkeypatch.setattr(bsmm.planner, "_batch_parts", lambda ctas, resident, most: min(3, most))
     rng = np.random.default_rng([bs, len(dtype), 7])
     layout = random_layout(rng, 8, 6, 0.5)
     layout[:, 3] = 1

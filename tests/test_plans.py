@@ -7,7 +7,8 @@ import pytest
 
 import bsmm
 
-cuda_backend = pytest.importorskip("bsmm.cuda_backend", reason="CuPy is not installed")
+from bsmm import planner
+from bsmm.planner import device_model
 
 
 def brute_force_group_steps(layout, by_column: bool, cols: int):
@@ -33,7 +34,7 @@ def brute_force_group_steps(layout, by_column: bool, cols: int):
 def test_group_steps_are_the_union_of_rows_in_order(cb, kb, cols, density, by_column):
     layout = (np.random.default_rng([cb, kb]).random((cb, kb)) < density).astype(np.uint8)
     index = bsmm.block_index(layout, 16)
-    entries, counts = cuda_backend._group_steps(index, by_column, cols)
+    entries, counts = planner._group_steps(index, by_column, cols)
     expected_entries, expected_counts = brute_force_group_steps(layout, by_column, cols)
     np.testing.assert_array_equal(entries, expected_entries)
     np.testing.assert_array_equal(counts, expected_counts)
@@ -43,10 +44,10 @@ def test_group_steps_are_the_union_of_rows_in_order(cb, kb, cols, density, by_co
 def test_column_groups_only_where_steps_feed_several_blocks(density, expected_cols):
     layout = (np.random.default_rng(3).random((64, 64)) < density).astype(np.uint8)
     index = bsmm.block_index(layout, 32)
-    groups = cuda_backend._column_groups(index, "fprop", "tensor16", 4096, True, "sm90")
+    groups = planner._column_groups(index, "fprop", "tensor16", 4096, True, "sm90")
     assert (groups[1] if groups else 1) == expected_cols
-    assert cuda_backend._column_groups(index, "fprop", "tensor16", 4096, False, "sm90") is None  # unaligned
-    assert cuda_backend._column_groups(index, "fprop", "tensor16", 32, True, "sm90") is None  # no n32 tile
+    assert planner._column_groups(index, "fprop", "tensor16", 4096, False, "sm90") is None  # unaligned
+    assert planner._column_groups(index, "fprop", "tensor16", 32, True, "sm90") is None  # no n32 tile
 
 
 @pytest.mark.parametrize("cb, kb, cols, density", [(7, 10, 4, 0.3), (12, 19, 8, 0.5), (5, 5, 4, 0.0), (3, 16, 4, 1.0)])
@@ -54,7 +55,7 @@ def test_row_groups_cut_each_block_row_in_storage_order(cb, kb, cols, density):
     layout = (np.random.default_rng([cb, kb, 1]).random((cb, kb)) < density).astype(np.uint8)
     layout[cb // 2] = 0  # an empty block row has no group
     index = bsmm.block_index(layout, 16)
-    entries = cuda_backend._row_groups(index, cols)
+    entries = planner._row_groups(index, cols)
     expected, block = [], 0
     for row in range(cb):
         columns = list(np.flatnonzero(layout[row]))
@@ -71,7 +72,7 @@ def test_row_groups_cut_each_block_row_in_storage_order(cb, kb, cols, density):
 def test_row_groups_in_column_windows(window):
     layout = (np.random.default_rng([window, 2]).random((9, 20)) < 0.6).astype(np.uint8)
     index = bsmm.block_index(layout, 16)
-    entries = cuda_backend._row_groups(index, 4, window)
+    entries = planner._row_groups(index, 4, window)
     ids = entries[:, 5:][entries[:, 5:] >= 0]
     assert sorted(ids) == list(range(index.nnzb))  # every block once
     np.testing.assert_array_equal(index.rows[entries[:, 5:]][entries[:, 5:] >= 0],
@@ -81,20 +82,20 @@ def test_row_groups_in_column_windows(window):
     assert all(len(b) == 1 for b in bands)  # a group stays in one window
     keys = [(b.pop(), row[0]) for b, row in zip(bands, entries)]
     assert keys == sorted(keys)  # window by window, block rows in order inside
-    wide = cuda_backend._row_groups(index, 4, 20)
-    np.testing.assert_array_equal(wide, cuda_backend._row_groups(index, 4))
+    wide = planner._row_groups(index, 4, 20)
+    np.testing.assert_array_equal(wide, planner._row_groups(index, 4))
 
 
 def test_row_groups_only_for_long_batches_and_full_groups():
     layout = (np.random.default_rng(4).random((64, 64)) < 0.25).astype(np.uint8)
     index = bsmm.block_index(layout, 32)
-    tile, cols, table, counts = cuda_backend._column_groups(index, "updat", "tensor16", 4096, True, "sm90")
+    tile, cols, table, counts = planner._column_groups(index, "updat", "tensor16", 4096, True, "sm90")
     assert (cols, tile[1], counts) == (4, 4 * 32, None) and table.shape[1] == 1 + 2 * cols
-    assert cuda_backend._column_groups(index, "updat", "tensor16", 64, True, "sm90") is None  # one step
-    assert cuda_backend._column_groups(index, "updat", "tensor16", 4096, False, "sm90") is None
-    assert cuda_backend._column_groups(index, "updat", "simt", 4096, True, "sm90") is None  # float32
+    assert planner._column_groups(index, "updat", "tensor16", 64, True, "sm90") is None  # one step
+    assert planner._column_groups(index, "updat", "tensor16", 4096, False, "sm90") is None
+    assert planner._column_groups(index, "updat", "simt", 4096, True, "sm90") is None  # float32
     diagonal = bsmm.block_index(np.eye(64, dtype=np.uint8), 32)  # one block a row: nothing shared
-    assert cuda_backend._column_groups(diagonal, "updat", "tensor16", 4096, True, "sm90") is None
+    assert planner._column_groups(diagonal, "updat", "tensor16", 4096, True, "sm90") is None
 
 
 def test_updat_transposes_only_listed_half_precision_axis_1_long_batches(monkeypatch):
@@ -103,15 +104,15 @@ def test_updat_transposes_only_listed_half_precision_axis_1_long_batches(monkeyp
     monkeypatch.setitem(kernels, "updat_transpose_max_bytes", 2 * (512 + 256) * 4096)
     monkeypatch.setitem(kernels, "updat_transpose_min_rows", 128)
     index = bsmm.block_index(np.ones((32, 16), dtype=np.uint8), 16)  # C = 512, K = 256
-    assert cuda_backend._transposes(index, 4096, "float16", 1, True)
-    assert cuda_backend._transposes(index, 4090, "bfloat16", 1, True)  # N padded to 4096
-    assert not cuda_backend._transposes(index, 4097, "float16", 1, True)  # past the workspace limit
-    assert not cuda_backend._transposes(index, 127, "float16", 1, True)  # a short batch
-    assert not cuda_backend._transposes(index, 4096, "float16", 0, True)  # already transposed
-    assert not cuda_backend._transposes(index, 4096, "float16", 1, False)  # unaligned operands
-    assert not cuda_backend._transposes(index, 4096, "float32", 1, True)
-    assert not cuda_backend._transposes(bsmm.block_index(np.ones((16, 8), dtype=np.uint8), 32), 4096, "float16",
-                                        1, True)  # block 32 is not listed
+    assert planner.transposes_updat(index, 4096, "float16", 1, True, device_model())
+    assert planner.transposes_updat(index, 4090, "bfloat16", 1, True, device_model())  # N padded to 4096
+    assert not planner.transposes_updat(index, 4097, "float16", 1, True, device_model())  # past the workspace limit
+    assert not planner.transposes_updat(index, 127, "float16", 1, True, device_model())  # a short batch
+    assert not planner.transposes_updat(index, 4096, "float16", 0, True, device_model())  # already transposed
+    assert not planner.transposes_updat(index, 4096, "float16", 1, False, device_model())  # unaligned operands
+    assert not planner.transposes_updat(index, 4096, "float32", 1, True, device_model())
+    assert not planner.transposes_updat(bsmm.block_index(np.ones((16, 8), dtype=np.uint8), 32), 4096, "float16",
+                                        1, True, device_model())  # block 32 is not listed
 
 
 def test_fprop_bprop_transpose_activations_only_listed_half_precision_axis_1_long_batches(monkeypatch):
@@ -119,7 +120,7 @@ def test_fprop_bprop_transpose_activations_only_listed_half_precision_axis_1_lon
     monkeypatch.setitem(kernels, "act_transpose", [16])
     monkeypatch.setitem(kernels, "act_transpose_max_bytes", 2 * 256 * 4096)  # K x N, not C x N
     monkeypatch.setitem(kernels, "act_transpose_min_rows", 128)
-    wanted = cuda_backend.TransposedActivations.wanted
+    wanted = planner.transposes_activations
     index = bsmm.block_index(np.ones((32, 16), dtype=np.uint8), 16)  # C = 512, K = 256
     assert wanted(index, "bprop", 4096, "float16", 1, True)  # dy: K x N
     assert wanted(index, "bprop", 4090, "bfloat16", 1, True)  # N padded to 4096
@@ -134,7 +135,7 @@ def test_fprop_bprop_transpose_activations_only_listed_half_precision_axis_1_lon
 
 def test_updat_batch_parts_fill_idle_waves_only_where_that_pays(monkeypatch):
     monkeypatch.setitem(bsmm.config.settings()["kernels"], "updat_cut_gain", 0.25)
-    parts = cuda_backend._batch_parts
+    parts = planner._batch_parts
     assert parts(410, 132, 3) == 1  # 3.1 waves: cutting saves under a quarter
     assert parts(819, 132, 2) == 1
     assert parts(288, 264, 8) == 5  # 1.09 waves: 2 -> 1.2 waves of full length
@@ -149,13 +150,13 @@ def test_fprop_bprop_bands_only_for_large_blocks_whose_weights_outgrow_the_l2(mo
     monkeypatch.setitem(kernels, "band_block_sizes", [64, 128])
     monkeypatch.setitem(kernels, "band_min_weight_bytes", 2**20)
     full = bsmm.block_index(np.ones((16, 16), dtype=np.uint8), 64)  # 2 MiB of float16 weights
-    assert cuda_backend._band_rows(full, "fprop", "float16") == 8
-    assert cuda_backend._band_rows(full, "bprop", "bfloat16") == 8
-    assert cuda_backend._band_rows(full, "updat", "float16") == 1
+    assert planner._band_rows(full, "fprop", "float16") == 8
+    assert planner._band_rows(full, "bprop", "bfloat16") == 8
+    assert planner._band_rows(full, "updat", "float16") == 1
     sparse = bsmm.block_index(np.eye(16, dtype=np.uint8), 64)  # 128 KiB: stays in L2
-    assert cuda_backend._band_rows(sparse, "fprop", "float16") == 1
+    assert planner._band_rows(sparse, "fprop", "float16") == 1
     small_blocks = bsmm.block_index(np.ones((64, 64), dtype=np.uint8), 16)  # 2 MiB, block 16
-    assert cuda_backend._band_rows(small_blocks, "fprop", "float16") == 1
+    assert planner._band_rows(small_blocks, "fprop", "float16") == 1
 
 
 def test_tma_only_for_plain_passes_long_enough_and_listed(monkeypatch):
@@ -163,7 +164,11 @@ def test_tma_only_for_plain_passes_long_enough_and_listed(monkeypatch):
     monkeypatch.setitem(kernels, "tma_min_macs", 10**9)
     monkeypatch.delenv("BSMM_TMA", raising=False)
     index = bsmm.block_index(np.ones((8, 8), dtype=np.uint8), 128)  # 64 blocks of 128 x 128
-    tma = cuda_backend._tma_tile
+
+    def tma(table, where, pass_name, n, arch, act_blocks, weight_blocks):
+        device = planner.Device.with_environment(arch, 132, planner.estimated_occupancy)
+        return planner._tma_tile(table, where, pass_name, n, device, act_blocks, weight_blocks)
+
     assert tma("tma16", index, "fprop", 1024, "sm90", None, None) is not None  # 1.07e9 multiply-adds
     assert tma("tma16", index, "updat", 1024, "sm90", None, None) is not None
     assert tma("tma16", index, "fprop", 512, "sm90", None, None) is None  # short: bound by the host
@@ -194,7 +199,8 @@ def test_wgmma_groups_only_for_half_precision_aligned_long_passes_on_hopper(monk
     index = bsmm.block_index(np.ones((64, 64), dtype=np.uint8), 32)  # 4096 blocks of 32 x 32
 
     def tile(pass_name, n=256, axis=1, aligned=True, mode="tensor16", arch="sm90", where=index):
-        return cuda_backend._group_tma_tile(where, pass_name, mode, n, axis, aligned, arch, None, None)
+        device = planner.Device.with_environment(arch, 132, planner.estimated_occupancy)
+        return planner._group_tma_tile(where, pass_name, mode, n, axis, aligned, device, None, None)
 
     rows = tuple(kernels["sm90"]["tma16"]["updat_rows"]["32"]["any"])
     columns = tuple(kernels["sm90"]["tma16"]["columns"]["32"]["large"])
@@ -214,15 +220,15 @@ def test_wgmma_groups_only_for_half_precision_aligned_long_passes_on_hopper(monk
         monkeypatch.setenv(off, "0")
         assert tile("updat") is None and tile("fprop") is None
         monkeypatch.delenv(off)
-    assert cuda_backend._group_tma_tile(index, "fprop", "tensor16", 256, 1, True, "sm90", (0,) * 64, None) is None
+    assert planner._group_tma_tile(index, "fprop", "tensor16", 256, 1, True, device_model(), (0,) * 64, None) is None
     monkeypatch.setitem(kernels, "updat_rows_tma_axes", [0])
     assert tile("updat") is None and tile("updat", axis=0) == rows
     tile64 = tuple(kernels["sm90"]["tma16"]["columns"]["64"]["large"])
     monkeypatch.setitem(kernels, "wgmma_group_min_blocks_per_step", {"64": 1.25})
     diagonal = bsmm.block_index(np.eye(8, dtype=np.uint8), 64)  # one block a step: not grouped
-    assert cuda_backend._column_groups(diagonal, "fprop", "tensor16", 4096, True, "sm90", 2, tile64) is None
+    assert planner._column_groups(diagonal, "fprop", "tensor16", 4096, True, "sm90", 2, tile64) is None
     dense = bsmm.block_index(np.ones((8, 8), dtype=np.uint8), 64)  # two blocks a step
-    assert cuda_backend._column_groups(dense, "fprop", "tensor16", 4096, True, "sm90", 2, tile64)[:2] == (tile64[:6], 2)
+    assert planner._column_groups(dense, "fprop", "tensor16", 4096, True, "sm90", 2, tile64)[:2] == (tile64[:6], 2)
     wide = bsmm.block_index(np.ones((8, 8), dtype=np.uint8), 128)  # no group tables at block 128
     assert tile("updat", n=10**5, where=wide) is None and tile("fprop", n=10**5, where=wide) is None
 
@@ -235,6 +241,7 @@ def test_tma_maps_describe_what_each_kernel_copies(monkeypatch):
     not stored through TMA."""
     from bsmm.kernels import Variant
 
+    cuda_backend = pytest.importorskip("bsmm.cuda_backend", reason="CuPy is not installed")
     monkeypatch.setattr(cuda_backend, "tensor_map", lambda *args: args)
     n, C, K, nnzb = 300, 512, 384, 7
     x, other, out = 0x1000, 0x2000, 0x3000
@@ -242,7 +249,7 @@ def test_tma_maps_describe_what_each_kernel_copies(monkeypatch):
     def maps(bs, tile, math, pass_name, axis=1, cols=1, sizes=None, dtype="float16"):
         variant = Variant(dtype, bs, tile, math, pass_name, axis, True, False, cols, True)
         plan = cuda_backend.TmaPlan(variant=variant, segments=None, units=None, table=None, workspace_floats=0,
-                                    counter_count=0, launcher=None, **cuda_backend.TmaPlan.boxes(variant),
+                                    counter_count=0, launcher=None, **planner.tma_boxes(variant),
                                     block_rows=nnzb * bs, feature_rows=(C, K))
         default = (n, C, K // bs, K) if pass_name != "updat" else (n, C, K, 0)
         found = plan.maps(x, other, out, sizes or default)
