@@ -543,7 +543,7 @@ def updat_copy_bytes(index: BlockIndex, n: int, item: int = 2) -> int:
 def _tf32_wgmma_tile(pass_name: str, block_size: int, n: int, device: Device, columns: bool = False) -> tuple | None:
     """The ``[kernels.sm90.tma_tf32]`` tile of this pass on a Hopper ``device``, else None."""
     if device.arch != "sm90":
-        return None
+        return None  # no sm_90 tables: nothing to transpose for
     return tile_for("tma_tf32", pass_name, block_size, n, "sm90", columns=columns, optional=True)
 
 

@@ -1,0 +1,277 @@
+"""The path census (``tests/path_census.py``): on the CPU, that it reaches every decision of the
+selection code and every launch-table entry; on a GPU, that each of its shapes takes the path
+the census says, with all three passes (plain, ``out=``, ``accumulate=True``) matching float64.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import os
+import sys
+import zlib
+
+import numpy as np
+import pytest
+
+import bsmm
+from bsmm import planner
+from bsmm.config import settings
+from reference import TOLERANCE
+
+import path_census
+
+#: Lines of bsmm/planner.py the census need not reach, each with the reason.
+UNREACHED = {
+    'raise NotImplementedError(f"no {math_mode} kernel tile': "every table has an entry for every block size",
+    "column = 0 if (pass_name == \"updat\" or groups) else 1": "shifted passes (convolutions)",
+    "table = np.array(table, dtype=np.int64)": "shifted passes (convolutions)",
+    "table[:, column] = np.asarray(act_blocks, dtype=np.int64)[table[:, column]]": "shifted passes",
+    'raise NotImplementedError("weight_blocks reorders': "shifted passes",
+    "weights = table[:, 1:] if groups else table[:, :1]": "shifted passes",
+    "weights[weights >= 0] = weight_blocks.positions[weights[weights >= 0]]": "shifted passes",
+    'if pass_name == "updat":': "shifted passes",
+    "_table_lookups.append(": "while bsmm tune records (test_census_reads_every_launch_table_entry runs it)",
+    "return None  # no sm_90 tables:": "the census models an H100; sm_80 runs the kernels of its no-hopper mode",
+    "return None  # a pass this short is bound by the host, where a TMA launch costs more":
+        "tma_min_macs is 0 in bsmm.toml",
+}
+
+
+@pytest.fixture(scope="module")
+def entries():
+    return path_census.census()
+
+
+#: Functions of bsmm/planner.py that are no part of choosing a path.
+NOT_SELECTION = {"describe", "with_environment", "device_model", "recording_table_lookups"}
+
+
+def _statement_lines(module) -> set[int]:
+    """The first line of every statement inside the module's functions (those of NOT_SELECTION aside)."""
+    lines: set[int] = set()
+
+    def visit(statements):
+        for node in statements:
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+                if node.name not in NOT_SELECTION:
+                    visit(node.body) if isinstance(node, ast.ClassDef) else walk(node.body)
+                continue
+
+    def walk(statements):
+        for node in statements:
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+                visit([node])
+                continue
+            if not (isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)):  # docstrings
+                lines.add(node.lineno)
+            for field in ("body", "orelse", "finalbody", "handlers"):
+                walk(getattr(node, field, []) or [])
+
+    visit(ast.parse(inspect.getsource(module)).body)
+    return lines
+
+
+def test_census_reaches_every_line_of_the_selection_code():
+    """A branch added to the planner that no census shape takes fails here: add a shape to the census."""
+    source = planner.__file__
+    reached: set[int] = set()
+
+    def trace(frame, event, arg):
+        if frame.f_code.co_filename != source:
+            return None
+        reached.add(frame.f_lineno)
+        return local
+
+    def local(frame, event, arg):
+        reached.add(frame.f_lineno)
+        return local
+
+    sys.settrace(trace)
+    try:
+        found = path_census.census()
+    finally:
+        sys.settrace(None)
+    assert found
+    text = open(source).read().splitlines()
+    missed = {i: text[i - 1].strip() for i in sorted(_statement_lines(planner) - reached)}
+    unexplained = {i: line for i, line in missed.items() if not any(line.startswith(u) for u in UNREACHED)}
+    assert not unexplained, "planner lines no census shape reaches:\n" + "\n".join(
+        f"  {i}: {line}" for i, line in unexplained.items())
+    stale = [u for u in UNREACHED if not any(line.startswith(u) for line in missed.values())]
+    assert not stale, f"UNREACHED lists lines the census now reaches or that no longer exist: {stale}"
+
+
+def _table_entries(tables: dict, prefix=()):
+    """Every launch-table entry of ``[kernels]`` as (section, math, group, block size, batch class)."""
+    for key, value in tables.items():
+        if isinstance(value, dict) and value and all(isinstance(v, list) for v in value.values()) and \
+                len(prefix) == 3:
+            for batch in value:
+                yield (*prefix, key, batch)
+        elif isinstance(value, dict):
+            yield from _table_entries(value, (*prefix, key))
+
+
+def test_census_reads_every_launch_table_entry():
+    """Each tile bsmm.toml lists serves some census shape, so each is run on a GPU."""
+    sections = {name: value for name, value in settings()["kernels"].items()
+                if isinstance(value, dict) and name in ("default", "sm90")}
+    listed = set(_table_entries(sections))
+    assert len(listed) > 50
+    with planner.recording_table_lookups() as lookups:
+        path_census.census()
+    read = {entry for entry, _ in lookups}
+    unread = sorted(listed - read)
+    assert not unread, f"launch-table entries no census shape reads: {unread}"
+
+
+def test_census_covers_every_dtype_block_pass_and_axis(entries):
+    covered = {(e.shape.kind, e.shape.block_size, e.path.pass_name, e.shape.feature_axis) for e in entries}
+    for key in ((k, b, p, a) for k in path_census.KINDS for b in path_census.BLOCK_SIZES
+                for p in path_census.PASSES for a in (0, 1)):
+        assert key in covered, f"no census path for {key}"
+    # The decisions of the kernels behind one pass each appear (the planner's vocabulary).
+    seen = {(e.path.variant.math, e.path.copies, e.path.streaming, e.path.parts, e.path.banded,
+             e.path.variant.tma, e.path.variant.cols > 1) for e in entries}
+    for math in ("simt", "tensor16", "tf32", "wgmma16", "wgmma_tf32"):
+        assert any(s[0] == math for s in seen), math
+    for copies in ("", "x+dy", "x", "dy", "w"):
+        assert any(s[1] == copies for s in seen), copies
+    for streaming in ("one", "several"):
+        assert any(s[0] == "tensor16" and s[2] == streaming for s in seen), streaming
+    assert any(s[3] for s in seen) and any(s[4] for s in seen) and any(s[5] for s in seen) and any(s[6] for s in seen)
+
+
+def test_census_holds_the_shapes_of_the_half_precision_updat_that_returned_nan(entries):
+    """16-deep steps with several streamed blocks per thread block (the path of NaN dW at N <= 16)."""
+    for kind in ("float16", "bfloat16"):
+        for bs in (16, 32):
+            assert any(e.path.pass_name == "updat" and e.shape.kind == kind and e.shape.block_size == bs
+                       and e.path.streaming == "several" and e.path.variant.tile[2] == 16 for e in entries), (kind, bs)
+
+
+# -- on a GPU ---------------------------------------------------------------------------------------------
+def _device_case(cupy, shape: path_census.Shape, seed: int):
+    """(op, x, dy, w) on the GPU for a census shape, with fresh random data."""
+    index = shape.index()
+    op = bsmm.BlocksparseMatMul.from_index(index, feature_axis=shape.feature_axis, tf32=shape.tf32)
+    rng = np.random.default_rng(seed)
+    dtype = bsmm.SUPPORTED_DTYPES[shape.dtype]
+    act = (lambda f: (shape.n, f)) if shape.feature_axis == 1 else (lambda f: (f, shape.n))
+    arrays = [rng.standard_normal(s).astype(dtype) for s in (act(index.C), act(index.K), index.w_shape)]
+    x, dy, w = (cupy.asarray(a) for a in arrays)
+    if not shape.aligned:  # the same values at an address 2 elements past a 16-byte boundary
+        x, dy, w = (_misaligned(cupy, a) for a in (x, dy, w))
+    return op, x, dy, w
+
+
+def _misaligned(cupy, array):
+    base = cupy.empty(array.size + 8, dtype=array.dtype)
+    view = base[2:2 + array.size].reshape(array.shape)
+    view[...] = array
+    return view
+
+
+def _references(cupy, op, x, dy, w):
+    """float64 fprop, bprop and updat on the GPU (cupy.matmul in float64)."""
+    W = op.to_dense(w).astype(np.float64)
+    x64, dy64 = x.astype(np.float64), dy.astype(np.float64)
+    if op.feature_axis == 0:
+        x64, dy64 = x64.T, dy64.T
+    y, dx, dW = x64 @ W, dy64 @ W.T, x64.T @ dy64
+    t = (lambda a: a) if op.feature_axis == 1 else (lambda a: a.T)
+    return {"fprop": t(y), "bprop": t(dx), "updat": op.from_dense(dW)}
+
+
+def _error(cupy, got, expected) -> float:
+    got = got.astype(np.float64)
+    if not bool(cupy.isfinite(got).all()):
+        return float("inf")
+    norm = float(cupy.linalg.norm(expected))
+    return float(cupy.linalg.norm(got - expected)) / max(norm, 1e-300) if norm else float(cupy.abs(got).max())
+
+
+def run_all_ways(cupy, op, x, dy, w, seed: int = 0) -> dict:
+    """Each pass plain, into a NaN-poisoned ``out=``, and accumulated onto random data: the worst
+    relative error of each pass against float64."""
+    refs = _references(cupy, op, x, dy, w)
+    calls = {"fprop": lambda **k: op.fprop(x, w, **k), "bprop": lambda **k: op.bprop(dy, w, **k),
+             "updat": lambda **k: op.updat(x, dy, **k)}
+    rng = cupy.random.default_rng(seed)
+    worst = {}
+    for pass_name, call in calls.items():
+        ref = refs[pass_name]
+        errors = [_error(cupy, call(), ref)]
+        out = cupy.full(ref.shape, np.nan, dtype=x.dtype)
+        errors.append(_error(cupy, call(out=out), ref))
+        start = rng.standard_normal(ref.shape, dtype=np.float32).astype(x.dtype)
+        out = start.copy()
+        call(out=out, accumulate=True)
+        errors.append(_error(cupy, out, ref + start.astype(np.float64)))
+        worst[pass_name] = max(errors)
+    return worst
+
+
+def pytest_generate_tests(metafunc):
+    if "census_entry" in metafunc.fixturenames:
+        # BSMM_CENSUS_STRIDE=k keeps every k-th entry (compute-sanitizer runs take a sample).
+        found = path_census.census()[::int(os.environ.get("BSMM_CENSUS_STRIDE", "1"))]
+        metafunc.parametrize("census_entry", found, ids=[
+            f"{i}-{e.path.pass_name}-{e.shape.kind}-bs{e.shape.block_size}" for i, e in enumerate(found)])
+
+
+@pytest.mark.gpu
+def test_census_path_on_the_gpu(cupy, census_entry, monkeypatch):
+    """The shape takes the census's path on this GPU, and every pass is right all three ways."""
+    entry = census_entry
+    if cupy.cuda.Device().compute_capability != "90":
+        pytest.skip("the census models an sm_90 device")
+    for name in ("BSMM_WGMMA", "BSMM_TMA"):
+        if entry.shape.mode == "hopper":
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, "0")
+    monkeypatch.delenv("BSMM_PDL", raising=False)
+    from bsmm import cuda_backend
+
+    cuda_backend.forget_plans()
+    op, x, dy, w = _device_case(cupy, entry.shape, seed=zlib.crc32(entry.shape.describe().encode()))
+    with cuda_backend.recording_paths() as taken:
+        worst = run_all_ways(cupy, op, x, dy, w)
+    kind = entry.shape.kind
+    bad = {p: e for p, e in worst.items() if not e <= TOLERANCE[kind]}
+    assert not bad, f"{entry.shape.describe()}: relative errors {bad} over {TOLERANCE[kind]}"
+    mine = [p for p in taken if p.pass_name == entry.path.pass_name]
+    assert mine and all(p == entry.path for p in mine), (
+        f"{entry.shape.describe()}: took {[p.describe() for p in mine]}, census says {entry.path.describe()}")
+
+
+#: The shapes of the half-precision updat that returned NaN or garbage (kind, block, C, K, N, axis,
+#: density): 16-deep steps streaming several blocks per thread block read a stale A stage.
+NAN_SHAPES = [
+    *[("float16", 32, 8192, 8192, n, 1, 0.1) for n in (1, 2, 8, 16)],
+    ("float16", 32, 12288, 12288, 8, 1, 0.1),
+    ("float16", 32, 4096, 4096, 8, 1, 0.1),
+    *[("bfloat16", 32, 8192, 8192, n, 1, 0.1) for n in (1, 8, 16)],
+    *[("bfloat16", 32, 8192, 8192, n, 0, 0.1) for n in (8, 16)],
+    ("float16", 16, 1184, 3552, 1, 1, 0.02),
+    ("bfloat16", 16, 4320, 6784, 16, 1, 0.25),
+    ("bfloat16", 16, 2048, 4096, 8, 0, 0.1),
+    ("float16", 16, 3072, 6784, 12, 1, 0.05),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind, bs, C, K, n, axis, density", NAN_SHAPES)
+def test_half_precision_updat_at_small_batches_on_wide_layers(cupy, kind, bs, C, K, n, axis, density):
+    layout = (np.random.default_rng([C, K, n]).random((C // bs, K // bs)) < density).astype(np.uint8)
+    shape = path_census.Shape(kind, bs, "custom", n, axis, True, "hopper")
+    index = bsmm.block_index(layout, bs)
+    op = bsmm.BlocksparseMatMul.from_index(index, feature_axis=axis)
+    rng = np.random.default_rng(n)
+    dtype = bsmm.SUPPORTED_DTYPES[kind]
+    act = (lambda f: (n, f)) if axis == 1 else (lambda f: (f, n))
+    x, dy, w = (cupy.asarray(rng.standard_normal(s).astype(dtype)) for s in (act(C), act(K), index.w_shape))
+    worst = run_all_ways(cupy, op, x, dy, w)
+    assert all(e <= TOLERANCE[kind] for e in worst.values()), f"{shape.kind} bs{bs} {C}x{K} N={n}: {worst}"
