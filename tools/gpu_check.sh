@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
-# One call on the lent GPU: compile every kernel variant into the cache, a fast correctness
-# sweep, the GPU test suite, and the benchmark. Full logs go to $OUT; a short table is printed last.
-#   tools/gpu_check.sh [smoke|tests|bench|all|note|conv|race|models] [bench args...]
+# One call on the lent GPU: compile every kernel variant into the cache, the path census, the GPU
+# test suite (each census path among them), the randomized sweep at users' shapes, the checks past
+# 2**31 elements, memcheck and initcheck over a sample of the census, and the benchmark. Full logs
+# go to $OUT; a short table is printed last.
+#   tools/gpu_check.sh [check|smoke|tests|bench|all|note|conv|race|models|tune] [bench args...]
+# check (the default): compile, census, GPU tests, sweep (SWEEP_BUDGET s, default 240), edges,
+# sanitizers (every CENSUS_STRIDE-th census shape, default 9), bench (BENCH_ARGS, default S).
 # note: compile, GPU tests, memcheck of the column-group, row-group, transposed-updat, part-reduction,
 # wgmma, shifted-pass, row-gather and convolution tests, bench, then the convolution benchmark against cuDNN.
 # conv: compile, the convolution, row-gather and strided GPU tests, their memcheck, the conv bench.
@@ -13,8 +17,9 @@ set -uo pipefail
 OUT=${OUT:-/tmp/bsmm-out}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 BSMM_CACHE_DIR=${BSMM_CACHE_DIR:-/tmp/bsmm-cache}
-stage=${1:-all}; shift || true
+stage=${1:-check}; shift || true
 status=0
+summary=()
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv >"$OUT/gpu.txt" 2>&1
 python3 -c "import cupy, numpy, sys; print('python', sys.version.split()[0], 'cupy', cupy.__version__, 'numpy', numpy.__version__, 'nvrtc', cupy.cuda.nvrtc.getVersion())" | tee -a "$OUT/gpu.txt"
 
@@ -28,6 +33,33 @@ if [[ $stage == smoke || $stage == all ]]; then
   grep -m 20 FAIL "$OUT/smoke.log"
   echo "smoke: $(grep checked "$OUT/smoke.log") [$(( $(date +%s) - t0 ))s]"
   grep worst "$OUT/smoke.log"
+fi
+if [[ $stage == check ]]; then
+  python3 tests/path_census.py --markdown >"$OUT/census.md" 2>&1 || status=1
+  summary+=("census: $(tail -1 "$OUT/census.md")")
+  t0=$(date +%s)
+  python3 -m pytest -q -m gpu tests -p no:cacheprovider >"$OUT/pytest_gpu.log" 2>&1 || status=1
+  summary+=("gpu tests: $(tail -1 "$OUT/pytest_gpu.log") [$(( $(date +%s) - t0 ))s]")
+  grep -E "^(FAILED|ERROR)" "$OUT/pytest_gpu.log" | head -20
+  t0=$(date +%s)
+  python3 tools/gpu_sweep.py --budget "${SWEEP_BUDGET:-240}" --json "$OUT/sweep.json" >"$OUT/sweep.log" 2>&1 || status=1
+  grep -m 20 -E "FAIL" "$OUT/sweep.log"
+  summary+=("sweep: $(head -1 "$OUT/sweep.log"); $(grep -m1 -E "^cases|checks" "$OUT/sweep.log") [$(( $(date +%s) - t0 ))s]")
+  t0=$(date +%s)
+  python3 tools/gpu_edges.py --json "$OUT/edges.json" >"$OUT/edges.log" 2>&1 || status=1
+  summary+=("edges past 2**31: $(tail -1 "$OUT/edges.log") [$(( $(date +%s) - t0 ))s]")
+  for tool in memcheck initcheck; do
+    t0=$(date +%s)
+    BSMM_CENSUS_STRIDE=${CENSUS_STRIDE:-9} compute-sanitizer --tool $tool --error-exitcode 9 python3 -m pytest -q -m gpu \
+      tests/test_census.py -k "census_path" -p no:cacheprovider >"$OUT/$tool.log" 2>&1 || status=1
+    summary+=("$tool (census sample): $(grep -E "ERROR SUMMARY" "$OUT/$tool.log" | sort | uniq -c | tr -s ' ') $(tail -1 "$OUT/$tool.log") [$(( $(date +%s) - t0 ))s]")
+  done
+  t0=$(date +%s)
+  python3 -m bsmm bench --backend gpu --json "$OUT/bench.json" ${BENCH_ARGS:---workloads S} >"$OUT/bench.md" 2>"$OUT/bench.log" || status=1
+  summary+=("bench [$(( $(date +%s) - t0 ))s]: $OUT/bench.md")
+  cat "$OUT/bench.md"
+  echo
+  printf '%s\n' "${summary[@]}"
 fi
 if [[ $stage == tests || $stage == all || $stage == note ]]; then
   t0=$(date +%s)
