@@ -4,8 +4,10 @@
 # 2**31 elements, memcheck and initcheck over a sample of the census, and the benchmark. Full logs
 # go to $OUT; a short table is printed last.
 #   tools/gpu_check.sh [check|smoke|tests|bench|all|note|conv|race|models|tune] [bench args...]
-# check (the default): compile, census, GPU tests, sweep (SWEEP_BUDGET s, default 240), edges,
-# sanitizers (every CENSUS_STRIDE-th census shape, default 9), bench (BENCH_ARGS, default S).
+# check (the default): correctness, then sweep. correctness: compile, census, GPU tests, edges.
+# sweep: compile, the randomized sweep (SWEEP_BUDGET s, default 240), sanitizers (every
+# CENSUS_STRIDE-th census shape, default 9), bench (BENCH_ARGS, default S). (The device tool runs
+# 10 minutes a call: there, run correctness and sweep as two calls.)
 # note: compile, GPU tests, memcheck of the column-group, row-group, transposed-updat, part-reduction,
 # wgmma, shifted-pass, row-gather and convolution tests, bench, then the convolution benchmark against cuDNN.
 # conv: compile, the convolution, row-gather and strided GPU tests, their memcheck, the conv bench.
@@ -34,7 +36,7 @@ if [[ $stage == smoke || $stage == all ]]; then
   echo "smoke: $(grep checked "$OUT/smoke.log") [$(( $(date +%s) - t0 ))s]"
   grep worst "$OUT/smoke.log"
 fi
-if [[ $stage == check ]]; then
+if [[ $stage == check || $stage == correctness ]]; then
   python3 tests/path_census.py --markdown >"$OUT/census.md" 2>&1 || status=1
   summary+=("census: $(tail -1 "$OUT/census.md")")
   t0=$(date +%s)
@@ -42,12 +44,14 @@ if [[ $stage == check ]]; then
   summary+=("gpu tests: $(tail -1 "$OUT/pytest_gpu.log") [$(( $(date +%s) - t0 ))s]")
   grep -E "^(FAILED|ERROR)" "$OUT/pytest_gpu.log" | head -20
   t0=$(date +%s)
+  python3 tools/gpu_edges.py --json "$OUT/edges.json" >"$OUT/edges.log" 2>&1 || status=1
+  summary+=("edges past 2**31: $(tail -1 "$OUT/edges.log") [$(( $(date +%s) - t0 ))s]")
+fi
+if [[ $stage == check || $stage == sweep ]]; then
+  t0=$(date +%s)
   python3 tools/gpu_sweep.py --budget "${SWEEP_BUDGET:-240}" --json "$OUT/sweep.json" >"$OUT/sweep.log" 2>&1 || status=1
   grep -m 20 -E "FAIL" "$OUT/sweep.log"
   summary+=("sweep: $(head -1 "$OUT/sweep.log"); $(grep -m1 -E "^cases|checks" "$OUT/sweep.log") [$(( $(date +%s) - t0 ))s]")
-  t0=$(date +%s)
-  python3 tools/gpu_edges.py --json "$OUT/edges.json" >"$OUT/edges.log" 2>&1 || status=1
-  summary+=("edges past 2**31: $(tail -1 "$OUT/edges.log") [$(( $(date +%s) - t0 ))s]")
   for tool in memcheck initcheck; do
     t0=$(date +%s)
     BSMM_CENSUS_STRIDE=${CENSUS_STRIDE:-9} compute-sanitizer --tool $tool --error-exitcode 9 python3 -m pytest -q -m gpu \
@@ -58,6 +62,8 @@ if [[ $stage == check ]]; then
   python3 -m bsmm bench --backend gpu --json "$OUT/bench.json" ${BENCH_ARGS:---workloads S} >"$OUT/bench.md" 2>"$OUT/bench.log" || status=1
   summary+=("bench [$(( $(date +%s) - t0 ))s]: $OUT/bench.md")
   cat "$OUT/bench.md"
+fi
+if (( ${#summary[@]} )); then
   echo
   printf '%s\n' "${summary[@]}"
 fi
