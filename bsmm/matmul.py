@@ -60,10 +60,10 @@ def _check_feature_axis(feature_axis) -> int:
     return int(feature_axis)
 
 
-def _check_tf32(tf32) -> bool:
-    """Return ``tf32`` as a bool (None: the ``bsmm.toml`` default), or raise: ``"no"`` is not False."""
+def _check_tf32(tf32, default: bool) -> bool:
+    """Return ``tf32`` as a bool (None: ``default``, from ``bsmm.toml``), or raise: ``"no"`` is not False."""
     if tf32 is None:
-        return bool(settings()["defaults"]["tf32"])
+        return bool(default)
     if not isinstance(tf32, (bool, np.bool_)):
         raise TypeError(f"tf32 must be a bool or None; got {tf32!r} ({type(tf32).__name__})")
     return bool(tf32)
@@ -106,7 +106,7 @@ class BlocksparseMatMul:
     def __init__(self, layout, block_size: int | None = None, feature_axis: int | None = None,
                  tf32: bool | None = None):
         defaults = settings()["defaults"]
-        self.tf32 = _check_tf32(tf32)
+        self.tf32 = _check_tf32(tf32, defaults["tf32"])
         self.index: BlockIndex = block_index(
             layout, defaults["block_size"] if block_size is None else block_size
         )
@@ -120,7 +120,7 @@ class BlocksparseMatMul:
         defaults = settings()["defaults"]
         op.index = index
         op.feature_axis = _check_feature_axis(defaults["feature_axis"] if feature_axis is None else feature_axis)
-        op.tf32 = _check_tf32(tf32)
+        op.tf32 = _check_tf32(tf32, defaults["tf32"])
         op._gpu_calls = {}
         return op
 
