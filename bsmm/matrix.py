@@ -206,7 +206,7 @@ class BlockSparseMatrix:
 
         ``block_size`` defaults to the matrix's own for a square-blocked BSR
         input. Explicitly stored zero blocks stay present. ``dtype`` defaults to
-        the matrix's (float32, float16 or float64; the result is NumPy data), else float32.
+        the matrix's if float32 or float64 (the result is NumPy data), else float32.
         """
         if not scipy.sparse.issparse(matrix):
             raise TypeError(f"matrix must be a scipy.sparse matrix or array; got {type(matrix).__name__}")
@@ -228,7 +228,7 @@ class BlockSparseMatrix:
         layout = np.zeros((rows // block_size, cols // block_size), dtype=np.uint8)
         layout[np.repeat(np.arange(layout.shape[0]), np.diff(bsr.indptr)), bsr.indices] = 1
         if dtype is None:
-            dtype = bsr.dtype if bsr.dtype in (np.float32, np.float16, np.float64) else np.float32
+            dtype = bsr.dtype if bsr.dtype in (np.float32, np.float64) else np.float32
         data = np.ascontiguousarray(bsr.data, dtype=canonical_dtype(dtype, "dtype", "cpu"))
         return cls(layout, data)
 

@@ -299,7 +299,7 @@ def test_from_scipy_csr_with_block_size():
     dense, layout = sparse_dense(rng, "float32")
     csr = scipy.sparse.csr_array(dense.astype(np.float64))
     matrix = bsmm.BlockSparseMatrix.from_scipy(csr, block_size=BS)
-    assert matrix.block_size == BS and matrix.dtype == np.float32  # float64 is unsupported: float32 by default
+    assert matrix.block_size == BS and matrix.dtype == np.float64  # the matrix's own dtype is kept
     assert np.array_equal(matrix.layout, layout)
     assert np.array_equal(matrix.to_dense(), dense)
     half = bsmm.BlockSparseMatrix.from_scipy(csr, block_size=BS, dtype=np.float16)
@@ -344,3 +344,47 @@ def test_from_scipy_reblocks_a_bsr_input_of_another_block_size(scipy_blocksize):
     matrix = bsmm.BlockSparseMatrix.from_scipy(bsr, block_size=BS)
     assert matrix.block_size == BS
     assert np.array_equal(matrix.to_dense(), dense)
+
+
+# -- float64 (NumPy data: the CPU backend) -------------------------------------------------------------------
+def test_float64_data_is_kept_on_the_cpu():
+    """float64 block data, accepted by BlocksparseMatMul on the CPU, is accepted here too and computed in float64."""
+    rng = np.random.default_rng(14)
+    layout = random_layout(rng, CB, KB, 0.6)
+    data = rng.standard_normal((int(layout.sum()), BS, BS))
+    matrix = bsmm.BlockSparseMatrix(layout, data)
+    assert matrix.dtype == np.float64 and matrix.data is data
+    dense = dense_weight(layout, data, BS)
+    X, Y = rng.standard_normal((7, CB * BS)), rng.standard_normal((KB * BS, 3))
+    for result, expected in ((X @ matrix, X @ dense), (matrix @ Y, dense @ Y), (matrix.T @ X.T, dense.T @ X.T)):
+        assert result.dtype == np.float64
+        np.testing.assert_allclose(result, expected, rtol=1e-12, atol=1e-12)
+
+
+def test_float64_from_dense_astype_and_scipy_round_trip():
+    """from_dense, astype, to_scipy and from_scipy keep float64 (from_scipy used to turn it into float32)."""
+    rng = np.random.default_rng(15)
+    dense, layout = sparse_dense(rng, "float32")
+    dense = dense.astype(np.float64) * (1 + 2.0**-40)  # bits float32 cannot hold
+    matrix = bsmm.BlockSparseMatrix.from_dense(dense, block_size=BS)
+    assert matrix.dtype == np.float64 and np.array_equal(matrix.layout, layout)
+    bsr = matrix.to_scipy()
+    assert bsr.dtype == np.float64 and np.shares_memory(bsr.data, matrix.data)
+    back = bsmm.BlockSparseMatrix.from_scipy(bsr)
+    assert back.dtype == np.float64 and back.to_dense().tobytes() == dense.tobytes()
+    assert bsmm.BlockSparseMatrix.from_scipy(bsr, dtype=np.float32).dtype == np.float32
+    single = matrix.astype(np.float32)
+    assert single.dtype == np.float32 and single.astype("float64").dtype == np.float64
+
+
+def test_from_scipy_of_integers_gives_float32():
+    csr = scipy.sparse.csr_array(np.eye(16, dtype=np.int64))
+    matrix = bsmm.BlockSparseMatrix.from_scipy(csr, block_size=BS)
+    assert matrix.dtype == np.float32 and np.array_equal(matrix.to_dense(), np.eye(16))
+
+
+def test_layout_values_other_than_one_mean_present():
+    """Any finite non-zero layout entry is a present block, as for BlocksparseMatMul."""
+    layout = np.array([[2.0, 0.0], [-0.5, 3.0]])
+    matrix = bsmm.BlockSparseMatrix(layout, np.ones((3, BS, BS), np.float32))
+    assert matrix.layout.tolist() == [[1, 0], [1, 1]] and matrix.nnzb == 3
