@@ -170,9 +170,9 @@ def as_operand(array, argument: str) -> Operand:
     except (BufferError, TypeError, ValueError, RuntimeError) as error:
         if getattr(array, "requires_grad", False) is True:  # PyTorch refuses to export it; detach() drops gradients
             raise TypeError(
-                f"{argument} requires grad, and the plain operator has no autograd: use bsmm.torch "
-                f"(blocksparse_matmul, BlockSparseLinear, blocksparse_conv, BlockSparseConv1d/2d/3d), "
-                f"which pass gradients on"
+                f"{argument} requires grad, so it cannot be shared through DLPack, and the plain operator has "
+                f"no autograd: use bsmm.torch (blocksparse_matmul, BlockSparseLinear, blocksparse_conv, "
+                f"BlockSparseConv1d/2d/3d), which pass gradients on"
             ) from error
         # e.g. bfloat16, which NumPy's DLPack import does not know (the framework adapters handle it)
         raise TypeError(f"{argument} ({library} array) cannot be shared through DLPack: {error}") from error

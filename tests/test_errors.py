@@ -466,8 +466,9 @@ def test_torch_tensor_that_requires_grad_points_to_bsmm_torch(argument):
     tensors = {"x": torch.ones(N, op.C), "w": torch.ones(op.w_shape)}
     tensors[argument].requires_grad_(True)
     before = [t.detach().clone() for t in tensors.values()]
-    with pytest.raises(TypeError, match=rf"{argument} requires grad, and the plain operator has no autograd: "
-                                        rf"use bsmm.torch \(blocksparse_matmul, BlockSparseLinear, .*\)") as caught:
+    with pytest.raises(TypeError, match=rf"{argument} requires grad, so it cannot be shared through DLPack, and the "
+                                        rf"plain operator has no autograd: use bsmm.torch \(blocksparse_matmul, "
+                                        rf"BlockSparseLinear, .*\)") as caught:
         op(tensors["x"], tensors["w"])
     assert "detach" not in str(caught.value)
     assert all(torch.equal(t, b) for t, b in zip(tensors.values(), before))
