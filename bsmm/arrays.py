@@ -146,9 +146,10 @@ def as_operand(array, argument: str) -> Operand:
         ``numpy.matrix`` or masked array, is a PyTorch tensor that requires grad,
         or DLPack cannot express its dtype for NumPy/CuPy.
     """
+    if type(array) is np.ndarray:  # the common case first: no cost added to it
+        return Operand(array, "cpu", "numpy", None)
     if isinstance(array, np.ndarray):
-        if type(array) is not np.ndarray:
-            check_plain_ndarray(array, argument)
+        check_plain_ndarray(array, argument)
         return Operand(array, "cpu", "numpy", None)
     cupy_ndarray = _cupy_ndarray()
     if cupy_ndarray is not None and isinstance(array, cupy_ndarray):
