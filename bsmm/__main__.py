@@ -54,6 +54,8 @@ def _bench(args) -> int:
 
     log = (lambda line: print(line, file=sys.stderr, flush=True)) if args.verbose else None
     meta = {"machine": platform.platform(), "processor": platform.processor()}
+    if args.framework:
+        return _bench_framework(args, log, meta)
     if args.backend == "gpu" or (args.backend == "auto" and gpu_available()):
         import cupy
 
@@ -80,6 +82,32 @@ def _bench(args) -> int:
         from .plot import plot_speedup
 
         plot_speedup(rows, args.plot)
+    return 0
+
+
+def _bench_framework(args, log, meta) -> int:
+    """``bench --framework``: what users run, beside the framework's dense layer (bsmm.framework_bench)."""
+    import json
+
+    from .framework_bench import SHAPES, bench_cupy, bench_torch, format_rows
+
+    if not gpu_available():
+        print("bench --framework needs a CUDA GPU and CuPy", file=sys.stderr)
+        return 2
+    workloads = tuple(w for w in args.workloads.split(",") if w in SHAPES) or ("S",)
+    rows = []
+    for framework in args.framework.split(","):
+        if framework == "torch":
+            rows += bench_torch(workloads, progress=log)
+        elif framework == "cupy":
+            rows += bench_cupy(workloads, progress=log)
+        else:
+            print(f"--framework takes torch and cupy; got {framework!r}", file=sys.stderr)
+            return 2
+    print(format_rows(rows))
+    if args.json:
+        with open(args.json, "w") as file:
+            json.dump({"meta": meta, "rows": [r.as_dict() for r in rows]}, file, indent=1)
     return 0
 
 
@@ -160,6 +188,9 @@ def main(argv=None) -> int:
     bench.add_argument("--backend", choices=("auto", "cpu", "gpu"), default="auto")
     bench.add_argument("--workloads", default="S,T,I", help="GPU: workloads of BENCHMARKS.md, comma-separated")
     bench.add_argument("--quick", action="store_true", help="GPU: fewer block sizes and densities")
+    bench.add_argument("--framework", help="torch and/or cupy, comma-separated: time what users run (the layer's "
+                       "training step, forward and allocating calls, and host time per call) beside the dense layer, "
+                       "on workloads S, D, F")
     bench.add_argument("--N", type=int, default=32, help="CPU: batch rows")
     bench.add_argument("--C", type=int, default=12288, help="CPU: input features")
     bench.add_argument("--K", type=int, default=12288, help="CPU: output features")

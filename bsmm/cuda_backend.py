@@ -23,7 +23,7 @@ import cupy
 import numpy as np
 
 from .block_index import BlockIndex
-from .dtypes import DTYPE_NAMES, SUPPORTED_DTYPES
+from .dtypes import DTYPE_NAMES
 from .launches import SerializedLaunch
 from .kernels import ELEMENT_BYTES, BlockTransposeVariant, GatherVariant, TransposeVariant, Variant, load_kernel
 from .planner import (Device, Path, copies, copy_row_elements, launch_layout, layout_path, math_mode,  # noqa: F401
@@ -161,13 +161,16 @@ class Plan:
         """Pointers to the tables and to this stream's workspace and counters (allocated once)."""
         entry = self.scratch.get(stream_ptr)
         if entry is None:
-            # Counters start at zero and each launch's last part resets the ones it used.
-            workspace = cupy.empty(max(1, self.workspace_floats), dtype=np.float32)
-            counters = cupy.zeros(max(1, self.counter_count), dtype=np.int32)
-            pointers = (self.segments.data.ptr, self.units.data.ptr, self.table.data.ptr,
-                        workspace.data.ptr, counters.data.ptr)
-            entry = self.scratch[stream_ptr] = (pointers, (workspace, counters))
+            entry = _per_stream(self.scratch, stream_ptr, lambda: self._new_scratch(stream_ptr))
         return entry[0]
+
+    def _new_scratch(self, stream_ptr: int) -> tuple:
+        # Counters start at zero and each launch's last part resets the ones it used.
+        workspace, workspace_owner = allocate_workspace(4 * max(1, self.workspace_floats))
+        counters, counters_owner = allocate_workspace(4 * max(1, self.counter_count))
+        cupy.cuda.runtime.memsetAsync(counters, 0, 4 * max(1, self.counter_count), stream_ptr)
+        pointers = (self.segments.data.ptr, self.units.data.ptr, self.table.data.ptr, workspace, counters)
+        return pointers, (workspace_owner, counters_owner)
 
 
 @dataclasses.dataclass
@@ -290,12 +293,33 @@ def forget_plans() -> None:
         _PLANS.clear()
 
 
+def allocate_workspace(nbytes: int) -> tuple[int, object]:
+    """(device pointer, owner) of ``nbytes`` from CuPy's pool on the current device, for a plan's
+    workspace on one stream. Kept outside any framework's allocator: a workspace first needed
+    while a framework captures a CUDA graph (a captured training step) is then no allocation of
+    the graph's pool that the framework would have to account for."""
+    memory = cupy.cuda.alloc(nbytes)
+    return memory.ptr, memory
+
+
 def _per_stream(workspaces: dict, stream_ptr: int, make):
     """The workspace kept for this stream, made by ``make()`` on first use (a CUDA graph captures
-    its address, so it stays)."""
+    its address, so it stays).
+
+    A stream first seen while it captures a CUDA graph (``torch.cuda.graph``, the replays of
+    ``torch.compile(mode="reduce-overhead")``) cannot allocate: it shares the workspace of the
+    stream the plan ran on before (the warm-up every capture needs). Replays of that graph then
+    must not run at the same time as launches of the same plan on that stream.
+    """
     found = workspaces.get(stream_ptr)
     if found is None:
-        found = workspaces[stream_ptr] = make()
+        if cupy.cuda.runtime.streamIsCapturing(stream_ptr):
+            if not workspaces:
+                raise RuntimeError("bsmm: a pass is captured into a CUDA graph before it ever ran: run it once "
+                                   "(a warm-up call of the same shape) before the capture")
+            found = workspaces[stream_ptr] = next(iter(workspaces.values()))
+        else:
+            found = workspaces[stream_ptr] = make()
     return found
 
 
@@ -330,14 +354,14 @@ class TransposedActivations:
                                 copied="x" if pass_name == "fprop" else "dy")
         self.variant, self.path = self.plan.variant, self.plan.path
         self.transpose = _transpose_launcher(item, self.ld, self.features, device)
-        self.dtype = SUPPORTED_DTYPES[dtype]
+        self.item = item
         self.workspaces: dict = {}  # stream -> the activations transposed
 
     def launch(self, stream_ptr: int, act_ptr: int, w_ptr: int, out_ptr: int, sizes: tuple, accumulate: int) -> None:
-        act_t = _per_stream(self.workspaces, stream_ptr, lambda: cupy.empty((self.features, self.ld), dtype=self.dtype))
-        self.transpose.launch(stream_ptr, act_ptr, act_t.data.ptr, self.n, self.features, self.ld)
+        act_t, _ = _per_stream(self.workspaces, stream_ptr, lambda: allocate_workspace(self.features * self.ld * self.item))
+        self.transpose.launch(stream_ptr, act_ptr, act_t, self.n, self.features, self.ld)
         # (n, activation row length, output blocks, output row length): the copy's rows are ld long.
-        self.plan.launch(stream_ptr, act_t.data.ptr, w_ptr, out_ptr, (sizes[0], self.ld, *sizes[2:]), accumulate)
+        self.plan.launch(stream_ptr, act_t, w_ptr, out_ptr, (sizes[0], self.ld, *sizes[2:]), accumulate)
 
 
 class TransposedUpdat:
@@ -364,15 +388,15 @@ class TransposedUpdat:
         self.variant, self.path = self.plan.variant, self.plan.path
         self.transpose_x, self.transpose_dy = (_transpose_launcher(item, self.ld, features, device)
                                                for features in (self.C, self.K))
-        self.dtype = SUPPORTED_DTYPES[dtype]
+        self.item = item
         self.workspaces: dict = {}  # stream -> (x transposed, dy transposed)
 
     def launch(self, stream_ptr: int, x_ptr: int, dy_ptr: int, out_ptr: int, sizes: tuple, accumulate: int) -> None:
-        x_t, dy_t = _per_stream(self.workspaces, stream_ptr, lambda: (
-            cupy.empty((self.C, self.ld), dtype=self.dtype), cupy.empty((self.K, self.ld), dtype=self.dtype)))
-        self.transpose_x.launch(stream_ptr, x_ptr, x_t.data.ptr, self.n, self.C, self.ld)
-        self.transpose_dy.launch(stream_ptr, dy_ptr, dy_t.data.ptr, self.n, self.K, self.ld)
-        self.plan.launch(stream_ptr, x_t.data.ptr, dy_t.data.ptr, out_ptr, (self.n, self.ld, self.ld, 0), accumulate)
+        (x_t, _), (dy_t, _) = _per_stream(self.workspaces, stream_ptr, lambda: (
+            allocate_workspace(self.C * self.ld * self.item), allocate_workspace(self.K * self.ld * self.item)))
+        self.transpose_x.launch(stream_ptr, x_ptr, x_t, self.n, self.C, self.ld)
+        self.transpose_dy.launch(stream_ptr, dy_ptr, dy_t, self.n, self.K, self.ld)
+        self.plan.launch(stream_ptr, x_t, dy_t, out_ptr, (self.n, self.ld, self.ld, 0), accumulate)
 
 
 class TransposedWeightsFprop:
@@ -388,7 +412,7 @@ class TransposedWeightsFprop:
     def __init__(self, index: BlockIndex, n: int, device):
         self.index_t = transposed_layout(index)
         self.plan = _build_plan(self.index_t, "bprop", n, "float32", 1, True, True, device, copied="w")
-        self.variant, self.path = self.plan.variant, self.plan.path
+        self.variant, self.path = self.plan.variant, dataclasses.replace(self.plan.path, pass_name="fprop")
         self.order = cupy.asarray(index.col_order, dtype=np.int32)
         transpose = BlockTransposeVariant(index.block_size)
         self.transpose = _Launcher(load_kernel(transpose, device.id), (index.nnzb, transpose.tiles, 1),
@@ -398,9 +422,9 @@ class TransposedWeightsFprop:
 
     def launch(self, stream_ptr: int, x_ptr: int, w_ptr: int, out_ptr: int, sizes: tuple, accumulate: int) -> None:
         # (n, C, K / block, K) of the fprop are (n, K', C' / block, C') of the transposed bprop.
-        w_t = _per_stream(self.workspaces, stream_ptr, lambda: cupy.empty(self.weight_count, dtype=np.float32))
-        self.transpose.launch(stream_ptr, w_ptr, w_t.data.ptr, self.order.data.ptr)
-        self.plan.launch(stream_ptr, x_ptr, w_t.data.ptr, out_ptr, sizes, accumulate)
+        w_t, _ = _per_stream(self.workspaces, stream_ptr, lambda: allocate_workspace(4 * self.weight_count))
+        self.transpose.launch(stream_ptr, w_ptr, w_t, self.order.data.ptr)
+        self.plan.launch(stream_ptr, x_ptr, w_t, out_ptr, sizes, accumulate)
 
 
 def _transposes(index: BlockIndex, n: int, dtype: str, feature_axis: int, aligned: bool, tf32: bool = False) -> bool:
@@ -516,20 +540,25 @@ class FastCall:
                     or (out_ptr < act_ptr + self.act_bytes and act_ptr < out_ptr + self.out_bytes)
                     or (out_ptr < other_ptr + self.other_bytes and other_ptr < out_ptr + self.out_bytes)):
                 return None
-        stream_ptr = _current_stream().ptr
+        self.launch(_current_stream().ptr, act_ptr, other_ptr, out_ptr, accumulate)
+        return out
+
+    def launch(self, stream_ptr: int, act_ptr: int, other_ptr: int, out_ptr: int, accumulate: bool = False) -> None:
+        """The pass on raw device pointers of operands laid out as the first call's (the caller
+        has checked shapes, strides, dtype, device, alignment and overlap): how a framework
+        adapter repeats a call without wrapping its tensors (:mod:`bsmm.torch_ops`)."""
         key = (stream_ptr, act_ptr, other_ptr, out_ptr, accumulate)
         block = self.blocks.get(key)
         if block is None:
             block = self._keep(key)
             if block is None:  # launched through the plan
-                return out
+                return
         if block.arguments is None:
             _launch_kernel(*self.head, stream_ptr, block.address, 0)
         else:
             result = block.driver(*block.arguments)
             if result:
                 raise RuntimeError(f"cuLaunchKernelEx failed (CUresult {result})")
-        return out
 
     def _keep(self, key: tuple):
         """The block to launch for a key seen before, kept from now on; a key seen the first time

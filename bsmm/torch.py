@@ -40,7 +40,7 @@ import weakref
 import numpy as np
 
 # First, for its clear ImportError when PyTorch is missing.
-from .torch_ops import SUPPORTED_DTYPES, Registration, check_dtype, conv_fprop, conv_spec, lookup, matmul, register
+from .torch_ops import SUPPORTED_DTYPES, Registration, check_dtype, conv_fprop, conv_spec, lookup, product, register
 
 import torch  # noqa: E402  (after the guarded import above)
 
@@ -81,9 +81,9 @@ def _matmul(x, w, key: str, features_in: int, features_out: int, feature_axis: i
         raise ValueError(f"x must be contiguous; got shape {tuple(x.shape)}, strides {x.stride()}")
     # On a contiguous tensor these reshapes are views.
     if feature_axis == 1:
-        y = matmul(x.reshape(-1, features_in), w, key, feature_axis, tf32)
+        y = product(x.reshape(-1, features_in), w, key, feature_axis, tf32)
         return y.reshape(*x.shape[:-1], features_out)
-    y = matmul(x.reshape(features_in, -1), w, key, feature_axis, tf32)
+    y = product(x.reshape(features_in, -1), w, key, feature_axis, tf32)
     return y.reshape(features_out, *x.shape[1:])
 
 

@@ -56,8 +56,8 @@ from .block_index import BlockIndex, block_index
 from .conv import BlocksparseConv
 from .matmul import BlocksparseMatMul
 
-__all__ = ["Registration", "register", "lookup", "matmul", "matmul_bprop", "matmul_updat", "conv_spec", "conv_fprop",
-           "conv_bprop", "conv_updat"]
+__all__ = ["Registration", "register", "lookup", "matmul", "matmul_bprop", "matmul_updat", "product", "run_pass",
+           "conv_spec", "conv_fprop", "conv_bprop", "conv_updat"]
 
 #: torch dtypes bsmm runs on every device, by the names bsmm.dtypes uses.
 SUPPORTED_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
@@ -278,12 +278,59 @@ def _cupy_stream(cupy, device_index: int, ptr: int):
     return stream
 
 
-def _run(pass_name: str, a: torch.Tensor, b: torch.Tensor, shape: tuple, key: str, feature_axis: int,
-         tf32: bool) -> torch.Tensor:
-    """One pass of BlocksparseMatMul on ``a`` and ``b`` into a new tensor of ``shape``."""
-    op = _registration(key).operator(("matmul", feature_axis, tf32),
-                                     lambda index: BlocksparseMatMul.from_index(index, feature_axis, tf32))
-    return _into_new(getattr(op, pass_name), a, b, shape)
+def _matmul_operator(key: str, feature_axis: int, tf32: bool) -> BlocksparseMatMul:
+    return _registration(key).operator(("matmul", feature_axis, tf32),
+                                       lambda index: BlocksparseMatMul.from_index(index, feature_axis, tf32))
+
+
+def run_pass(pass_name: str, a: torch.Tensor, b: torch.Tensor, key: str, feature_axis: int, tf32: bool) -> torch.Tensor:
+    """One pass (``fprop``: a = x, b = w; ``bprop``: dy, w; ``updat``: x, dy) into a new tensor.
+
+    A CUDA pass the operator has run before for this shape, dtype and device is repeated on raw
+    pointers (:func:`_repeat_on_cuda`): no DLPack exchange, no re-validation beyond what could
+    differ, the output from ``torch.empty``, one launch. Anything else takes the checked path.
+    """
+    if a.is_cuda:
+        out = _repeat_on_cuda(_matmul_operator(key, feature_axis, tf32), pass_name, a, b)
+        if out is not None:
+            return out
+    shape = _updat_shape(a, b, key, feature_axis) if pass_name == "updat" else \
+        _product_shape(a, b, key, feature_axis, pass_name)
+    return _into_new(getattr(_matmul_operator(key, feature_axis, tf32), pass_name), a, b, shape)
+
+
+#: torch dtype -> the NumPy dtype of the CuPy arrays the checked path shares (repeat calls' keys).
+_ARRAY_DTYPES = {torch.float32: np.dtype(np.float32), torch.float16: np.dtype(np.float16),
+                 torch.bfloat16: np.dtype(ml_dtypes.bfloat16)}
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
+def _repeat_on_cuda(op: BlocksparseMatMul, pass_name: str, a: torch.Tensor, b: torch.Tensor):
+    """The pass through the call ``op`` kept from an earlier checked call of this shape
+    (``cuda_backend.FastCall``), or None where there is none or anything differs from it."""
+    call = op._gpu_calls.get((pass_name, a.shape, _ARRAY_DTYPES.get(a.dtype), op.feature_axis, op.tf32))
+    if call is None or b.dtype is not a.dtype or b.shape != call.other_shape or not (
+            a.is_contiguous() and b.is_contiguous()):
+        return None
+    device = a.get_device()
+    if b.get_device() != device or device != call.device or _current_device() != device:
+        return None
+    out = torch.empty(call.out_shape, dtype=a.dtype, device=a.device)
+    a_ptr, b_ptr, out_ptr = a.data_ptr(), b.data_ptr(), out.data_ptr()
+    if call.aligned and (a_ptr | b_ptr | out_ptr) & 15:
+        return None
+    stream = _raw_stream(device) if _raw_stream is not None else torch.cuda.current_stream(device).cuda_stream
+    call.launch(stream, a_ptr, b_ptr, out_ptr)
+    return out
+
+
+def _current_device() -> int:
+    """CUDA's current device (the launch goes to its context); the GPU backend is imported on first use."""
+    global _current_device
+    from .cuda_backend import _get_device
+
+    _current_device = _get_device
+    return _get_device()
 
 
 def _into_new(method, a: torch.Tensor, b: torch.Tensor, shape: tuple, **options) -> torch.Tensor:
@@ -307,19 +354,19 @@ def _into_new(method, a: torch.Tensor, b: torch.Tensor, shape: tuple, **options)
 @torch.library.custom_op("bsmm::matmul", mutates_args=())
 def matmul(x: torch.Tensor, w: torch.Tensor, key: str, feature_axis: int, tf32: bool) -> torch.Tensor:
     """y = x·W: x (N, C) or (C, N) -> y (N, K) or (K, N); w (nnzb, bs, bs) of x's dtype and device."""
-    return _run("fprop", x, w, _product_shape(x, w, key, feature_axis, "fprop"), key, feature_axis, tf32)
+    return run_pass("fprop", x, w, key, feature_axis, tf32)
 
 
 @torch.library.custom_op("bsmm::matmul_bprop", mutates_args=())
 def matmul_bprop(dy: torch.Tensor, w: torch.Tensor, key: str, feature_axis: int, tf32: bool) -> torch.Tensor:
     """dx = dy·Wᵀ: dy (N, K) or (K, N) -> dx (N, C) or (C, N)."""
-    return _run("bprop", dy, w, _product_shape(dy, w, key, feature_axis, "bprop"), key, feature_axis, tf32)
+    return run_pass("bprop", dy, w, key, feature_axis, tf32)
 
 
 @torch.library.custom_op("bsmm::matmul_updat", mutates_args=())
 def matmul_updat(x: torch.Tensor, dy: torch.Tensor, key: str, feature_axis: int, tf32: bool) -> torch.Tensor:
     """dW = xᵀ·dy on the present blocks: x (N, C), dy (N, K) (or transposed) -> (nnzb, bs, bs)."""
-    return _run("updat", x, dy, _updat_shape(x, dy, key, feature_axis), key, feature_axis, tf32)
+    return run_pass("updat", x, dy, key, feature_axis, tf32)
 
 
 @matmul.register_fake
@@ -380,6 +427,48 @@ def _register_bilinear(fprop, bprop, updat) -> None:
 
 
 _register_bilinear(matmul, matmul_bprop, matmul_updat)
+
+
+class _EagerProduct(torch.autograd.Function):
+    """``bsmm::matmul`` with its autograd formula, for eager calls: ``torch.autograd.Function``
+    dispatches in a fraction of a custom operator's host time, and the passes run through
+    :func:`run_pass` directly. A backward that builds a graph (``create_graph=True``) calls the
+    differentiable operators, so gradients of any order stay available; ``torch.compile``
+    traces the operators themselves (:func:`product`)."""
+
+    @staticmethod
+    def forward(ctx, x, w, key, feature_axis, tf32):
+        ctx.options = (key, feature_axis, tf32)
+        ctx.registration = _REGISTRY.get(key)  # the key stays resolvable until backward
+        needs_x, needs_w = ctx.needs_input_grad[:2]
+        ctx.save_for_backward(x if needs_w else None, w if needs_x else None)
+        return run_pass("fprop", x, w, key, feature_axis, tf32)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, w = ctx.saved_tensors
+        grad = grad.contiguous()  # (an expanded or transposed view, from sum() or .T)
+        needs_x, needs_w = ctx.needs_input_grad[:2]
+        if torch.is_grad_enabled():  # create_graph: differentiable operators
+            dx = matmul_bprop(grad, w, *ctx.options) if needs_x else None
+            dw = matmul_updat(x, grad, *ctx.options) if needs_w else None
+        else:
+            dx = run_pass("bprop", grad, w, *ctx.options) if needs_x else None
+            dw = run_pass("updat", x, grad, *ctx.options) if needs_w else None
+        return dx, dw, None, None, None
+
+
+_functorch_level = getattr(getattr(torch._C, "_functorch", None), "maybe_current_level", lambda: None)
+
+
+def product(x: torch.Tensor, w: torch.Tensor, key: str, feature_axis: int, tf32: bool) -> torch.Tensor:
+    """``bsmm::matmul`` (y = x·W, differentiable in both), through :class:`_EagerProduct` in eager
+    mode on plain tensors, else the custom operator (``torch.compile``, fake and functorch
+    tensors, tensor subclasses)."""
+    if (x.__class__ is torch.Tensor and w.__class__ is torch.Tensor and not torch.compiler.is_compiling()
+            and _functorch_level() is None):
+        return _EagerProduct.apply(x, w, key, feature_axis, tf32)
+    return matmul(x, w, key, feature_axis, tf32)
 
 
 # -- the convolutions ----------------------------------------------------------------------------------

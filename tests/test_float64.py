@@ -116,10 +116,9 @@ def test_float64_does_not_mix_with_other_dtypes(pass_name):
         op.updat(a, np.ones((3, 16), np.float32))
 
 
-def test_stored_block_data_stays_without_float64():
-    """BlockSparseMatrix stores block data for either backend, so float64 is refused there as before."""
-    with pytest.raises(TypeError, match="data has dtype float64; supported dtypes are float32, float16, bfloat16$"):
-        bsmm.BlockSparseMatrix(np.ones((1, 1)), np.ones((1, 8, 8)))
+def test_stored_block_data_keeps_float64_on_the_cpu():
+    """BlockSparseMatrix takes NumPy float64 block data (the CPU backend), as BlocksparseMatMul does."""
+    assert bsmm.BlockSparseMatrix(np.ones((1, 1)), np.ones((1, 8, 8))).dtype == np.float64
     assert "float64" not in bsmm.SUPPORTED_DTYPES
 
 

@@ -443,8 +443,8 @@ def test_small_world_summary_without_a_random_path_estimate():
     [
         (np.ones((3, 4)), r"layout must be square to be read as a graph; got shape \(3, 4\)"),
         (np.ones(4), r"layout must be 2-D"),
-        (np.array([[0, 2], [1, 0]]), r"layout must hold only 0 and 1"),
-        (np.array([[0, 0.5], [1, 0]]), r"layout must hold only 0 and 1"),
+        (np.array([[0, np.nan], [1, 0]]), r"layout must hold finite numbers"),
+        (np.array([[0, np.inf], [1, 0]]), r"layout must hold finite numbers"),
     ],
 )
 def test_measures_validate_layout(measure, layout, message):

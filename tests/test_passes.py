@@ -707,9 +707,10 @@ def test_updat_through_transposed_copies(xp, bs, dtype, wgmma, monkeypatch):
         plan = next(p for key, p in cuda_backend._PLANS[case.op.index].items() if key[0] == "updat" and key[1] == n)
         assert isinstance(plan, cuda_backend.TransposedUpdat), "updat did not take the transposed copies"
         assert plan.variant.tma == hopper and plan.variant.cols > 1, f"{plan.variant} under the copies"
-        (x_t, dy_t), = plan.workspaces.values()
-        for copy, source in ((x_t, args[0]), (dy_t, args[1])):
+        ((_, x_t), (_, dy_t)), = plan.workspaces.values()  # (pointer, CuPy memory) of each copy
+        for memory, source in ((x_t, args[0]), (dy_t, args[1])):
             padded = np.zeros((source.shape[1], -(-n // 8) * 8), dtype=case.x.dtype)
+            copy = xp.ndarray(padded.shape, padded.dtype, memptr=memory)
             padded[:, :n] = to_numpy(source).T
             assert to_numpy(copy).tobytes() == padded.tobytes(), f"transposed copy N={n}"
     monkeypatch.setitem(kernels, "updat_transpose_max_bytes", 0)
@@ -753,8 +754,9 @@ def test_passes_through_transposed_activations(xp, bs, dtype, groups, monkeypatc
             assert isinstance(plan, cuda_backend.TransposedActivations), f"{pass_name} did not take the copy"
             # (bsmm.toml lists column-group tiles for large batches only)
             assert plan.variant.act_transposed and (plan.variant.cols > 1) == (groups and n > 64), f"{plan.variant}"
-            copy, = plan.workspaces.values()
+            (_, memory), = plan.workspaces.values()  # (pointer, CuPy memory) of the copy
             padded = np.zeros((args[0].shape[1], -(-n // 8) * 8), dtype=case.x.dtype)
+            copy = xp.ndarray(padded.shape, padded.dtype, memptr=memory)
             padded[:, :n] = to_numpy(args[0]).T
             assert to_numpy(copy).tobytes() == padded.tobytes(), f"transposed copy N={n}"
     parted = [p.plan for p in cuda_backend._PLANS[case.op.index].values()

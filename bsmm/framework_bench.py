@@ -1,0 +1,195 @@
+"""What users run, timed: a framework's training step and forward with bsmm's layer beside the
+framework's dense layer, and the host time of each call (``python -m bsmm bench --framework``).
+
+- ``torch``: ``bsmm.torch.BlockSparseLinear`` against ``nn.Linear`` of the same shape and dtype
+  (no bias on either). The *training step* is a forward, then a backward producing dx and dW,
+  gradients set to None each step; the *forward* is the layer's call alone. Each is timed eager
+  and as a replay of a CUDA graph (``torch.cuda.CUDAGraph``) it was captured into.
+- ``cupy``: the plain allocating call ``y = op(x, w)`` (and ``op.bprop``, ``op.updat``) against
+  ``cupy.matmul`` of the dense shape.
+
+GPU time: CUDA events around batches of back-to-back calls from Python (per-call time =
+batch time / calls), warm-up first, the median of the batches. Host time: many calls back to
+back with a wall clock and no synchronisation inside the loop, divided by their count (the
+GPU must not be the bottleneck there: the queue of launches never fills at these shapes).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from typing import Callable
+
+import numpy as np
+
+from .layouts import random_layout
+
+__all__ = ["FrameworkRow", "bench_torch", "bench_cupy", "format_rows", "SHAPES"]
+
+#: (name, N, C, K, block size, densities, dtypes): the seed's shape (S), decode (D), the F up layer.
+SHAPES = {
+    "S": (32, 12288, 12288, 32, (0.1, 0.02), ("bfloat16", "float32")),
+    "D": (8, 8192, 8192, 32, (0.1,), ("float16",)),
+    "F": (8192, 4096, 16384, 128, (0.1,), ("bfloat16",)),
+}
+
+
+@dataclasses.dataclass
+class FrameworkRow:
+    """One measure of one shape: bsmm's and the dense layer's median seconds (GPU time, or host
+    time per call where ``measure`` starts with ``host``)."""
+
+    framework: str
+    workload: str
+    dtype: str
+    density: float
+    measure: str  # forward, step, forward graph, step graph, host forward, host step; cupy: the pass
+    sparse_s: float
+    dense_s: float
+
+    @property
+    def speedup(self) -> float:
+        return self.dense_s / self.sparse_s
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self) | {"speedup": self.speedup}
+
+
+def _gpu_time(run: Callable[[], object], synchronize, event, elapsed_ms, calls: int = 20, batches: int = 15,
+              warmup_s: float = 0.05) -> float:
+    """Median seconds per call over ``batches`` CUDA-event-timed batches of ``calls`` calls."""
+    start = time.perf_counter()
+    while time.perf_counter() - start < warmup_s:
+        run()
+        synchronize()
+    samples = []
+    for _ in range(batches):
+        begin, end = event(), event()
+        begin.record()
+        for _ in range(calls):
+            run()
+        end.record()
+        end.synchronize()
+        samples.append(elapsed_ms(begin, end) / 1e3 / calls)
+    return statistics.median(samples)
+
+
+def _host_time(run: Callable[[], object], synchronize, calls: int = 300, rounds: int = 5) -> float:
+    """Median wall-clock seconds per call of ``calls`` calls with no synchronisation inside."""
+    samples = []
+    for _ in range(rounds):
+        synchronize()
+        start = time.perf_counter()
+        for _ in range(calls):
+            run()
+        samples.append((time.perf_counter() - start) / calls)
+        synchronize()
+    return statistics.median(samples)
+
+
+def _torch_steps(torch, layer, x):
+    def forward():
+        return layer(x)
+
+    def step():
+        layer.weight.grad = None
+        x.grad = None
+        layer(x).backward(gradient)
+
+    with torch.no_grad():
+        gradient = torch.randn_like(layer(x))
+    return forward, step
+
+
+def _torch_graph(torch, run):
+    """``run`` captured into a CUDA graph (after a warm-up on a side stream); its replay."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            run()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    return graph.replay
+
+
+def bench_torch(workloads=("S",), host: bool = True, graphs: bool = True,
+                progress: Callable[[str], None] | None = None) -> list[FrameworkRow]:
+    """Rows of :class:`FrameworkRow` for ``bsmm.torch.BlockSparseLinear`` against ``nn.Linear``."""
+    import torch
+
+    import bsmm.torch
+
+    rows = []
+    sync, event = torch.cuda.synchronize, lambda: torch.cuda.Event(enable_timing=True)
+    elapsed = lambda begin, end: begin.elapsed_time(end)  # noqa: E731
+    for workload in workloads:
+        n, c, k, bs, densities, dtypes = SHAPES[workload]
+        for dtype_name, density in ((d, p) for d in dtypes for p in densities):
+            dtype = getattr(torch, dtype_name)
+            layout = random_layout(c // bs, k // bs, density, seed=0)
+            sparse = bsmm.torch.BlockSparseLinear(c, k, layout, block_size=bs, bias=False, device="cuda", dtype=dtype)
+            dense = torch.nn.Linear(c, k, bias=False, device="cuda", dtype=dtype)
+            x = torch.randn(n, c, device="cuda", dtype=dtype, requires_grad=True)
+            measured = {}
+            for name, layer in (("sparse", sparse), ("dense", dense)):
+                forward, step = _torch_steps(torch, layer, x)
+                times = {"forward": _gpu_time(forward, sync, event, elapsed),
+                         "step": _gpu_time(step, sync, event, elapsed)}
+                if host:
+                    times["host forward"] = _host_time(forward, sync)
+                    times["host step"] = _host_time(step, sync)
+                if graphs:
+                    times["forward graph"] = _gpu_time(_torch_graph(torch, forward), sync, event, elapsed)
+                    times["step graph"] = _gpu_time(_torch_graph(torch, step), sync, event, elapsed)
+                measured[name] = times
+            for measure in measured["sparse"]:
+                row = FrameworkRow("torch", workload, dtype_name, density, measure, measured["sparse"][measure],
+                                   measured["dense"][measure])
+                rows.append(row)
+                if progress:
+                    progress(format_rows([row], header=False))
+    return rows
+
+
+def bench_cupy(workloads=("S",), progress: Callable[[str], None] | None = None) -> list[FrameworkRow]:
+    """The plain allocating calls of :class:`bsmm.BlocksparseMatMul` against ``cupy.matmul``."""
+    import cupy
+
+    import bsmm
+
+    rows = []
+    sync, event, elapsed = cupy.cuda.Device().synchronize, cupy.cuda.Event, cupy.cuda.get_elapsed_time
+
+    for workload in workloads:
+        n, c, k, bs, densities, dtypes = SHAPES[workload]
+        for dtype_name, density in ((d, p) for d in dtypes for p in densities):
+            dtype = bsmm.SUPPORTED_DTYPES[dtype_name]
+            rng = np.random.default_rng(0)
+            op = bsmm.BlocksparseMatMul(random_layout(c // bs, k // bs, density, seed=0), block_size=bs)
+            x, dy = (cupy.asarray(rng.standard_normal(s).astype(dtype)) for s in ((n, c), (n, k)))
+            w = cupy.asarray(rng.standard_normal(op.w_shape).astype(dtype))
+            W = cupy.asarray(rng.standard_normal((c, k)).astype(dtype))
+            calls = {"fprop": (lambda: op(x, w), lambda: x @ W), "bprop": (lambda: op.bprop(dy, w), lambda: dy @ W.T),
+                     "updat": (lambda: op.updat(x, dy), lambda: x.T @ dy)}
+            for pass_name, (sparse, dense) in calls.items():
+                for measure, timer in ((pass_name, lambda f: _gpu_time(f, sync, event, elapsed)),
+                                       (f"host {pass_name}", lambda f: _host_time(f, sync))):
+                    row = FrameworkRow("cupy", workload, dtype_name, density, measure, timer(sparse), timer(dense))
+                    rows.append(row)
+                    if progress:
+                        progress(format_rows([row], header=False))
+    return rows
+
+
+def format_rows(rows: list[FrameworkRow], header: bool = True) -> str:
+    """A Markdown table: µs of bsmm and of the dense layer, and the speed-up."""
+    lines = ["| framework | workload | dtype | density | measure | bsmm µs | dense µs | speed-up |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"] if header else []
+    for r in rows:
+        lines.append(f"| {r.framework} | {r.workload} | {r.dtype} | {r.density:.0%} | {r.measure} | "
+                     f"{r.sparse_s * 1e6:.1f} | {r.dense_s * 1e6:.1f} | {r.speedup:.2f}x |")
+    return "\n".join(lines)

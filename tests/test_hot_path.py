@@ -1,0 +1,133 @@
+"""The hot path of repeated calls: after the first call of a shape, a call builds no plan, uploads
+nothing, synchronises nothing and allocates only its output (CuPy's allocating call, and a
+PyTorch layer's forward and training step); a CUDA graph of the training step replays bitwise
+what eager computes.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import bsmm
+
+
+@pytest.fixture
+def spies(cupy, monkeypatch):
+    """Counts of plan builds, host-to-device uploads and host synchronisations while a test runs."""
+    from bsmm import cuda_backend
+
+    counts = {"plans": 0, "uploads": 0, "syncs": 0}
+
+    def counting(name, function):
+        def counted(*args, **kwargs):
+            counts[name] += 1
+            return function(*args, **kwargs)
+        return counted
+
+    monkeypatch.setattr(cuda_backend, "_build_plan", counting("plans", cuda_backend._build_plan))
+    monkeypatch.setattr(cuda_backend.cupy, "asarray", counting("uploads", cupy.asarray))
+    for name in ("deviceSynchronize", "streamSynchronize"):
+        monkeypatch.setattr(cupy.cuda.runtime, name, counting("syncs", getattr(cupy.cuda.runtime, name)))
+    return counts
+
+
+def _layout(density=0.1, blocks=64):
+    return (np.random.default_rng(1).random((blocks, blocks)) < density).astype(np.uint8)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+def test_cupy_allocating_calls_after_the_first_plan_nothing(cupy, spies, dtype):
+    op = bsmm.BlocksparseMatMul(_layout(), block_size=32)
+    rng = np.random.default_rng(0)
+    x, dy = (cupy.asarray(rng.standard_normal((32, f)).astype(dtype)) for f in (op.C, op.K))
+    w = cupy.asarray(rng.standard_normal(op.w_shape).astype(dtype))
+    first = [op(x, w), op.bprop(dy, w), op.updat(x, dy)]
+    assert spies["plans"] >= 3
+    before = dict(spies)
+    pool = cupy.get_default_memory_pool()
+    used = pool.used_bytes()
+    for _ in range(5):
+        again = [op(x, w), op.bprop(dy, w), op.updat(x, dy)]
+    assert spies == before, f"repeat calls planned, uploaded or synchronised: {before} -> {spies}"
+    # What stays allocated is the last three outputs (CuPy rounds each up to 512 bytes).
+    assert pool.used_bytes() - used == sum(-(-a.nbytes // 512) * 512 for a in again)
+    for a, b in zip(first, again):
+        assert a.get().tobytes() == b.get().tobytes()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_torch_training_step_after_the_first_plans_nothing_and_allocates_its_outputs(cupy, spies, dtype):
+    torch = pytest.importorskip("torch")
+    import bsmm.torch
+
+    dtype = getattr(torch, dtype)
+    layer = bsmm.torch.BlockSparseLinear(2048, 2048, _layout(), block_size=32, bias=False, device="cuda", dtype=dtype)
+    x = torch.randn(32, 2048, device="cuda", dtype=dtype, requires_grad=True)
+    grad = torch.randn(32, 2048, device="cuda", dtype=dtype)
+
+    def step():
+        layer.weight.grad = x.grad = None
+        y = layer(x)
+        y.backward(grad)
+        return y.detach().clone(), x.grad.clone(), layer.weight.grad.clone()
+
+    first = step()
+    torch.cuda.synchronize()
+    before = dict(spies)
+    stats = torch.cuda.memory_stats()["allocation.all.allocated"]
+    again = step()
+    torch.cuda.synchronize()
+    assert spies == before, f"a repeated step planned, uploaded or synchronised: {before} -> {spies}"
+    # y, dx, dW, and the three clones of this test
+    assert torch.cuda.memory_stats()["allocation.all.allocated"] - stats == 6
+    for a, b in zip(first, again):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+def test_torch_training_step_in_a_cuda_graph_replays_what_eager_computes(cupy):
+    torch = pytest.importorskip("torch")
+    import bsmm.torch
+
+    layer = bsmm.torch.BlockSparseLinear(4096, 4096, _layout(0.1, 128), block_size=32, bias=False, device="cuda",
+                                         dtype=torch.bfloat16)
+    x = torch.randn(32, 4096, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    grad = torch.randn(32, 4096, device="cuda", dtype=torch.bfloat16)
+
+    def step():
+        layer.weight.grad = x.grad = None
+        y = layer(x)
+        y.backward(grad)
+        return y
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = step()
+    x.data.copy_(torch.randn_like(x))
+    graph.replay()
+    replayed = (y.clone(), x.grad.clone(), layer.weight.grad.clone())
+    eager = step()
+    assert torch.equal(replayed[0], eager)
+    assert torch.equal(replayed[1], x.grad) and torch.equal(replayed[2], layer.weight.grad)
+
+
+@pytest.mark.gpu
+def test_torch_compile_reduce_overhead_matches_eager(cupy):
+    torch = pytest.importorskip("torch")
+    import bsmm.torch
+
+    layer = bsmm.torch.BlockSparseLinear(2048, 2048, _layout(), block_size=32, device="cuda", dtype=torch.float16)
+    x = torch.randn(16, 2048, device="cuda", dtype=torch.float16)
+    compiled = torch.compile(layer, mode="reduce-overhead", fullgraph=True)
+    for _ in range(3):
+        got = compiled(x)
+    assert torch.equal(got, layer(x))
