@@ -79,6 +79,8 @@ def _matmul(x, w, key: str, features_in: int, features_out: int, feature_axis: i
         raise ValueError(f"x must have shape {expected} with feature_axis={feature_axis}; got {tuple(x.shape)}")
     if not x.is_contiguous():
         raise ValueError(f"x must be contiguous; got shape {tuple(x.shape)}, strides {x.stride()}")
+    if x.dim() == 2:  # (the common case: no reshapes)
+        return product(x, w, key, feature_axis, tf32)
     # On a contiguous tensor these reshapes are views.
     if feature_axis == 1:
         y = product(x.reshape(-1, features_in), w, key, feature_axis, tf32)

@@ -458,6 +458,7 @@ class _EagerProduct(torch.autograd.Function):
         return dx, dw, None, None, None
 
 
+_PLAIN = (torch.Tensor, torch.nn.Parameter)  # tensors of no subclass (a layer's weight is a Parameter)
 _functorch_level = getattr(getattr(torch._C, "_functorch", None), "maybe_current_level", lambda: None)
 
 
@@ -465,7 +466,7 @@ def product(x: torch.Tensor, w: torch.Tensor, key: str, feature_axis: int, tf32:
     """``bsmm::matmul`` (y = x·W, differentiable in both), through :class:`_EagerProduct` in eager
     mode on plain tensors, else the custom operator (``torch.compile``, fake and functorch
     tensors, tensor subclasses)."""
-    if (x.__class__ is torch.Tensor and w.__class__ is torch.Tensor and not torch.compiler.is_compiling()
+    if (x.__class__ in _PLAIN and w.__class__ in _PLAIN and not torch.compiler.is_compiling()
             and _functorch_level() is None):
         return _EagerProduct.apply(x, w, key, feature_axis, tf32)
     return matmul(x, w, key, feature_axis, tf32)
