@@ -5,8 +5,8 @@
 # go to $OUT; a short table is printed last.
 #   tools/gpu_check.sh [check|smoke|tests|bench|all|note|conv|race|models|tune] [bench args...]
 # check (the default): correctness, then sweep. correctness: compile, census, GPU tests, edges.
-# sweep: compile, the randomized sweep (SWEEP_BUDGET s, default 240), sanitizers (every
-# CENSUS_STRIDE-th census shape, default 9), bench (BENCH_ARGS, default S). (The device tool runs
+# sweep: compile, the randomized sweep (SWEEP_CASES cases, default 2000, within SWEEP_BUDGET s, default 180), sanitizers (every
+# CENSUS_STRIDE-th census shape, default 25), bench (BENCH_ARGS, default S). (The device tool runs
 # 10 minutes a call: there, run correctness and sweep as two calls.)
 # note: compile, GPU tests, memcheck of the column-group, row-group, transposed-updat, part-reduction,
 # wgmma, shifted-pass, row-gather and convolution tests, bench, then the convolution benchmark against cuDNN.
@@ -49,12 +49,12 @@ if [[ $stage == check || $stage == correctness ]]; then
 fi
 if [[ $stage == check || $stage == sweep ]]; then
   t0=$(date +%s)
-  python3 tools/gpu_sweep.py --budget "${SWEEP_BUDGET:-240}" --json "$OUT/sweep.json" >"$OUT/sweep.log" 2>&1 || status=1
+  python3 tools/gpu_sweep.py --cases "${SWEEP_CASES:-2000}" --budget "${SWEEP_BUDGET:-180}" --json "$OUT/sweep.json" >"$OUT/sweep.log" 2>&1 || status=1
   grep -m 20 -E "FAIL" "$OUT/sweep.log"
   summary+=("sweep: $(head -1 "$OUT/sweep.log"); $(grep -m1 -E "^cases|checks" "$OUT/sweep.log") [$(( $(date +%s) - t0 ))s]")
   for tool in memcheck initcheck; do
     t0=$(date +%s)
-    BSMM_CENSUS_STRIDE=${CENSUS_STRIDE:-9} compute-sanitizer --tool $tool --error-exitcode 9 python3 -m pytest -q -m gpu \
+    BSMM_CENSUS_STRIDE=${CENSUS_STRIDE:-25} compute-sanitizer --tool $tool --error-exitcode 9 python3 -m pytest -q -m gpu \
       tests/test_census.py -k "census_path" -p no:cacheprovider >"$OUT/$tool.log" 2>&1 || status=1
     summary+=("$tool (census sample): $(grep -E "ERROR SUMMARY" "$OUT/$tool.log" | sort | uniq -c | tr -s ' ') $(tail -1 "$OUT/$tool.log") [$(( $(date +%s) - t0 ))s]")
   done
