@@ -6,7 +6,7 @@
 #   tools/gpu_check.sh [check|smoke|tests|bench|all|note|conv|race|models|tune] [bench args...]
 # check (the default): correctness, then sweep. correctness: compile, census, GPU tests, edges.
 # sweep: compile, the randomized sweep (SWEEP_CASES cases, default 2000, within SWEEP_BUDGET s, default 180), sanitizers (every
-# CENSUS_STRIDE-th census shape, default 25), bench (BENCH_ARGS, default S). (The device tool runs
+# CENSUS_STRIDE-th census shape, default 25), the framework bench (torch and cupy, S, D, F). (The device tool runs
 # 10 minutes a call: there, run correctness and sweep as two calls.)
 # note: compile, GPU tests, memcheck of the column-group, row-group, transposed-updat, part-reduction,
 # wgmma, shifted-pass, row-gather and convolution tests, bench, then the convolution benchmark against cuDNN.
@@ -59,9 +59,10 @@ if [[ $stage == check || $stage == sweep ]]; then
     summary+=("$tool (census sample): $(grep -E "ERROR SUMMARY" "$OUT/$tool.log" | sort | uniq -c | tr -s ' ') $(tail -1 "$OUT/$tool.log") [$(( $(date +%s) - t0 ))s]")
   done
   t0=$(date +%s)
-  python3 -m bsmm bench --backend gpu --json "$OUT/bench.json" ${BENCH_ARGS:---workloads S} >"$OUT/bench.md" 2>"$OUT/bench.log" || status=1
-  summary+=("bench [$(( $(date +%s) - t0 ))s]: $OUT/bench.md")
-  cat "$OUT/bench.md"
+  python3 -m bsmm bench --framework torch,cupy --workloads ${FRAMEWORK_WORKLOADS:-S,D,F} --json "$OUT/framework.json" \
+    >"$OUT/framework.md" 2>"$OUT/framework.log" || status=1
+  summary+=("framework bench [$(( $(date +%s) - t0 ))s]: framework.md")
+  cat "$OUT/framework.md"
 fi
 if (( ${#summary[@]} )); then
   echo
