@@ -143,6 +143,15 @@ def test_census_covers_every_dtype_block_pass_and_axis(entries):
     assert any(s[3] for s in seen) and any(s[4] for s in seen) and any(s[5] for s in seen) and any(s[6] for s in seen)
 
 
+def test_ci_compiles_the_kernel_of_every_census_path(entries):
+    """tools/compile_kernels.py (run by make test without a GPU) builds each census path's kernel."""
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1] / "tools"))
+    from compile_kernels import all_variants
+
+    missing = {e.path.variant for e in entries} - set(all_variants())
+    assert not missing, f"census kernels CI does not compile: {sorted(map(repr, missing))[:5]}"
+
+
 def test_census_holds_the_shapes_of_the_half_precision_updat_that_returned_nan(entries):
     """16-deep steps with several streamed blocks per thread block (the path of NaN dW at N <= 16)."""
     for kind in ("float16", "bfloat16"):
