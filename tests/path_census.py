@@ -140,9 +140,11 @@ def _stable(shape: Shape, pass_name: str, found: planner.Path) -> bool:
 
 
 def census(shapes=None) -> list[Entry]:
-    """Each distinct path of the grid (per dtype kind) with the cheapest shape taking it (stable shapes first)."""
+    """Each distinct path of the grid (per dtype kind) with the cheapest shape taking it (stable
+    shapes first, then shapes whose layout has blocks)."""
     best: dict = {}
-    for shape in sorted(shapes or grid(), key=lambda s: s.cost):
+    # Layouts with blocks first: an empty layout takes a path without multiplying anything.
+    for shape in sorted(shapes or grid(), key=lambda s: (s.index().nnzb == 0, s.cost)):
         for pass_name in PASSES:
             if pass_name == "updat" and shape.index().nnzb == 0:
                 continue  # no block to write: the backend launches nothing
