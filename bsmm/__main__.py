@@ -67,7 +67,7 @@ def _bench(args) -> int:
         if meta["tuned_entries"]:
             print(f"note: {meta['tuned_entries']} launch tiles tuned on this machine are in effect "
                   "(BSMM_TUNED=0 measures bsmm.toml's)", file=sys.stderr)
-        rows = bench_gpu(workloads=tuple(args.workloads.split(",")), progress=log, quick=args.quick,
+        rows = bench_gpu(workloads=tuple((args.workloads or "S,T,I").split(",")), progress=log, quick=args.quick,
                          only_dtypes=args.dtype and tuple(args.dtype.split(",")),
                          only_block_sizes=args.block_size and tuple(int(b) for b in args.block_size.split(",")))
         print(format_gpu_table(rows))
@@ -94,7 +94,11 @@ def _bench_framework(args, log, meta) -> int:
     if not gpu_available():
         print("bench --framework needs a CUDA GPU and CuPy", file=sys.stderr)
         return 2
-    workloads = tuple(w for w in args.workloads.split(",") if w in SHAPES) or ("S",)
+    workloads = tuple((args.workloads or "S,D,F").split(","))
+    unknown = [w for w in workloads if w not in SHAPES]
+    if unknown:
+        print(f"bench --framework times workloads {', '.join(SHAPES)}; got {', '.join(unknown)}", file=sys.stderr)
+        return 2
     rows = []
     for framework in args.framework.split(","):
         if framework == "torch":
@@ -186,7 +190,8 @@ def main(argv=None) -> int:
     commands.add_parser("demo", help="run the seed's example and a short speed table").set_defaults(run=_demo)
     bench = commands.add_parser("bench", help="each pass side by side with the dense product")
     bench.add_argument("--backend", choices=("auto", "cpu", "gpu"), default="auto")
-    bench.add_argument("--workloads", default="S,T,I", help="GPU: workloads of BENCHMARKS.md, comma-separated")
+    bench.add_argument("--workloads", help="GPU: workloads of BENCHMARKS.md, comma-separated (default S,T,I; "
+                       "with --framework S,D,F)")
     bench.add_argument("--quick", action="store_true", help="GPU: fewer block sizes and densities")
     bench.add_argument("--framework", help="torch and/or cupy, comma-separated: time what users run (the layer's "
                        "training step, forward and allocating calls, and host time per call) beside the dense layer, "

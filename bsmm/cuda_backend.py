@@ -27,7 +27,7 @@ from .dtypes import DTYPE_NAMES
 from .launches import SerializedLaunch
 from .kernels import ELEMENT_BYTES, BlockTransposeVariant, GatherVariant, TransposeVariant, Variant, load_kernel
 from .planner import (Device, Path, copies, copy_row_elements, launch_layout, layout_path, math_mode,  # noqa: F401
-                      recording_table_lookups, tile_for, transposed_layout, transposes_updat, transposes_weights)
+                      recording_table_lookups, tile_for, transposed_layout, transposes_weights)
 from .strided import BlockOrder, check_strided_operands, virtual_width
 from .tensor_maps import MAP_BYTES, tensor_map
 
@@ -253,7 +253,7 @@ def _build_plan(index: BlockIndex, pass_name: str, n: int, dtype: str, feature_a
             workspace_floats=layout.workspace_floats,
             counter_count=layout.counter_count,
             band_rows=layout.band_rows,
-            path=layout_path(pass_name or variant.pass_name, copied, layout, traits),
+            path=layout_path(pass_name, copied, layout, traits),
             **layout.tma_fields,
         )
 
@@ -282,6 +282,8 @@ def recording_paths() -> Iterator[list]:
         yield found
     finally:
         _paths = None
+
+
 _PLAN_LOCK = threading.Lock()
 
 
@@ -425,11 +427,6 @@ class TransposedWeightsFprop:
         w_t, _ = _per_stream(self.workspaces, stream_ptr, lambda: allocate_workspace(4 * self.weight_count))
         self.transpose.launch(stream_ptr, w_ptr, w_t, self.order.data.ptr)
         self.plan.launch(stream_ptr, x_ptr, w_t, out_ptr, sizes, accumulate)
-
-
-def _transposes(index: BlockIndex, n: int, dtype: str, feature_axis: int, aligned: bool, tf32: bool = False) -> bool:
-    """Whether updat takes :class:`TransposedUpdat` on the current device (:func:`bsmm.planner.transposes_updat`)."""
-    return transposes_updat(index, n, dtype, feature_axis, aligned, device_traits(cupy.cuda.Device()), tf32)
 
 
 def plan_for(index: BlockIndex, pass_name: str, n: int, dtype: str, feature_axis: int, tf32: bool,

@@ -5,8 +5,8 @@ For one (layout, pass, N, dtype, feature axis, math mode, alignment) on a :class
 launch tables, column or row groups, streamed blocks, parts and their reduction, TMA and
 wgmma, transposed copies, bands, programmatic launches) and :func:`launch_layout` builds the
 step tables, segments and grid of that choice. :mod:`bsmm.cuda_backend` uploads them and
-launches; :class:`Path` names the decisions, so that a test (and ``tools/path_census.py``)
-can say which path a shape takes without running it.
+launches; :class:`Path` names the decisions, so that a test (and ``tests/path_census.py``)
+can say which path a shape takes without running it (``tests/path_census.py``).
 """
 
 from __future__ import annotations

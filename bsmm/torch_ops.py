@@ -459,15 +459,20 @@ class _EagerProduct(torch.autograd.Function):
 
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)  # tensors of no subclass (a layer's weight is a Parameter)
+_EAGER_DEVICES = ("cpu", "cuda")  # (meta tensors take the operator's fake implementation)
+# A TorchDispatchMode (make_fx tracing, FlopCounterMode, ...) sees the operators, not the kernels.
+_dispatch_mode = torch.utils._python_dispatch._get_current_dispatch_mode
 _functorch_level = getattr(getattr(torch._C, "_functorch", None), "maybe_current_level", lambda: None)
 
 
 def product(x: torch.Tensor, w: torch.Tensor, key: str, feature_axis: int, tf32: bool) -> torch.Tensor:
     """``bsmm::matmul`` (y = x·W, differentiable in both), through :class:`_EagerProduct` in eager
-    mode on plain tensors, else the custom operator (``torch.compile``, fake and functorch
-    tensors, tensor subclasses)."""
-    if (x.__class__ in _PLAIN and w.__class__ in _PLAIN and not torch.compiler.is_compiling()
-            and _functorch_level() is None):
+    mode on plain CPU and CUDA tensors, else the custom operator (``torch.compile``, ``make_fx``
+    and other dispatch modes, ``torch.jit.trace``, fake, meta and functorch tensors, tensor
+    subclasses)."""
+    if (x.__class__ in _PLAIN and w.__class__ in _PLAIN and x.device.type in _EAGER_DEVICES
+            and not torch.compiler.is_compiling() and _functorch_level() is None and _dispatch_mode() is None
+            and not torch.jit.is_tracing()):
         return _EagerProduct.apply(x, w, key, feature_axis, tf32)
     return matmul(x, w, key, feature_axis, tf32)
 

@@ -4,8 +4,9 @@ The planner (:mod:`bsmm.planner`) picks a pass's path from its shape: the launch
 (by batch class), column or row groups, streamed blocks, parts, TMA, wgmma, transposed copies,
 bands. :func:`census` walks a grid of shapes (every dtype, TF32, block size, feature axis and
 alignment; batches on both sides of every threshold; narrow, wide, dense, skewed, rectangular
-and empty layouts) on a model H100, with Hopper's kernels on and off (off gives the paths of
-sm_80 and of ``BSMM_WGMMA=0 BSMM_TMA=0``), and keeps for each distinct :class:`bsmm.planner.Path`
+and empty layouts) on a model H100, with Hopper's kernels on and off (``BSMM_WGMMA=0 BSMM_TMA=0``:
+the kernels sm_80 runs, though on an sm_80 device launches are not serialized and TF32 passes
+take no transposed copies, paths the census does not hold), and keeps for each distinct :class:`bsmm.planner.Path`
 the cheapest shape that takes it. ``tests/test_census.py`` checks on the CPU that the walk
 reaches every line of the selection code and every launch-table entry, and on a GPU runs each
 kept shape through the three passes against float64, asserting the path it took.
@@ -31,7 +32,7 @@ PASSES = ("fprop", "bprop", "updat")
 #: Batches on both sides of the batch classes (16, 32, 64), of one updat step (BK 16 to 64), of
 #: the thresholds at 1024 rows (transposed copies, wgmma column groups), and N = 1.
 BATCHES = (1, 8, 16, 17, 32, 33, 64, 65, 256, 1024, 2048)
-#: Hopper's kernels on (sm_90a) and off (the paths of sm_80, and of BSMM_WGMMA=0 BSMM_TMA=0).
+#: Hopper's kernels on (sm_90a) and off (BSMM_WGMMA=0 BSMM_TMA=0: the kernels of sm_80).
 MODES = ("hopper", "no-hopper")
 
 

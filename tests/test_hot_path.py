@@ -74,12 +74,21 @@ def test_torch_training_step_after_the_first_plans_nothing_and_allocates_its_out
         y.backward(grad)
         return y.detach().clone(), x.grad.clone(), layer.weight.grad.clone()
 
+    from bsmm import torch_ops
+
     first = step()
     torch.cuda.synchronize()
     before = dict(spies)
     stats = torch.cuda.memory_stats()["allocation.all.allocated"]
-    again = step()
+    checked = []
+    into_new = torch_ops._into_new
+    torch_ops._into_new = lambda *args, **kwargs: checked.append(args) or into_new(*args, **kwargs)
+    try:
+        again = step()
+    finally:
+        torch_ops._into_new = into_new
     torch.cuda.synchronize()
+    assert not checked, "a repeated step took the checked (DLPack) path instead of the kept raw-pointer call"
     assert spies == before, f"a repeated step planned, uploaded or synchronised: {before} -> {spies}"
     # y, dx, dW, and the three clones of this test
     assert torch.cuda.memory_stats()["allocation.all.allocated"] - stats == 6
@@ -131,3 +140,41 @@ def test_torch_compile_reduce_overhead_matches_eager(cupy):
     for _ in range(3):
         got = compiled(x)
     assert torch.equal(got, layer(x))
+
+
+@pytest.mark.gpu
+def test_torch_repeat_calls_still_refuse_what_the_first_call_would(cupy):
+    """The raw-pointer repeat checks what could differ from the call it repeats; anything else takes
+    the checked path, which raises or computes as on a first call."""
+    torch = pytest.importorskip("torch")
+    from bsmm import torch_ops
+
+    index = bsmm.block_index(_layout(), 32)
+    registration = torch_ops.register(index)  # held: keeps the key registered
+    key = registration.key
+    x = torch.randn(32, index.C, device="cuda", dtype=torch.float16)
+    w = torch.randn(index.w_shape, device="cuda", dtype=torch.float16)
+    expected = torch_ops.matmul(x, w, key, 1, False)
+    with pytest.raises(TypeError, match="w has dtype torch.float32"):
+        torch_ops.matmul(x, w.float(), key, 1, False)
+    with pytest.raises(ValueError, match="w must be contiguous"):
+        torch_ops.matmul(x, w.transpose(1, 2), key, 1, False)
+    with pytest.raises(ValueError, match="w must have shape"):
+        torch_ops.matmul(x, w[:-1], key, 1, False)
+    shifted = torch.empty(x.numel() + 1, device="cuda", dtype=x.dtype)[1:].view_as(x)  # 2 bytes past 16
+    shifted.copy_(x)
+    assert torch.equal(torch_ops.matmul(shifted, w, key, 1, False), expected)
+
+
+def test_traced_layers_record_the_operator():
+    """make_fx (a dispatch mode) sees bsmm::matmul, not the eager path's kernels: its graph replays."""
+    torch = pytest.importorskip("torch")
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    import bsmm.torch
+
+    layer = bsmm.torch.BlockSparseLinear(32, 32, np.array([[1, 0], [1, 1]]), block_size=16, bias=False)
+    graph = make_fx(layer)(torch.randn(4, 32))
+    assert "bsmm.matmul" in str(graph.graph)
+    x = torch.randn(4, 32)
+    assert torch.allclose(graph(x), layer(x), atol=1e-5)

@@ -714,7 +714,8 @@ def test_updat_through_transposed_copies(xp, bs, dtype, wgmma, monkeypatch):
             padded[:, :n] = to_numpy(source).T
             assert to_numpy(copy).tobytes() == padded.tobytes(), f"transposed copy N={n}"
     monkeypatch.setitem(kernels, "updat_transpose_max_bytes", 0)
-    assert not cuda_backend._transposes(case.op.index, 1001, dtype, 1, True)
+    assert not bsmm.planner.transposes_updat(case.op.index, 1001, dtype, 1, True,
+                                             cuda_backend.device_traits(xp.cuda.Device()))
 
 
 @pytest.mark.gpu
