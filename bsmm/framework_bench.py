@@ -3,7 +3,8 @@ framework's dense layer, and the host time of each call (``python -m bsmm bench 
 
 - ``torch``: ``bsmm.torch.BlockSparseLinear`` against ``nn.Linear`` of the same shape and dtype
   (no bias on either). The *training step* is a forward, then a backward producing dx and dW,
-  gradients set to None each step; the *forward* is the layer's call alone. Each is timed eager
+  gradients set to None each step; the *forward* is the layer's call alone (recording autograd's
+  graph, and under ``torch.no_grad()`` as inference runs it). Each is timed eager
   and as a replay of a CUDA graph (``torch.cuda.CUDAGraph``) it was captured into.
 - ``cupy``: the plain allocating call ``y = op(x, w)`` (and ``op.bprop``, ``op.updat``) against
   ``cupy.matmul`` of the dense shape.
@@ -44,7 +45,7 @@ class FrameworkRow:
     workload: str
     dtype: str
     density: float
-    measure: str  # forward, step, forward graph, step graph, host forward, host step; cupy: the pass
+    measure: str  # forward (no_grad), step, forward/step graph, host forward (no_grad), host step; cupy: the pass
     sparse_s: float
     dense_s: float
 
@@ -92,6 +93,10 @@ def _torch_steps(torch, layer, x):
     def forward():
         return layer(x)
 
+    def inference():
+        with torch.no_grad():
+            return layer(x)
+
     def step():
         layer.weight.grad = None
         x.grad = None
@@ -99,7 +104,7 @@ def _torch_steps(torch, layer, x):
 
     with torch.no_grad():
         gradient = torch.randn_like(layer(x))
-    return forward, step
+    return forward, inference, step
 
 
 def _torch_graph(torch, run):
@@ -136,11 +141,13 @@ def bench_torch(workloads=("S",), host: bool = True, graphs: bool = True,
             x = torch.randn(n, c, device="cuda", dtype=dtype, requires_grad=True)
             measured = {}
             for name, layer in (("sparse", sparse), ("dense", dense)):
-                forward, step = _torch_steps(torch, layer, x)
+                forward, inference, step = _torch_steps(torch, layer, x)
                 times = {"forward": _gpu_time(forward, sync, event, elapsed),
+                         "forward no_grad": _gpu_time(inference, sync, event, elapsed),
                          "step": _gpu_time(step, sync, event, elapsed)}
                 if host:
                     times["host forward"] = _host_time(forward, sync)
+                    times["host forward no_grad"] = _host_time(inference, sync)
                     times["host step"] = _host_time(step, sync)
                 if graphs:
                     times["forward graph"] = _gpu_time(_torch_graph(torch, forward), sync, event, elapsed)

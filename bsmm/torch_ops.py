@@ -473,7 +473,9 @@ def product(x: torch.Tensor, w: torch.Tensor, key: str, feature_axis: int, tf32:
     if (x.__class__ in _PLAIN and w.__class__ in _PLAIN and x.device.type in _EAGER_DEVICES
             and not torch.compiler.is_compiling() and _functorch_level() is None and _dispatch_mode() is None
             and not torch.jit.is_tracing()):
-        return _EagerProduct.apply(x, w, key, feature_axis, tf32)
+        if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad):
+            return _EagerProduct.apply(x, w, key, feature_axis, tf32)
+        return run_pass("fprop", x, w, key, feature_axis, tf32)  # inference: no graph to record
     return matmul(x, w, key, feature_axis, tf32)
 
 

@@ -178,3 +178,16 @@ def test_traced_layers_record_the_operator():
     assert "bsmm.matmul" in str(graph.graph)
     x = torch.randn(4, 32)
     assert torch.allclose(graph(x), layer(x), atol=1e-5)
+
+
+def test_inference_calls_record_no_graph_and_match_the_training_forward():
+    torch = pytest.importorskip("torch")
+    import bsmm.torch
+
+    layer = bsmm.torch.BlockSparseLinear(32, 48, np.array([[1, 0, 1], [0, 1, 1]]), block_size=16)
+    x = torch.randn(5, 32)
+    trained = layer(x)
+    with torch.no_grad():
+        inferred = layer(x)
+    assert trained.grad_fn is not None and inferred.grad_fn is None
+    assert torch.equal(trained.detach(), inferred)
