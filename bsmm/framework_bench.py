@@ -26,7 +26,7 @@ import numpy as np
 
 from .layouts import random_layout
 
-__all__ = ["FrameworkRow", "bench_torch", "bench_cupy", "format_rows", "SHAPES"]
+__all__ = ["FrameworkRow", "bench_torch", "bench_cupy", "capture_graph", "format_rows", "SHAPES"]
 
 #: (name, N, C, K, block size, densities, dtypes): the seed's shape (S), decode (D), the F up layer.
 SHAPES = {
@@ -107,8 +107,10 @@ def _torch_steps(torch, layer, x):
     return forward, inference, step
 
 
-def _torch_graph(torch, run):
-    """``run`` captured into a CUDA graph (after a warm-up on a side stream); its replay."""
+def capture_graph(torch, run):
+    """``run`` captured into a CUDA graph after three warm-up calls on a side stream (the
+    warm-up builds bsmm's plans, which capture cannot); returns (the graph's replay, what the
+    captured call returned)."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -117,8 +119,8 @@ def _torch_graph(torch, run):
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        run()
-    return graph.replay
+        captured = run()
+    return graph.replay, captured
 
 
 def bench_torch(workloads=("S",), host: bool = True, graphs: bool = True,
@@ -150,8 +152,8 @@ def bench_torch(workloads=("S",), host: bool = True, graphs: bool = True,
                     times["host forward no_grad"] = _host_time(inference, sync)
                     times["host step"] = _host_time(step, sync)
                 if graphs:
-                    times["forward graph"] = _gpu_time(_torch_graph(torch, forward), sync, event, elapsed)
-                    times["step graph"] = _gpu_time(_torch_graph(torch, step), sync, event, elapsed)
+                    times["forward graph"] = _gpu_time(capture_graph(torch, forward)[0], sync, event, elapsed)
+                    times["step graph"] = _gpu_time(capture_graph(torch, step)[0], sync, event, elapsed)
                 measured[name] = times
             for measure in measured["sparse"]:
                 row = FrameworkRow("torch", workload, dtype_name, density, measure, measured["sparse"][measure],

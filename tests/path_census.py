@@ -25,6 +25,7 @@ import numpy as np
 
 import bsmm
 from bsmm import planner
+from reference import kind_dtype
 
 KINDS = ("float32", "tf32", "float16", "bfloat16")
 BLOCK_SIZES = (8, 16, 32, 64, 128)
@@ -51,7 +52,7 @@ class Shape:
 
     @property
     def dtype(self) -> str:
-        return "float32" if self.kind == "tf32" else self.kind
+        return kind_dtype(self.kind)
 
     @property
     def tf32(self) -> bool:

@@ -28,6 +28,11 @@ TOLERANCE: dict[str, float] = {"float32": 1e-5, "tf32": 2e-3, "float16": 1e-2, "
 _TINY = np.finfo(np.float64).tiny
 
 
+def kind_dtype(kind: str) -> str:
+    """The array dtype of a kind of TOLERANCE (TF32 runs on float32 data)."""
+    return "float32" if kind == "tf32" else kind
+
+
 def tolerance(dtype) -> float:
     """Tolerance for ``dtype`` (a name, NumPy dtype or type)."""
     name = dtype if isinstance(dtype, str) else np.dtype(dtype).name

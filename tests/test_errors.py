@@ -195,33 +195,25 @@ def test_feature_axis_must_be_0_or_1(feature_axis):
                    re.escape(f"feature_axis must be 0 or 1; got {feature_axis!r}"), layout)
 
 
-@pytest.mark.parametrize("feature_axis", ["1", True, np.bool_(False), 0.5, 1.0, [1]])
-def test_feature_axis_must_be_an_int(feature_axis):
-    """1.0 and True are not axes, though they compare equal to 1."""
+@pytest.mark.parametrize("option, value, expected", [
+    *[("feature_axis", v, "an int, 0 or 1") for v in ("1", True, np.bool_(False), 0.5, 1.0, [1])],
+    *[("tf32", v, "a bool or None") for v in ("no", "False", 0, 1, 0.0, [True])],
+])
+def test_operator_options_must_have_their_types(option, value, expected):
+    """feature_axis 1.0 or True is no axis, though each compares equal to 1; tf32="no" used to be
+    taken as True (a non-empty string is truthy)."""
     layout = LAYOUT.copy()
-    kind = type(feature_axis).__name__
-    assert_refused(lambda: bsmm.BlocksparseMatMul(layout, block_size=BS, feature_axis=feature_axis), TypeError,
-                   rf"feature_axis must be an int, 0 or 1; got .* \({kind}\)", layout)
+    kind = type(value).__name__
+    assert_refused(lambda: bsmm.BlocksparseMatMul(layout, block_size=BS, **{option: value}), TypeError,
+                   rf"{option} must be {expected}; got .* \({kind}\)", layout)
     index = bsmm.block_index(layout, BS)
-    assert_refused(lambda: bsmm.BlocksparseMatMul.from_index(index, feature_axis=feature_axis), TypeError,
-                   "feature_axis must be an int, 0 or 1", layout)
+    assert_refused(lambda: bsmm.BlocksparseMatMul.from_index(index, **{option: value}), TypeError,
+                   f"{option} must be {expected}", layout)
 
 
 def test_numpy_integer_feature_axis_is_accepted():
     op = bsmm.BlocksparseMatMul(LAYOUT, block_size=BS, feature_axis=np.int8(0))
     assert op.feature_axis == 0 and type(op.feature_axis) is int
-
-
-@pytest.mark.parametrize("tf32", ["no", "False", 0, 1, 0.0, [True]])
-def test_tf32_must_be_a_bool(tf32):
-    """tf32="no" used to be taken as True (a non-empty string is truthy)."""
-    layout = LAYOUT.copy()
-    kind = type(tf32).__name__
-    assert_refused(lambda: bsmm.BlocksparseMatMul(layout, block_size=BS, tf32=tf32), TypeError,
-                   rf"tf32 must be a bool or None; got .* \({kind}\)", layout)
-    index = bsmm.block_index(layout, BS)
-    assert_refused(lambda: bsmm.BlocksparseMatMul.from_index(index, tf32=tf32), TypeError,
-                   "tf32 must be a bool or None", layout)
 
 
 def test_tf32_is_checked_by_the_convolution_too():

@@ -112,17 +112,11 @@ def test_torch_training_step_in_a_cuda_graph_replays_what_eager_computes(cupy):
         y.backward(grad)
         return y
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            step()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        y = step()
+    from bsmm.framework_bench import capture_graph
+
+    replay, y = capture_graph(torch, step)
     x.data.copy_(torch.randn_like(x))
-    graph.replay()
+    replay()
     replayed = (y.clone(), x.grad.clone(), layer.weight.grad.clone())
     eager = step()
     assert torch.equal(replayed[0], eager)

@@ -51,7 +51,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from reference import TOLERANCE  # noqa: E402  (tests/reference.py: the tolerances of the test suite)
+from reference import TOLERANCE, kind_dtype  # noqa: E402  (tests/reference.py: the tolerances of the test suite)
 
 BLOCK_SIZES = (8, 16, 32, 64, 128)
 KINDS = ("float32", "tf32", "float16", "bfloat16")
@@ -93,7 +93,7 @@ class Case:
     @property
     def dtype(self) -> str:
         """The array dtype's name (tf32 runs on float32 data)."""
-        return "float32" if self.kind == "tf32" else self.kind
+        return kind_dtype(self.kind)
 
     @property
     def tf32(self) -> bool:
