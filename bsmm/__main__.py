@@ -89,7 +89,7 @@ def _bench_framework(args, log, meta) -> int:
     """``bench --framework``: what users run, beside the framework's dense layer (bsmm.framework_bench)."""
     import json
 
-    from .framework_bench import SHAPES, bench_cupy, bench_torch, format_rows
+    from .framework_bench import SHAPES, bench_cupy, bench_jax, bench_torch, format_rows
 
     if not gpu_available():
         print("bench --framework needs a CUDA GPU and CuPy", file=sys.stderr)
@@ -99,15 +99,19 @@ def _bench_framework(args, log, meta) -> int:
     if unknown:
         print(f"bench --framework times workloads {', '.join(SHAPES)}; got {', '.join(unknown)}", file=sys.stderr)
         return 2
+    frameworks = args.framework.split(",")
+    unknown = [f for f in frameworks if f not in ("torch", "jax", "cupy")]
+    if unknown:
+        print(f"--framework takes torch, jax and cupy; got {', '.join(map(repr, unknown))}", file=sys.stderr)
+        return 2
     rows = []
-    for framework in args.framework.split(","):
+    for framework in frameworks:
         if framework == "torch":
             rows += bench_torch(workloads, progress=log)
         elif framework == "cupy":
             rows += bench_cupy(workloads, progress=log)
         else:
-            print(f"--framework takes torch and cupy; got {framework!r}", file=sys.stderr)
-            return 2
+            rows += bench_jax(workloads, progress=log)
     print(format_rows(rows))
     if args.json:
         with open(args.json, "w") as file:
@@ -193,7 +197,7 @@ def main(argv=None) -> int:
     bench.add_argument("--workloads", help="GPU: workloads of BENCHMARKS.md, comma-separated (default S,T,I; "
                        "with --framework S,D,F)")
     bench.add_argument("--quick", action="store_true", help="GPU: fewer block sizes and densities")
-    bench.add_argument("--framework", help="torch and/or cupy, comma-separated: time what users run (the layer's "
+    bench.add_argument("--framework", help="torch, jax and/or cupy, comma-separated: time what users run (the layer's "
                        "training step, forward and allocating calls, and host time per call) beside the dense layer, "
                        "on workloads S, D, F")
     bench.add_argument("--N", type=int, default=32, help="CPU: batch rows")

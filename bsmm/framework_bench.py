@@ -6,18 +6,25 @@ framework's dense layer, and the host time of each call (``python -m bsmm bench 
   gradients set to None each step; the *forward* is the layer's call alone (recording autograd's
   graph, and under ``torch.no_grad()`` as inference runs it). Each is timed eager
   and as a replay of a CUDA graph (``torch.cuda.CUDAGraph``) it was captured into.
+- ``jax``: ``bsmm.jax.blocksparse_matmul`` against ``x @ W`` of the same shape and dtype, each
+  jit-compiled: the forward, and the training step ``jax.vjp`` of the product applied to a
+  cotangent (dx and dW), as one jitted function. Timed by the wall clock around batches of
+  calls ending in ``block_until_ready`` (JAX has no CUDA events), which is GPU time wherever
+  the host keeps ahead. With ``XLA_FLAGS=--xla_gpu_graph_min_graph_size=1`` XLA replays even a
+  one-layer program from a CUDA graph, as it does a whole model's by default; the rows say so.
 - ``cupy``: the plain allocating call ``y = op(x, w)`` (and ``op.bprop``, ``op.updat``) against
   ``cupy.matmul`` of the dense shape.
 
 GPU time: CUDA events around batches of back-to-back calls from Python (per-call time =
-batch time / calls), warm-up first, the median of the batches. Host time: many calls back to
-back with a wall clock and no synchronisation inside the loop, divided by their count (the
-GPU must not be the bottleneck there: the queue of launches never fills at these shapes).
+batch time / calls), warm-up first, the median of the batches. Host time: bursts of calls
+with a wall clock, the GPU idle at the start of each burst and no synchronisation inside it,
+so that the host never waits for the GPU (:func:`_host_time`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 import statistics
 import time
 from typing import Callable
@@ -26,7 +33,7 @@ import numpy as np
 
 from .layouts import random_layout
 
-__all__ = ["FrameworkRow", "bench_torch", "bench_cupy", "capture_graph", "format_rows", "SHAPES"]
+__all__ = ["FrameworkRow", "bench_torch", "bench_cupy", "bench_jax", "capture_graph", "format_rows", "SHAPES"]
 
 #: (name, N, C, K, block size, densities, dtypes): the seed's shape (S), decode (D), the F up layer.
 SHAPES = {
@@ -76,8 +83,11 @@ def _gpu_time(run: Callable[[], object], synchronize, event, elapsed_ms, calls: 
     return statistics.median(samples)
 
 
-def _host_time(run: Callable[[], object], synchronize, calls: int = 300, rounds: int = 5) -> float:
-    """Median wall-clock seconds per call of ``calls`` calls with no synchronisation inside."""
+def _host_time(run: Callable[[], object], synchronize, calls: int = 20, rounds: int = 25) -> float:
+    """Median wall-clock seconds per call of bursts of ``calls`` calls with no synchronisation
+    inside, the GPU idle at the start of each: a burst queues far fewer launches than CUDA's
+    queue holds, so the GPU never makes the host wait and the time is the host's alone (a long
+    loop measures the GPU instead wherever it is the slower of the two, as for a dense layer)."""
     samples = []
     for _ in range(rounds):
         synchronize()
@@ -85,7 +95,7 @@ def _host_time(run: Callable[[], object], synchronize, calls: int = 300, rounds:
         for _ in range(calls):
             run()
         samples.append((time.perf_counter() - start) / calls)
-        synchronize()
+    synchronize()
     return statistics.median(samples)
 
 
@@ -155,6 +165,11 @@ def bench_torch(workloads=("S",), host: bool = True, graphs: bool = True,
                     times["forward graph"] = _gpu_time(capture_graph(torch, forward)[0], sync, event, elapsed)
                     times["step graph"] = _gpu_time(capture_graph(torch, step)[0], sync, event, elapsed)
                 measured[name] = times
+            if workload == "D":  # the inference shape: PyTorch's own block-sparse product too
+                measured["dense"]["forward no_grad, PyTorch BSR F.linear as dense"] = _bsr_linear_time(
+                    torch, sparse, x, bs, sync, event, elapsed)
+                measured["sparse"]["forward no_grad, PyTorch BSR F.linear as dense"] = \
+                    measured["sparse"]["forward no_grad"]
             for measure in measured["sparse"]:
                 row = FrameworkRow("torch", workload, dtype_name, density, measure, measured["sparse"][measure],
                                    measured["dense"][measure])
@@ -162,6 +177,19 @@ def bench_torch(workloads=("S",), host: bool = True, graphs: bool = True,
                 if progress:
                     progress(format_rows([row], header=False))
     return rows
+
+
+def _bsr_linear_time(torch, sparse, x, block_size: int, sync, event, elapsed) -> float:
+    """GPU time of ``F.linear(x, W)`` under ``torch.no_grad()`` with ``W`` the layer's weight as
+    PyTorch's BSR tensor (``to_sparse_bsr``, blocks of the layer's block size)."""
+    weight = sparse.to_dense_weight().detach().t().contiguous().to_sparse_bsr((block_size, block_size))
+    inputs = x.detach()
+
+    def run():
+        with torch.no_grad():
+            return torch.nn.functional.linear(inputs, weight)
+
+    return _gpu_time(run, sync, event, elapsed)
 
 
 def bench_cupy(workloads=("S",), progress: Callable[[str], None] | None = None) -> list[FrameworkRow]:
@@ -192,6 +220,87 @@ def bench_cupy(workloads=("S",), progress: Callable[[str], None] | None = None) 
                     if progress:
                         progress(format_rows([row], header=False))
     return rows
+
+
+def bench_jax(workloads=("S",), progress: Callable[[str], None] | None = None) -> list[FrameworkRow]:
+    """``bsmm.jax.blocksparse_matmul`` against ``x @ W`` under ``jax.jit``: forward, training step
+    (``jax.vjp`` applied to a cotangent: dx and dW) and the host time of each call."""
+    import jax
+    import jax.numpy as jnp
+
+    import bsmm
+    import bsmm.jax
+
+    # XLA records a program into a command buffer (CUDA graph) only past a number of ops that one
+    # layer does not reach, unless told otherwise: say so in the rows.
+    graphs = "--xla_gpu_graph_min_graph_size=1" in os.environ.get("XLA_FLAGS", "")
+    framework = "jax (XLA graphs from 1 op)" if graphs else "jax"
+    rows = []
+    for workload in workloads:
+        n, c, k, bs, densities, dtypes = SHAPES[workload]
+        for dtype_name, density in ((d, p) for d in dtypes for p in densities):
+            dtype = jnp.dtype(dtype_name)
+            rng = np.random.default_rng(0)
+            op = bsmm.BlocksparseMatMul(random_layout(c // bs, k // bs, density, seed=0), block_size=bs)
+            x, g = (jnp.asarray(rng.standard_normal(s), dtype) for s in ((n, c), (n, k)))
+            w = jnp.asarray(rng.standard_normal(op.w_shape), dtype)
+            W = jnp.asarray(rng.standard_normal((c, k)), dtype)
+            products = {"sparse": (lambda x, w: bsmm.jax.blocksparse_matmul(x, w, op), w),
+                        "dense": (lambda x, W: x @ W, W)}
+            measured = {}
+            for name, (product, weights) in products.items():
+                forward = jax.jit(product)
+                step = jax.jit(lambda x, w, product=product: jax.vjp(product, x, w)[1](g))
+                calls = {"forward": lambda: _jax_ready.keep(forward(x, weights)),
+                         "step": lambda: _jax_ready.keep(step(x, weights))}
+                times = {}
+                for measure, run in calls.items():
+                    times[measure] = _gpu_time(run, _jax_ready.wait, _JaxEvent, _JaxEvent.elapsed_ms)
+                    times[f"host {measure}"] = _host_time(run, _jax_ready.wait)
+                measured[name] = times
+            for measure in measured["sparse"]:
+                row = FrameworkRow(framework, workload, dtype_name, density, measure, measured["sparse"][measure],
+                                   measured["dense"][measure])
+                rows.append(row)
+                if progress:
+                    progress(format_rows([row], header=False))
+    return rows
+
+
+class _JaxReady:
+    """What JAX launched last, to wait for: JAX has no events, so a timed batch ends by blocking
+    on the last call's result (calls on one device run in order)."""
+
+    def __init__(self):
+        self.last = None
+
+    def keep(self, result):
+        self.last = result
+
+    def wait(self):
+        import jax
+
+        if self.last is not None:
+            jax.block_until_ready(self.last)
+
+
+_jax_ready = _JaxReady()
+
+
+class _JaxEvent:
+    """A wall-clock stand-in for a CUDA event in :func:`_gpu_time`: ``record`` marks the time after
+    waiting for what was launched before, as an event completing would."""
+
+    def record(self):
+        _jax_ready.wait()
+        self.time = time.perf_counter()
+
+    def synchronize(self):
+        pass
+
+    @staticmethod
+    def elapsed_ms(begin, end) -> float:
+        return (end.time - begin.time) * 1e3
 
 
 def format_rows(rows: list[FrameworkRow], header: bool = True) -> str:

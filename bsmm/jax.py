@@ -23,6 +23,12 @@ on a GPU, XLA's stream:
   a pass's first use) comes from CuPy's pool, outside the share of GPU memory
   that XLA preallocates; lower ``XLA_PYTHON_CLIENT_MEM_FRACTION`` if CuPy runs
   out.
+- Repeats: a CUDA pass of a shape seen before launches on the buffers' raw pointers through the
+  call the operator kept (no CuPy arrays, no stream objects), and XLA may record it into its
+  command buffers (CUDA graphs) after its first call and replay it without calling Python at
+  all: XLA does so for programs of enough operations (``--xla_gpu_graph_min_graph_size``), as
+  a model's training step is. ``[jax] command_buffers = false`` in the configuration turns the
+  recording off for passes traced afterwards; convolution passes are never recorded.
 
 Which backend runs is decided per call from the DLPack device type of the
 buffers XLA passes (``__dlpack_device__``), i.e. where XLA actually placed the

@@ -15,7 +15,7 @@ from __future__ import annotations
 import ctypes
 import functools
 
-__all__ = ["SerializedLaunch"]
+__all__ = ["SerializedLaunch", "current_device"]
 
 _PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
 
@@ -62,3 +62,14 @@ class SerializedLaunch:
         result = self.driver(*self.arguments(parameters_address))
         if result:
             raise RuntimeError(f"cuLaunchKernelEx failed (CUresult {result})")
+
+
+def current_device() -> int:
+    """CUDA's current device, whose context a launch goes to (the GPU backend is imported on the
+    first call, which then rebinds this name to CuPy's ``getDevice``: call it as
+    ``launches.current_device()``)."""
+    global current_device
+    from .cuda_backend import _get_device
+
+    current_device = _get_device
+    return _get_device()

@@ -52,6 +52,7 @@ try:
 except ImportError as error:  # pragma: no cover - depends on the environment
     raise ImportError("bsmm.torch needs PyTorch: pip install torch") from error
 
+from . import launches
 from .block_index import BlockIndex, block_index
 from .conv import BlocksparseConv
 from .matmul import BlocksparseMatMul
@@ -290,13 +291,18 @@ def run_pass(pass_name: str, a: torch.Tensor, b: torch.Tensor, key: str, feature
     pointers (:func:`_repeat_on_cuda`): no DLPack exchange, no re-validation beyond what could
     differ, the output from ``torch.empty``, one launch. Anything else takes the checked path.
     """
+    return _run_on(_matmul_operator(key, feature_axis, tf32), pass_name, a, b, key)
+
+
+def _run_on(op: BlocksparseMatMul, pass_name: str, a: torch.Tensor, b: torch.Tensor, key: str) -> torch.Tensor:
+    """:func:`run_pass` with the operator of ``key`` already looked up."""
     if a.is_cuda:
-        out = _repeat_on_cuda(_matmul_operator(key, feature_axis, tf32), pass_name, a, b)
+        out = _repeat_on_cuda(op, pass_name, a, b)
         if out is not None:
             return out
-    shape = _updat_shape(a, b, key, feature_axis) if pass_name == "updat" else \
-        _product_shape(a, b, key, feature_axis, pass_name)
-    return _into_new(getattr(_matmul_operator(key, feature_axis, tf32), pass_name), a, b, shape)
+    shape = _updat_shape(a, b, key, op.feature_axis) if pass_name == "updat" else \
+        _product_shape(a, b, key, op.feature_axis, pass_name)
+    return _into_new(getattr(op, pass_name), a, b, shape)
 
 
 #: torch dtype -> the NumPy dtype of the CuPy arrays the checked path shares (repeat calls' keys).
@@ -313,24 +319,15 @@ def _repeat_on_cuda(op: BlocksparseMatMul, pass_name: str, a: torch.Tensor, b: t
             a.is_contiguous() and b.is_contiguous()):
         return None
     device = a.get_device()
-    if b.get_device() != device or device != call.device or _current_device() != device:
+    if b.get_device() != device or device != call.device or launches.current_device() != device:
         return None
-    out = torch.empty(call.out_shape, dtype=a.dtype, device=a.device)
+    out = torch.empty(call.out_shape, dtype=a.dtype, device=device)  # (an int is a CUDA device index)
     a_ptr, b_ptr, out_ptr = a.data_ptr(), b.data_ptr(), out.data_ptr()
     if call.aligned and (a_ptr | b_ptr | out_ptr) & 15:
         return None
     stream = _raw_stream(device) if _raw_stream is not None else torch.cuda.current_stream(device).cuda_stream
     call.launch(stream, a_ptr, b_ptr, out_ptr)
     return out
-
-
-def _current_device() -> int:
-    """CUDA's current device (the launch goes to its context); the GPU backend is imported on first use."""
-    global _current_device
-    from .cuda_backend import _get_device
-
-    _current_device = _get_device
-    return _get_device()
 
 
 def _into_new(method, a: torch.Tensor, b: torch.Tensor, shape: tuple, **options) -> torch.Tensor:
@@ -442,7 +439,8 @@ class _EagerProduct(torch.autograd.Function):
         ctx.registration = _REGISTRY.get(key)  # the key stays resolvable until backward
         needs_x, needs_w = ctx.needs_input_grad[:2]
         ctx.save_for_backward(x if needs_w else None, w if needs_x else None)
-        return run_pass("fprop", x, w, key, feature_axis, tf32)
+        ctx.op = _matmul_operator(key, feature_axis, tf32)
+        return _run_on(ctx.op, "fprop", x, w, key)
 
     @staticmethod
     def backward(ctx, grad):
@@ -453,8 +451,9 @@ class _EagerProduct(torch.autograd.Function):
             dx = matmul_bprop(grad, w, *ctx.options) if needs_x else None
             dw = matmul_updat(x, grad, *ctx.options) if needs_w else None
         else:
-            dx = run_pass("bprop", grad, w, *ctx.options) if needs_x else None
-            dw = run_pass("updat", x, grad, *ctx.options) if needs_w else None
+            key = ctx.options[0]
+            dx = _run_on(ctx.op, "bprop", grad, w, key) if needs_x else None
+            dw = _run_on(ctx.op, "updat", x, grad, key) if needs_w else None
         return dx, dw, None, None, None
 
 

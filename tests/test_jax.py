@@ -10,6 +10,7 @@ with ``W`` scattered from the block data by :func:`dense_w` (independent of bsmm
 from __future__ import annotations
 
 import functools
+import json
 import os
 import re
 import subprocess
@@ -642,3 +643,97 @@ def test_gpu_pass_is_ordered_on_xla_stream():
     for _ in range(3):
         y = f(put(x, dev), put(w, dev))
         assert_close(host(y) + 3, ref_fprop(op.layout, w, op.block_size, x * 2 + 1, 1), "float32")
+
+
+_REPLAY_SCRIPT = r'''
+import json
+import jax, jax.numpy as jnp, numpy as np
+import bsmm, bsmm.config, bsmm.jax
+from bsmm import jax_passes
+from bsmm.layouts import random_layout
+
+seen = []
+original = jax_passes._PassCallback.__call__
+
+def counted(self, context, *buffers):
+    import cupy
+    seen.append((self.op is replayed, bool(cupy.cuda.runtime.streamIsCapturing(int(context.stream)))))
+    return original(self, context, *buffers)
+
+jax_passes._PassCallback.__call__ = counted
+layout = random_layout(24, 40, 0.2, seed=3)
+replayed = bsmm.BlocksparseMatMul(layout, block_size=32)  # (C 768, K 1280: rectangular)
+eager = bsmm.BlocksparseMatMul(layout, block_size=32)  # the same layout, traced with replays off
+rng = np.random.default_rng(5)
+dense = jnp.asarray(rng.standard_normal((replayed.C, replayed.C)) / 30, jnp.bfloat16)
+w = jnp.asarray(rng.standard_normal(replayed.w_shape), jnp.bfloat16)
+
+def step_of(op):
+    def loss(x, w):
+        return (bsmm.jax.blocksparse_matmul(jnp.tanh(x @ dense), w, op).astype(jnp.float32) ** 2).sum()
+    return jax.jit(jax.grad(loss, argnums=(0, 1)))
+
+replayed_step = step_of(replayed)
+with bsmm.config.overriding({"jax": {"command_buffers": False}}):
+    eager_step = step_of(eager)
+    jax.block_until_ready(eager_step(jnp.ones((48, replayed.C), jnp.bfloat16), w))
+calls, equal = [], []
+for i in range(10):
+    x = jnp.asarray(rng.standard_normal((48, replayed.C)), jnp.bfloat16)
+    before = sum(1 for mine, _ in seen if mine)
+    got = jax.block_until_ready(replayed_step(x, w))
+    calls.append(sum(1 for mine, _ in seen if mine) - before)
+    expected = eager_step(x, w)
+    equal.append(all(bool((np.asarray(a.astype(jnp.float32)) == np.asarray(b.astype(jnp.float32))).all())
+                     for a, b in zip(got, expected)))
+print(json.dumps({"calls": calls, "equal": equal,
+                  "captured": sum(1 for mine, capturing in seen if mine and capturing),
+                  "eager_captured": sum(1 for mine, capturing in seen if not mine and capturing)}))
+'''
+
+
+@pytest.mark.gpu
+def test_gpu_passes_replay_from_xla_command_buffers():
+    """With XLA's command buffers on for every op (min graph size 1), a jitted training step
+    records bsmm's passes into a CUDA graph after their first, uncaptured call and replays them
+    without calling Python; every replay equals the same step traced with replays off, bitwise,
+    and those passes are never captured."""
+    _gpu_or_skip()
+    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " --xla_gpu_graph_min_graph_size=1").strip(),
+               XLA_PYTHON_CLIENT_PREALLOCATE="false")
+    done = subprocess.run([sys.executable, "-c", _REPLAY_SCRIPT], check=False, capture_output=True, text=True,
+                          env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert all(result["equal"]), result
+    assert result["captured"] > 0, result  # the passes were recorded into a graph
+    assert result["eager_captured"] == 0, result
+    assert sum(result["calls"][-5:]) == 0, result  # later steps replay: no Python callback
+    assert result["calls"][0] >= 2, result  # the first step ran bprop and updat uncaptured
+
+
+@pytest.mark.gpu
+def test_gpu_repeated_pass_launches_on_raw_pointers(monkeypatch):
+    """A pass XLA calls again with a shape it ran before takes the kept call on the buffers' raw
+    pointers (no CuPy arrays): the first call of each pass does not, every later one does."""
+    dev = _gpu_or_skip()
+    taken = []
+    original = bsmm.jax_passes._repeat_on_cuda
+
+    def recorded(*args):
+        taken.append((args[1], original(*args)))
+        return taken[-1][1]
+
+    monkeypatch.setattr(bsmm.jax_passes, "_repeat_on_cuda", recorded)
+    rng = np.random.default_rng(92)
+    op = bsmm.BlocksparseMatMul(random_layout(rng, 8, 12, 0.4), block_size=32)
+    x, w, dy = (put(random_data(rng, shape, "float16"), dev) for shape in ((64, op.C), op.w_shape, (64, op.K)))
+    step = jax.jit(lambda x, w: jax.vjp(lambda x, w: bjax.blocksparse_matmul(x, w, op), x, w)[1](dy))
+    with bsmm.config.overriding({"jax": {"command_buffers": False}}):  # (a replay would call no Python)
+        results = [jax.block_until_ready(step(x, w)) for _ in range(3)]
+    for result in results[1:]:
+        for got, first in zip(result, results[0]):
+            np.testing.assert_array_equal(host(got), host(first))
+    by_pass = {name: [fast for n, fast in taken if n == name] for name in ("bprop", "updat")}
+    assert all(calls[:1] == [False] and all(calls[1:]) and len(calls) >= 2 for calls in by_pass.values()), taken

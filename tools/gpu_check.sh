@@ -3,11 +3,13 @@
 # test suite (each census path among them), the randomized sweep at users' shapes, the checks past
 # 2**31 elements, memcheck and initcheck over a sample of the census, and the benchmark. Full logs
 # go to $OUT; a short table is printed last.
-#   tools/gpu_check.sh [check|smoke|tests|bench|all|note|conv|race|models|tune] [bench args...]
+#   tools/gpu_check.sh [check|smoke|tests|bench|all|note|conv|race|models|tune|framework] [bench args...]
 # check (the default): correctness, then sweep. correctness: compile, census, GPU tests, edges.
 # sweep: compile, the randomized sweep (SWEEP_CASES cases, default 2000, within SWEEP_BUDGET s, default 180), sanitizers (every
-# CENSUS_STRIDE-th census shape, default 25), the framework bench (torch and cupy, S, D, F). (The device tool runs
+# CENSUS_STRIDE-th census shape, default 25), the framework bench (torch, jax and cupy, S, D, F). (The device tool runs
 # 10 minutes a call: there, run correctness and sweep as two calls.)
+# framework: no compile step; tools/host_floor.py (host time per call against the frameworks' own floors, with a
+# cProfile of the PyTorch step), then the framework bench ($FRAMEWORKS, default torch,jax,cupy; $FRAMEWORK_WORKLOADS).
 # note: compile, GPU tests, memcheck of the column-group, row-group, transposed-updat, part-reduction,
 # wgmma, shifted-pass, row-gather and convolution tests, bench, then the convolution benchmark against cuDNN.
 # conv: compile, the convolution, row-gather and strided GPU tests, their memcheck, the conv bench.
@@ -25,9 +27,11 @@ summary=()
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv >"$OUT/gpu.txt" 2>&1
 python3 -c "import cupy, numpy, sys; print('python', sys.version.split()[0], 'cupy', cupy.__version__, 'numpy', numpy.__version__, 'nvrtc', cupy.cuda.nvrtc.getVersion())" | tee -a "$OUT/gpu.txt"
 
-t0=$(date +%s)
-python3 tools/compile_kernels.py --arch sm_90a --jobs 16 --populate-cache --quiet >"$OUT/compile.log" 2>&1 || status=1
-echo "compile: $(tail -1 "$OUT/compile.log") [$(( $(date +%s) - t0 ))s]"
+if [[ $stage != framework ]]; then  # (the framework stage compiles the few kernels it runs on first use)
+  t0=$(date +%s)
+  python3 tools/compile_kernels.py --arch sm_90a --jobs 16 --populate-cache --quiet >"$OUT/compile.log" 2>&1 || status=1
+  echo "compile: $(tail -1 "$OUT/compile.log") [$(( $(date +%s) - t0 ))s]"
+fi
 
 if [[ $stage == smoke || $stage == all ]]; then
   t0=$(date +%s)
@@ -58,11 +62,26 @@ if [[ $stage == check || $stage == sweep ]]; then
       tests/test_census.py -k "census_path" -p no:cacheprovider >"$OUT/$tool.log" 2>&1 || status=1
     summary+=("$tool (census sample): $(grep -E "ERROR SUMMARY" "$OUT/$tool.log" | sort | uniq -c | tr -s ' ') $(tail -1 "$OUT/$tool.log") [$(( $(date +%s) - t0 ))s]")
   done
+fi
+if [[ $stage == check || $stage == sweep || $stage == framework ]]; then
+  if [[ $stage == framework ]]; then
+    t0=$(date +%s)
+    python3 tools/host_floor.py --json "$OUT/host_floor.json" >"$OUT/host_floor.md" 2>"$OUT/host_floor.log" || status=1
+    summary+=("host floors [$(( $(date +%s) - t0 ))s]: host_floor.md, cProfile in host_floor.log")
+  fi
   t0=$(date +%s)
-  python3 -m bsmm bench --framework torch,cupy --workloads ${FRAMEWORK_WORKLOADS:-S,D,F} --json "$OUT/framework.json" \
-    >"$OUT/framework.md" 2>"$OUT/framework.log" || status=1
-  summary+=("framework bench [$(( $(date +%s) - t0 ))s]: framework.md")
+  # XLA would take 75 % of the GPU's memory at start-up; CuPy and PyTorch share the GPU with it here.
+  XLA_PYTHON_CLIENT_PREALLOCATE=false python3 -m bsmm bench --framework ${FRAMEWORKS:-torch,jax,cupy} \
+    --workloads ${FRAMEWORK_WORKLOADS:-S,D,F} --json "$OUT/framework.json" -v >"$OUT/framework.md" \
+    2>"$OUT/framework.log" || status=1
+  # One layer is too small a program for XLA to put in a CUDA graph by default; a model is not.
+  XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_graph_min_graph_size=1" XLA_PYTHON_CLIENT_PREALLOCATE=false python3 -m bsmm bench \
+    --framework jax --workloads S --json "$OUT/framework_jax_graphs.json" >"$OUT/framework_jax_graphs.md" \
+    2>>"$OUT/framework.log" || status=1
+  summary+=("framework bench [$(( $(date +%s) - t0 ))s]: framework.md, framework_jax_graphs.md")
   cat "$OUT/framework.md"
+  tail -n +3 "$OUT/framework_jax_graphs.md"
+  [[ $stage == framework ]] && cat "$OUT/host_floor.md"
 fi
 if (( ${#summary[@]} )); then
   echo
