@@ -19,8 +19,8 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests --doctest-modules bsmm
-	PYTHON=$(PY) bash tools/check_wheel.sh
-	$(PY) tools/compile_kernels.py --arch sm_80 --arch sm_90a --jobs 2
+	PYTHON=$(PY) bash tools/ci/check_wheel.sh
+	$(PY) tools/ci/compile_kernels.py --arch sm_80 --arch sm_90a --jobs 2
 
 bench: $(STAMP)
 	$(PY) -m bsmm bench -v

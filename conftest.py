@@ -1,6 +1,6 @@
 """Doctest collection of the package: adapter modules whose framework is missing are skipped.
 
-``bsmm/torch.py`` and friends import their framework on import (``import bsmm`` does not);
+``bsmm/torch/__init__.py`` and friends import their framework on import (``import bsmm`` does not);
 where it is not installed their doctests cannot run, and importing them raises ImportError.
 """
 
@@ -8,10 +8,10 @@ import importlib.util
 import os
 
 _ADAPTERS = {
-    "bsmm/torch.py": "torch",
-    "bsmm/torch_ops.py": "torch",
-    "bsmm/jax.py": "jax",
-    "bsmm/jax_passes.py": "jax",
+    "bsmm/torch/__init__.py": "torch",
+    "bsmm/torch/ops.py": "torch",
+    "bsmm/jax/__init__.py": "jax",
+    "bsmm/jax/passes.py": "jax",
     "bsmm/tf.py": "tensorflow",
 }
 

@@ -6,13 +6,13 @@
 (4, 8, 8)
 """
 
-from . import initializers, layouts
-from .block_index import BlockIndex, block_index
-from .conv import BlocksparseConv
-from .dtypes import SUPPORTED_DTYPES
-from .lstm import BlocksparseLSTM
-from .matmul import BlocksparseMatMul, blocks_to_dense, dense_to_blocks
-from .matrix import BlockSparseMatrix
+from bsmm import initializers, layouts
+from bsmm.block_index import BlockIndex, block_index
+from bsmm.nn.conv import BlocksparseConv
+from bsmm.dtypes import SUPPORTED_DTYPES
+from bsmm.nn.lstm import BlocksparseLSTM
+from bsmm.matmul import BlocksparseMatMul, blocks_to_dense, dense_to_blocks
+from bsmm.matrix import BlockSparseMatrix
 
 __all__ = [
     "BlockIndex",

@@ -22,8 +22,8 @@ import threading
 
 import numpy as np
 
-from .arrays import check_plain_ndarray
-from .config import settings
+from bsmm.arrays import check_plain_ndarray
+from bsmm.config import settings
 
 __all__ = ["BlockIndex", "block_index", "check_layout", "check_block_size", "MAX_BLOCKS"]
 

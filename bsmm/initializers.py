@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from .block_index import check_block_size, check_layout
-from .dtypes import canonical_dtype
-from .layouts import _as_generator
+from bsmm.block_index import check_block_size, check_layout
+from bsmm.dtypes import canonical_dtype
+from bsmm.layouts import _as_generator
 
 __all__ = ["normal", "identity", "orthogonal"]
 

@@ -21,7 +21,7 @@ import numpy as np
 from scipy import sparse
 from scipy.sparse import csgraph
 
-from .block_index import check_layout
+from bsmm.block_index import check_layout
 
 __all__ = [
     "random_layout",

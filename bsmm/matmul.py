@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import cpu_backend, initializers
-from .arrays import Operand, as_operand, check_same_place, empty_aligned, overlaps
-from .block_index import BlockIndex, block_index
-from .config import settings
-from .dtypes import canonical_dtype
+from bsmm import initializers
+from bsmm.backends import cpu as cpu_backend
+from bsmm.arrays import Operand, as_operand, check_same_place, empty_aligned, overlaps
+from bsmm.block_index import BlockIndex, block_index
+from bsmm.config import settings
+from bsmm.dtypes import canonical_dtype
 
 __all__ = ["BlocksparseMatMul", "blocks_to_dense", "dense_to_blocks"]
 
@@ -357,7 +358,7 @@ class BlocksparseMatMul:
     def _backend(operand: Operand):
         if operand.backend == "cpu":
             return cpu_backend
-        from . import cuda_backend
+        from bsmm.backends.cuda import backend as cuda_backend
 
         return cuda_backend
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import numpy as np
 import scipy.sparse
 
-from .arrays import as_operand, check_plain_ndarray
-from .block_index import BlockIndex, block_index, check_block_size
-from .dtypes import canonical_dtype
-from .matmul import BlocksparseMatMul, _array_module, blocks_to_dense
+from bsmm.arrays import as_operand, check_plain_ndarray
+from bsmm.block_index import BlockIndex, block_index, check_block_size
+from bsmm.dtypes import canonical_dtype
+from bsmm.matmul import BlocksparseMatMul, _array_module, blocks_to_dense
 
 __all__ = ["BlockSparseMatrix"]
 

@@ -55,10 +55,10 @@ try:
 except ImportError as error:
     raise ImportError("bsmm.tf needs Keras 3, which TensorFlow >= 2.16 installs: pip install keras") from error
 
-from . import initializers
-from .arrays import empty_aligned
-from .dtypes import CPU_ONLY_DTYPES, SUPPORTED_DTYPES
-from .matmul import BlocksparseMatMul
+from bsmm import initializers
+from bsmm.arrays import empty_aligned
+from bsmm.dtypes import CPU_ONLY_DTYPES, SUPPORTED_DTYPES
+from bsmm.matmul import BlocksparseMatMul
 
 if int(keras.__version__.split(".", 1)[0]) < 3:
     raise ImportError(f"bsmm.tf needs Keras 3 (TensorFlow >= 2.16); found Keras {keras.__version__}")

@@ -8,13 +8,13 @@
 namespace bsmm {
 
 // ---- programmatic dependent launch (sm_90) -----------------------------------------------
-// On Hopper, passes are launched with programmatic stream serialization (bsmm/launches.py): the
+// On Hopper, passes are launched with programmatic stream serialization (bsmm/backends/cuda/launches.py): the
 // grid may be scheduled before the one ahead of it on the stream has completed. Waiting here,
 // before any global access, orders every read and write after that grid's (its memory is
 // visible once the wait returns), so only the launch itself overlaps. No thread block signals
 // its dependents early: with the signal at the start of each block, the next pass's blocks
 // took SMs while this one still ran and eager calls at workload S 2 % slowed from 9.9 to 20 us
-// (results/v11/pdl_*). Without that launch attribute (and before sm_90) the wait is a no-op.
+// (results/archive/v11/pdl_*). Without that launch attribute (and before sm_90) the wait is a no-op.
 __device__ __forceinline__ void wait_for_prior_grid() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");

@@ -1,6 +1,6 @@
 // Row gather with zero fill: dst row r = src row row_map[r], or zeros where row_map[r] < 0.
 //
-// Every layout change of a convolution (bsmm/conv.py) is one of these over channels-last
+// Every layout change of a convolution (bsmm/nn/conv.py) is one of these over channels-last
 // rows: padding the input into its canvas, cropping the result grid into the output,
 // placing an output gradient on the grid, gathering an input gradient back out. One launch
 // with 16-byte accesses replaces a zero fill plus a strided copy per slice (each of which

@@ -24,7 +24,7 @@
 #define BSMM_ACT_L1 1
 #endif
 
-// What bounds a pass (tools/probe_bounds.py): -DBSMM_PROBE_COPY_ONLY keeps every copy into the
+// What bounds a pass (tools/probes/probe_bounds.py): -DBSMM_PROBE_COPY_ONLY keeps every copy into the
 // stages and the store of the output but skips the multiplications; -DBSMM_PROBE_MATH_ONLY keeps
 // the multiplications (of whatever the stages hold) but copies nothing in. Results are wrong under
 // either; the kernel cache keys on the options, so such cubins never serve a real call.
@@ -63,7 +63,7 @@ struct Kernel {
     // 2 (fprop/bprop, cp.async): the activations come from a transposed copy, read as on axis 0,
     // and the output is written on axis 1. At block 16 a row of axis-1 activations holds a block's
     // features as one 32-byte segment, its own cache-line request, and those requests, not the
-    // bytes, bound the pass (bsmm/cuda_backend.py, TransposedActivations).
+    // bytes, bound the pass (bsmm/backends/cuda/backend.py, TransposedActivations).
     static constexpr bool AXIS1 = AXIS1_ == 1, OUT_AXIS1 = AXIS1_ != 0, ALIGNED = ALIGNED_ != 0;
     static_assert(AXIS1_ != 2 || (PASS_ != UPDAT && MATH_ != WGMMA && !TMA_),
                   "transposed activations: fprop/bprop of the cp.async kernel");
@@ -1079,7 +1079,7 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N * 32)
 // STAGES - 1 steps ahead of the math (main_loop_wgmma: STAGES - 2, after a barrier a step).
 // Half precision, feature axis 1, aligned, plain layouts (no act_blocks / weight_blocks); one
 // thread block per output tile (a persistent variant that kept the ring running across tiles
-// was slower: results/RESULTS.md, v9). BOX = 64 (wgmma) or 32 (mma.sync) elements.
+// was slower: results/archive/RESULTS.md, v9). BOX = 64 (wgmma) or 32 (mma.sync) elements.
 // act_map: the activations (N rows, features), boxes of BK features x BM rows (fprop, bprop)
 // or BOX x BK batch rows (updat). other_map: fprop/bprop, the weight blocks as (blocks x BS
 // rows, BS columns), boxes of BOX x BK (fprop: one BOX-column panel) or BK x BN (bprop:

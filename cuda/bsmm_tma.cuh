@@ -2,7 +2,7 @@
 // copies a whole swizzled tile from global memory with cp.async.bulk.tensor, and the copy's
 // completion is counted in bytes on an mbarrier that the consumers wait on.
 //
-// The tensor maps are encoded on the host (bsmm/tensor_maps.py, cuTensorMapEncodeTiled) and
+// The tensor maps are encoded on the host (bsmm/backends/cuda/tensor_maps.py, cuTensorMapEncodeTiled) and
 // passed by value as __grid_constant__ kernel parameters, so their address is a valid operand
 // of the copy instruction.
 #pragma once

@@ -3,7 +3,7 @@
 //
 // The updat pass at blocks 16 and 32 on feature axis 1 reads x and dy as 32/64-byte row
 // segments, one cache line each, and the number of lines, not the bytes, bounds it; on the
-// transposed copies every row of a tile is whole lines (bsmm/cuda_backend.py, TransposedUpdat).
+// transposed copies every row of a tile is whole lines (bsmm/backends/cuda/backend.py, TransposedUpdat).
 // The zero columns pad the batch to whole 16-byte chunks, which the kernel's tail copies read.
 //
 // A 64 x 64 tile goes through shared memory so that both the reads and the writes are
@@ -46,7 +46,7 @@ __global__ void __launch_bounds__(256) transpose_tiles(const T* __restrict__ src
 
 // Weight blocks transposed and reordered: dst block b = (src block order[b])ᵀ, BS x BS floats
 // each. TF32 fprop on Hopper runs as a bprop over the transposed layout (wgmma reads 32-bit
-// operands K-major only, which fprop's weight rows are not; bsmm/cuda_backend.py,
+// operands K-major only, which fprop's weight rows are not; bsmm/backends/cuda/backend.py,
 // TransposedWeightsFprop); order lists the layout's blocks in the transposed layout's order.
 // A thread block moves one TILE x TILE sub-tile through shared memory (pitch TILE + 1: the
 // column reads meet no bank conflicts); grid (blocks, (BS / TILE)^2).

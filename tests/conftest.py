@@ -75,7 +75,7 @@ def poisoned(xp, shape, dtype):
 def compile_or_skip(variant, arch: str) -> None:
     """Compiles ``variant`` for ``arch`` through NVRTC (as at run time); skips the test where no
     NVRTC library is installed, and raises any other error (a compile error fails the test)."""
-    from bsmm.kernels import compile_variant
+    from bsmm.backends.cuda.kernels import compile_variant
 
     try:
         compile_variant(variant, arch)

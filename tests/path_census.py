@@ -1,12 +1,12 @@
 """The path census: every kernel path the planner can choose, and a shape that chooses it.
 
-The planner (:mod:`bsmm.planner`) picks a pass's path from its shape: the launch-table entry
+The planner (:mod:`bsmm.backends.cuda.planner`) picks a pass's path from its shape: the launch-table entry
 (by batch class), column or row groups, streamed blocks, parts, TMA, wgmma, transposed copies,
 bands. :func:`census` walks a grid of shapes (every dtype, TF32, block size, feature axis and
 alignment; batches on both sides of every threshold; narrow, wide, dense, skewed, rectangular
 and empty layouts) on a model H100, with Hopper's kernels on and off (``BSMM_WGMMA=0 BSMM_TMA=0``:
 the kernels sm_80 runs, though on an sm_80 device launches are not serialized and TF32 passes
-take no transposed copies, paths the census does not hold), and keeps for each distinct :class:`bsmm.planner.Path`
+take no transposed copies, paths the census does not hold), and keeps for each distinct :class:`bsmm.backends.cuda.planner.Path`
 the cheapest shape that takes it. ``tests/test_census.py`` checks on the CPU that the walk
 reaches every line of the selection code and every launch-table entry, and on a GPU runs each
 kept shape through the three passes against float64, asserting the path it took.
@@ -24,7 +24,7 @@ import sys
 import numpy as np
 
 import bsmm
-from bsmm import planner
+from bsmm.backends.cuda import planner
 from reference import kind_dtype
 
 KINDS = ("float32", "tf32", "float16", "bfloat16")

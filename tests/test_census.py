@@ -15,13 +15,13 @@ import numpy as np
 import pytest
 
 import bsmm
-from bsmm import planner
+from bsmm.backends.cuda import planner
 from bsmm.config import settings
 from reference import TOLERANCE
 
 import path_census
 
-#: Statements of bsmm/planner.py the census need not reach, as (function, start of the line): the reason.
+#: Statements of bsmm/backends/cuda/planner.py the census need not reach, as (function, start of the line): the reason.
 UNREACHED = {
     ("tile_for", 'raise NotImplementedError(f"no {math_mode} kernel tile'):
         "every table has an entry for every block size",
@@ -41,7 +41,7 @@ def entries():
     return path_census.census()
 
 
-#: Functions of bsmm/planner.py that are no part of choosing a path.
+#: Functions of bsmm/backends/cuda/planner.py that are no part of choosing a path.
 NOT_SELECTION = {"describe", "with_environment", "device_model", "recording_table_lookups"}
 
 
@@ -145,8 +145,8 @@ def test_census_covers_every_dtype_block_pass_and_axis(entries):
 
 
 def test_ci_compiles_the_kernel_of_every_census_path(entries):
-    """tools/compile_kernels.py (run by make test without a GPU) builds each census path's kernel."""
-    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1] / "tools"))
+    """tools/ci/compile_kernels.py (run by make test without a GPU) builds each census path's kernel."""
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1] / "tools" / "ci"))
     from compile_kernels import all_variants
 
     missing = {e.path.variant for e in entries} - set(all_variants())
@@ -245,7 +245,7 @@ def test_census_path_on_the_gpu(cupy, census_entry, monkeypatch):
         else:
             monkeypatch.setenv(name, "0")
     monkeypatch.delenv("BSMM_PDL", raising=False)
-    from bsmm import cuda_backend
+    from bsmm.backends.cuda import backend as cuda_backend
 
     # The planner assumes the census's occupancy (planner.estimated_occupancy), so that the path the
     # census recorded is the one this GPU runs (updat's cut of the batch follows occupancy).

@@ -3,7 +3,7 @@
 The reference below pads the input with ``np.pad`` and sums, over kernel offsets, strided
 slices of it times each offset's dense weight (built by ``reference.dense_weight``, never
 bsmm's ``to_dense``): no canvas, no phases, no grid, so it shares no index arithmetic
-with :mod:`bsmm.conv_geometry`. It is itself checked against PyTorch's convolution.
+with :mod:`bsmm.nn.conv_geometry`. It is itself checked against PyTorch's convolution.
 Outputs are passed NaN-poisoned, inputs are checked unchanged, and every body runs on
 NumPy (CPU backend) and, marked ``gpu``, on CuPy.
 """
@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 import bsmm
-from bsmm.conv import BlocksparseConv
-from bsmm.conv_geometry import conv_geometry
+from bsmm.nn.conv import BlocksparseConv
+from bsmm.nn.conv_geometry import conv_geometry
 from conftest import poisoned, snapshot, to_numpy, to_xp
 from reference import (
     DTYPES,
@@ -275,13 +275,13 @@ def test_copies_are_made_only_where_needed(monkeypatch):
     geometry = conv_geometry(2, (3, 8), 8, (1, 2), (1, 2), (0, 0), (1, 1))
     assert not geometry.copies_input and geometry.grid_is_output
     calls = []
-    real = bsmm.cpu_backend.shifted_pass  # strided_pass goes through it too
+    real = bsmm.backends.cpu.shifted_pass  # strided_pass goes through it too
 
     def spy(pass_name, index, act, other, out, *args, **kwargs):
         calls.append((act, other, out))
         return real(pass_name, index, act, other, out, *args, **kwargs)
 
-    monkeypatch.setattr(bsmm.cpu_backend, "shifted_pass", spy)
+    monkeypatch.setattr(bsmm.backends.cpu, "shifted_pass", spy)
     x, w, dy = case.x, case.w, case.dy
     y, dx, dw = conv(x, w), conv.bprop(dy, w, x.shape), conv.updat(x, dy)
     assert_close(y, case.y_ref, "float32")
@@ -302,13 +302,13 @@ def test_passes_sum_every_offset_in_one_launch(monkeypatch, channels_last, strid
     rng = np.random.default_rng(11)
     case = make_case(rng, "skewed", 8, (3, 2), stride, (1, 0), (2, 1), channels_last, 2, (6, 5), "float32")
     calls = []
-    real = bsmm.cpu_backend.shifted_pass
+    real = bsmm.backends.cpu.shifted_pass
 
     def spy(pass_name, *args, **kwargs):
         calls.append(pass_name)
         return real(pass_name, *args, **kwargs)
 
-    monkeypatch.setattr(bsmm.cpu_backend, "shifted_pass", spy)
+    monkeypatch.setattr(bsmm.backends.cpu, "shifted_pass", spy)
     y, dx, dw = _run_three_passes(np, case, "float32")
     assert calls == ["fprop"] + ["bprop"] * bprops + ["updat"]
     assert_close(y, case.y_ref, "float32")
@@ -453,13 +453,13 @@ def test_gpu_tf32(xp):
 
 
 def test_bench_cpu_mode_runs(tmp_path, capsys, monkeypatch):
-    """``tools/bench_conv.py --cpu``: the NumPy smoke run checks itself and writes its JSON."""
+    """``tools/gpu/bench_conv.py --cpu``: the NumPy smoke run checks itself and writes its JSON."""
     import importlib.util
     import json
     import pathlib
     import sys
 
-    path = pathlib.Path(__file__).parents[1] / "tools" / "bench_conv.py"
+    path = pathlib.Path(__file__).parents[1] / "tools" / "gpu" / "bench_conv.py"
     spec = importlib.util.spec_from_file_location("bench_conv", path)
     bench = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, "bench_conv", bench)  # dataclasses look their module up

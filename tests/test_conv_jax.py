@@ -17,8 +17,8 @@ import jax.numpy as jnp  # noqa: E402
 from jax.test_util import check_grads  # noqa: E402
 
 import bsmm.jax as bjax  # noqa: E402
-import bsmm.jax_passes  # noqa: E402
-from bsmm.conv import BlocksparseConv  # noqa: E402
+import bsmm.jax.passes  # noqa: E402
+from bsmm.nn.conv import BlocksparseConv  # noqa: E402
 from reference import assert_close, random_data, random_layout  # noqa: E402
 from test_jax import device, host, passes_in, put, x64  # noqa: E402, F401 (device, x64: fixtures)
 
@@ -121,8 +121,8 @@ def test_jit_traces_once_per_shape(monkeypatch):
     each call, equal by value) as under an outer jit."""
     conv, x, w, _ = make_case("2d-3x3-p1")
     traced = []
-    original = bsmm.jax_passes._bind_conv
-    monkeypatch.setattr(bsmm.jax_passes, "_bind_conv",
+    original = bsmm.jax.passes._bind_conv
+    monkeypatch.setattr(bsmm.jax.passes, "_bind_conv",
                         lambda passes, name, a, b: (traced.append((name, passes.x_shape)), original(passes, name, a, b))[1])
     jitted = jax.jit(lambda x, w: bjax.blocksparse_conv(x, w, conv) * 2)
     for _ in range(3):
@@ -182,7 +182,7 @@ def test_errors_name_the_argument():
     x, w = jnp.asarray(x), jnp.asarray(w)
     valid = BlocksparseConv(conv.layout, BS, (3, 3))
     cases = [
-        (lambda: bjax.blocksparse_conv(x, w, "conv"), TypeError, "conv must be a bsmm.conv.BlocksparseConv"),
+        (lambda: bjax.blocksparse_conv(x, w, "conv"), TypeError, "conv must be a bsmm.nn.conv.BlocksparseConv"),
         (lambda: bjax.blocksparse_conv([1.0], w, conv), TypeError, "x must be a JAX or NumPy array"),
         (lambda: bjax.blocksparse_conv(x[0], w, conv), ValueError, r"x must have shape \(N, H, W, 24\)"),
         (lambda: bjax.blocksparse_conv(x[:, :1, :1], w, valid), ValueError, "smaller than the dilated kernel"),

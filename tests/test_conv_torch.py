@@ -18,8 +18,8 @@ torch = pytest.importorskip("torch", reason="PyTorch is not installed: bsmm.torc
 F = torch.nn.functional
 
 import bsmm.torch as bt  # noqa: E402
-from bsmm import torch_ops  # noqa: E402
-from bsmm.conv import BlocksparseConv  # noqa: E402
+from bsmm.torch import ops as torch_ops  # noqa: E402
+from bsmm.nn.conv import BlocksparseConv  # noqa: E402
 from reference import assert_close, dense_to_present_blocks, dense_weight, random_data, random_layout  # noqa: E402
 from test_torch import _cuda_or_skip, _forward_backward, device, host  # noqa: E402, F401 (device: a fixture)
 
@@ -276,7 +276,7 @@ def test_errors_name_the_argument():
     x, w = torch.randn(1, 5, 5, 16), torch.randn(conv.w_shape)
     cases = [
         (lambda: bt.blocksparse_conv(x.numpy(), w, conv), TypeError, "x must be a torch.Tensor"),
-        (lambda: bt.blocksparse_conv(x, w, "conv"), TypeError, "conv must be a bsmm.conv.BlocksparseConv"),
+        (lambda: bt.blocksparse_conv(x, w, "conv"), TypeError, "conv must be a bsmm.nn.conv.BlocksparseConv"),
         (lambda: bt.blocksparse_conv(x[0], w, conv), ValueError, r"x must have shape \(N, \*spatial, C\)"),
         (lambda: bt.blocksparse_conv(x[..., :8].contiguous(), w, conv), ValueError, r"x must have shape \(1, 5, 5, 16\)"),
         (lambda: bt.blocksparse_conv(x.transpose(1, 2), w, conv), ValueError, "x must be contiguous"),

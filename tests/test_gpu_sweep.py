@@ -1,4 +1,4 @@
-"""``tools/gpu_sweep.py`` and ``tools/gpu_edges.py`` on the CPU: the sweep's draws cover what it
+"""``tools/gpu/gpu_sweep.py`` and ``tools/gpu/gpu_edges.py`` on the CPU: the sweep's draws cover what it
 promises within its caps and reproduce from the seed; its checks pass on the CPU backend and catch
 broken passes; the edge script's default sizes cross 2**31 elements and its chunked references
 agree with bsmm's CPU backend at a lowered boundary. Needs no GPU and no CuPy."""
@@ -15,7 +15,8 @@ import pytest
 
 import bsmm
 
-TOOLS = Path(__file__).resolve().parents[1] / "tools"
+REPO = Path(__file__).resolve().parents[1]
+TOOLS = REPO / "tools" / "gpu"
 SEEDS = (0, 1, 20240601, 2**32 - 1)
 
 
@@ -210,12 +211,12 @@ def test_the_checks_catch_a_broken_pass(monkeypatch, pass_name, how, way):
 
 def run_script(*args):
     return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=120,
-                          cwd=TOOLS.parent, env={"PYTHONPATH": str(TOOLS.parent), "PATH": "/usr/bin:/bin"})
+                          cwd=REPO, env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
 
 
 def test_dry_run_prints_the_seed_first_and_imports_no_cupy():
     probe = ("import runpy, sys; sys.argv = ['gpu_sweep.py', '--dry-run', '--seed', '77', '--cases', '5']\n"
-             "try:\n    runpy.run_path('tools/gpu_sweep.py', run_name='__main__')\nexcept SystemExit:\n    pass\n"
+             "try:\n    runpy.run_path('tools/gpu/gpu_sweep.py', run_name='__main__')\nexcept SystemExit:\n    pass\n"
              "print('cupy imported' if 'cupy' in sys.modules else 'no cupy')")
     done = run_script("-c", probe)
     lines = done.stdout.splitlines()
@@ -223,13 +224,13 @@ def test_dry_run_prints_the_seed_first_and_imports_no_cupy():
     assert lines[0] == "seed 77"
     assert lines[1:6] == [case.describe() for case in sweep.draw_cases(77, 5)]
     assert lines[-1] == "no cupy"
-    fresh = [run_script("tools/gpu_sweep.py", "--dry-run", "--cases", "1").stdout.splitlines()[0] for _ in range(2)]
+    fresh = [run_script("tools/gpu/gpu_sweep.py", "--dry-run", "--cases", "1").stdout.splitlines()[0] for _ in range(2)]
     assert all(line.startswith("seed ") for line in fresh) and fresh[0] != fresh[1]
 
 
 @pytest.mark.parametrize("script", ["gpu_sweep", "gpu_edges"])
 def test_help_works_without_a_gpu(script):
-    done = run_script(f"tools/{script}.py", "--help")
+    done = run_script(f"tools/gpu/{script}.py", "--help")
     assert done.returncode == 0 and "usage:" in done.stdout, done.stderr
 
 

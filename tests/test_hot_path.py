@@ -15,7 +15,7 @@ import bsmm
 @pytest.fixture
 def spies(cupy, monkeypatch):
     """Counts of plan builds, host-to-device uploads and host synchronisations while a test runs."""
-    from bsmm import cuda_backend
+    from bsmm.backends.cuda import backend as cuda_backend
 
     counts = {"plans": 0, "uploads": 0, "syncs": 0}
 
@@ -74,7 +74,7 @@ def test_torch_training_step_after_the_first_plans_nothing_and_allocates_its_out
         y.backward(grad)
         return y.detach().clone(), x.grad.clone(), layer.weight.grad.clone()
 
-    from bsmm import torch_ops
+    from bsmm.torch import ops as torch_ops
 
     first = step()
     torch.cuda.synchronize()
@@ -112,7 +112,7 @@ def test_torch_training_step_in_a_cuda_graph_replays_what_eager_computes(cupy):
         y.backward(grad)
         return y
 
-    from bsmm.framework_bench import capture_graph
+    from bsmm.cli.framework_bench import capture_graph
 
     replay, y = capture_graph(torch, step)
     x.data.copy_(torch.randn_like(x))
@@ -141,7 +141,7 @@ def test_torch_repeat_calls_still_refuse_what_the_first_call_would(cupy):
     """The raw-pointer repeat checks what could differ from the call it repeats; anything else takes
     the checked path, which raises or computes as on a first call."""
     torch = pytest.importorskip("torch")
-    from bsmm import torch_ops
+    from bsmm.torch import ops as torch_ops
 
     index = bsmm.block_index(_layout(), 32)
     registration = torch_ops.register(index)  # held: keeps the key registered

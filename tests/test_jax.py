@@ -39,7 +39,7 @@ from reference import (
 
 import bsmm
 import bsmm.jax as bjax
-import bsmm.jax_passes
+import bsmm.jax.passes
 
 try:
     # Two host devices for the mixed-device test; only possible before JAX starts its backends.
@@ -363,8 +363,8 @@ def test_jit_traces_once(device, monkeypatch):
     op, x, _, w = make_case(40, 1, 5)
     x_, w_ = put(x, device), put(w, device)
     traced = []
-    original = bsmm.jax_passes._bind
-    monkeypatch.setattr(bsmm.jax_passes, "_bind", lambda *args: (traced.append(args[1]), original(*args))[1])
+    original = bsmm.jax.passes._bind
+    monkeypatch.setattr(bsmm.jax.passes, "_bind", lambda *args: (traced.append(args[1]), original(*args))[1])
     outer = jax.jit(lambda x, w: bjax.blocksparse_matmul(x, w, op) * 2)
     grad = jax.grad(lambda w: bjax.blocksparse_matmul(x_, w, op).sum())
     for _ in range(3):
@@ -483,8 +483,8 @@ def test_cpu_buffers_are_shared_not_copied(monkeypatch):
     dev = jax.devices("cpu")[0]
     x_, w_ = put(x, dev), put(w, dev)
     seen = []
-    original = bsmm.jax_passes._numpy_view
-    monkeypatch.setattr(bsmm.jax_passes, "_numpy_view",
+    original = bsmm.jax.passes._numpy_view
+    monkeypatch.setattr(bsmm.jax.passes, "_numpy_view",
                         lambda buffer, writeable: seen.append(original(buffer, writeable)) or seen[-1])
     y = jax.jit(lambda x, w: bjax.blocksparse_matmul(x, w, op))(x_, w_)
     out, a, b = seen
@@ -649,7 +649,7 @@ _REPLAY_SCRIPT = r'''
 import json
 import jax, jax.numpy as jnp, numpy as np
 import bsmm, bsmm.config, bsmm.jax
-from bsmm import jax_passes
+from bsmm.jax import passes as jax_passes
 from bsmm.layouts import random_layout
 
 seen = []
@@ -719,13 +719,13 @@ def test_gpu_repeated_pass_launches_on_raw_pointers(monkeypatch):
     pointers (no CuPy arrays): the first call of each pass does not, every later one does."""
     dev = _gpu_or_skip()
     taken = []
-    original = bsmm.jax_passes._repeat_on_cuda
+    original = bsmm.jax.passes._repeat_on_cuda
 
     def recorded(*args):
         taken.append((args[1], original(*args)))
         return taken[-1][1]
 
-    monkeypatch.setattr(bsmm.jax_passes, "_repeat_on_cuda", recorded)
+    monkeypatch.setattr(bsmm.jax.passes, "_repeat_on_cuda", recorded)
     rng = np.random.default_rng(92)
     op = bsmm.BlocksparseMatMul(random_layout(rng, 8, 12, 0.4), block_size=32)
     x, w, dy = (put(random_data(rng, shape, "float16"), dev) for shape in ((64, op.C), op.w_shape, (64, op.K)))

@@ -1,4 +1,4 @@
-"""``bsmm.launches`` builds ``cuLaunchKernelEx``'s structures with ctypes: their layout must be
+"""``bsmm.backends.cuda.launches`` builds ``cuLaunchKernelEx``'s structures with ctypes: their layout must be
 the driver header's, byte for byte (a wrong offset would launch with a wrong grid or stream)."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from bsmm import launches
-from bsmm.kernels import cuda_include_dirs
+from bsmm.backends.cuda import launches
+from bsmm.backends.cuda.kernels import cuda_include_dirs
 
 PROBE = r"""
 #include <stddef.h>

@@ -1,4 +1,4 @@
-"""``bsmm.lstm.BlocksparseLSTM`` against a float64 dense LSTM whose weights are masked by the layout.
+"""``bsmm.nn.lstm.BlocksparseLSTM`` against a float64 dense LSTM whose weights are masked by the layout.
 
 The reference below is an explicit per-step loop in float64 NumPy that places
 block data with ``reference.dense_weight`` (never bsmm's own ``to_dense``) and
@@ -22,11 +22,11 @@ try:
 except ImportError:  # an optional speed-up
     threadpool_limits = None
 
-from bsmm.lstm import (
+from bsmm.nn.lstm import (
     GATES, BlocksparseLSTM, DenseMatMul, gate_layout, layout_report, small_world_layout, small_world_lstm,
 )
-from bsmm.optim import Adam, clip_by_global_norm, softmax_cross_entropy
-from bsmm.text import (
+from examples.char_lstm.optim import Adam, clip_by_global_norm, softmax_cross_entropy
+from examples.char_lstm.text import (
     CharLanguageModel, char_corpus, corpus_files, corpus_text, evaluate_bpc, matched_models, stream_chunks, train,
 )
 from conftest import require_dtype, to_numpy, to_xp

@@ -170,7 +170,7 @@ def test_tf32_fprop_through_transposed_weights(cupy, bs):
     """On Hopper a TF32 fprop runs as the transposed layout's bprop over transposed weight blocks
     (TransposedWeightsFprop): calls with new weights (the kept workspace rewritten) and an
     accumulating call all match the float64 reference; a skewed layout, N off the tile."""
-    from bsmm import cuda_backend
+    from bsmm.backends.cuda import backend as cuda_backend
 
     rng = np.random.default_rng([bs, 7])
     layout = skewed_layout(rng, *SHAPE_IN_BLOCKS[bs])
@@ -487,7 +487,7 @@ def test_long_block_columns_cut_into_parts(xp, dtype, min_part_blocks, monkeypat
     """
     if xp is np:
         pytest.skip("the CPU backend has no parts")
-    from bsmm import cuda_backend
+    from bsmm.backends.cuda import backend as cuda_backend
 
     if min_part_blocks is not None:
         monkeypatch.setitem(bsmm.config.settings()["kernels"], "min_part_blocks", min_part_blocks)
@@ -521,7 +521,7 @@ def test_column_groups(xp, bs, tile, dtype, wgmma, monkeypatch):
     a wgmma tile whose steps take several block rows (a part's last step partly empty)."""
     if xp is np:
         pytest.skip("the CPU backend has no column groups")
-    from bsmm import cuda_backend
+    from bsmm.backends.cuda import backend as cuda_backend
 
     kernels = bsmm.config.settings()["kernels"]
     if wgmma == "deep":
@@ -561,7 +561,7 @@ def test_banded_order_matches_launch_order(xp, bs, dtype, monkeypatch):
     bitwise the result of launch order."""
     if xp is np:
         pytest.skip("the visiting order is a GPU launch detail")
-    from bsmm import cuda_backend
+    from bsmm.backends.cuda import backend as cuda_backend
 
     kernels = bsmm.config.settings()["kernels"]
     monkeypatch.setitem(kernels, "min_part_blocks", 2)
@@ -646,7 +646,7 @@ def test_updat_row_groups(xp, bs, cols, dtype, batch_parts, feature_axis, wgmma,
     boxes of x and dy as they are), whose absent group members are never copied."""
     if xp is np:
         pytest.skip("the CPU backend has no row groups")
-    from bsmm import cuda_backend
+    from bsmm.backends.cuda import backend as cuda_backend
 
     hopper = use_wgmma(xp, monkeypatch, wgmma)
     if bs == 64 and not hopper:
@@ -686,7 +686,7 @@ def test_updat_through_transposed_copies(xp, bs, dtype, wgmma, monkeypatch):
     feed transposed wgmma row groups, or (BSMM_WGMMA=0) mma.sync."""
     if xp is np:
         pytest.skip("transposed copies are a GPU path")
-    from bsmm import cuda_backend
+    from bsmm.backends.cuda import backend as cuda_backend
 
     hopper = use_wgmma(xp, monkeypatch, wgmma)
     kernels = bsmm.config.settings()["kernels"]
@@ -714,7 +714,7 @@ def test_updat_through_transposed_copies(xp, bs, dtype, wgmma, monkeypatch):
             padded[:, :n] = to_numpy(source).T
             assert to_numpy(copy).tobytes() == padded.tobytes(), f"transposed copy N={n}"
     monkeypatch.setitem(kernels, "updat_transpose_max_bytes", 0)
-    assert not bsmm.planner.transposes_updat(case.op.index, 1001, dtype, 1, True,
+    assert not bsmm.backends.cuda.planner.transposes_updat(case.op.index, 1001, dtype, 1, True,
                                              cuda_backend.device_traits(xp.cuda.Device()))
 
 
@@ -730,7 +730,7 @@ def test_passes_through_transposed_activations(xp, bs, dtype, groups, monkeypatc
     bitwise repeat, accumulate, inputs unchanged; refused past the workspace limit."""
     if xp is np:
         pytest.skip("transposed copies are a GPU path")
-    from bsmm import cuda_backend
+    from bsmm.backends.cuda import backend as cuda_backend
 
     monkeypatch.setattr(cuda_backend, "_PLANS", type(cuda_backend._PLANS)())
     overrides = {"act_transpose": [bs], "act_transpose_min_rows": 1, "min_part_blocks": 2,
@@ -763,9 +763,9 @@ def test_passes_through_transposed_activations(xp, bs, dtype, groups, monkeypatc
     parted = [p.plan for p in cuda_backend._PLANS[case.op.index].values()
               if isinstance(p, cuda_backend.TransposedActivations)]
     assert any(p.workspace_floats > 0 for p in parted), "no column was cut into parts"
-    assert bsmm.planner.transposes_activations(case.op.index, "bprop", 1001, dtype, 1, True)
+    assert bsmm.backends.cuda.planner.transposes_activations(case.op.index, "bprop", 1001, dtype, 1, True)
     monkeypatch.setitem(bsmm.config.settings()["kernels"], "act_transpose_max_bytes", 0)
-    assert not bsmm.planner.transposes_activations(case.op.index, "bprop", 1001, dtype, 1, True)
+    assert not bsmm.backends.cuda.planner.transposes_activations(case.op.index, "bprop", 1001, dtype, 1, True)
 
 
 @pytest.mark.gpu
@@ -780,7 +780,7 @@ def test_wgmma_passes(xp, dtype, bs, min_part_blocks, tma, monkeypatch):
     that the passes took the TMA kernel (bsmm_matmul_tma) or, with BSMM_TMA=0, did not."""
     if xp is np:
         pytest.skip("wgmma is a GPU kernel")
-    from bsmm import cuda_backend
+    from bsmm.backends.cuda import backend as cuda_backend
 
     if xp.cuda.Device().compute_capability != "90":
         pytest.skip("wgmma kernels run on compute capability 9.0 only")
@@ -839,7 +839,7 @@ def test_tma_matches_cp_async_bitwise(xp, dtype, bs, n, monkeypatch):
     give (same steps, same instructions, only the copies differ): wgmma at blocks 64/128 with
     a batch that ends inside a tile (updat: inside a step), mma.sync fprop/bprop at block 32
     for small batches; columns (batches) cut into parts."""
-    from bsmm import cuda_backend
+    from bsmm.backends.cuda import backend as cuda_backend
 
     kernels = tma_for_any_layout(xp, monkeypatch)
     monkeypatch.delenv("BSMM_WGMMA", raising=False)
@@ -848,7 +848,7 @@ def test_tma_matches_cp_async_bitwise(xp, dtype, bs, n, monkeypatch):
     # wgmma groups (TMA only) visit other steps and parts: not the tile compared here.
     monkeypatch.setitem(kernels, "wgmma_group_min_blocks_per_step", {str(bs): float("inf")})
     # updat's cut of the batch depends on the kernel's occupancy, which differs between the two.
-    monkeypatch.setattr(bsmm.planner, "_batch_parts", lambda ctas, resident, most: min(3, most))
+    monkeypatch.setattr(bsmm.backends.cuda.planner, "_batch_parts", lambda ctas, resident, most: min(3, most))
     rng = np.random.default_rng([bs, len(dtype), 7])
     layout = random_layout(rng, 8, 6, 0.5)
     layout[:, 3] = 1
@@ -878,7 +878,7 @@ def test_small_batch_tma_walks_whole_columns(xp, pass_name, monkeypatch):
     """GPU, Hopper: small-batch fprop/bprop through TMA cut no block column (row) of up to
     tma_mma_min_part_blocks blocks into parts, and cut longer ones; exact either way. The
     layout has more block columns (rows) than the H100 has SMs: fewer are cut to fill it."""
-    from bsmm import cuda_backend
+    from bsmm.backends.cuda import backend as cuda_backend
 
     kernels = tma_for_any_layout(xp, monkeypatch)
     monkeypatch.delenv("BSMM_TMA", raising=False)
@@ -919,7 +919,7 @@ def test_many_chunks_equal_one_chunk_bitwise(xp, feature_axis, monkeypatch):
 
     chunk_counts = []
     if xp is np:
-        import bsmm.cpu_backend as cpu_backend
+        import bsmm.backends.cpu as cpu_backend
 
         real_run_chunks = cpu_backend._run_chunks
 

@@ -7,8 +7,8 @@ import pytest
 
 import bsmm
 
-from bsmm import planner
-from bsmm.planner import device_model
+from bsmm.backends.cuda import planner
+from bsmm.backends.cuda.planner import device_model
 
 
 def brute_force_group_steps(layout, by_column: bool, cols: int):
@@ -239,9 +239,9 @@ def test_tma_maps_describe_what_each_kernel_copies(monkeypatch):
     coordinates assume (x, dy, y as N rows of features; weights as nnzb x block rows of one
     block; the transposed copies of updat as feature rows of N); no output map where tiles are
     not stored through TMA."""
-    from bsmm.kernels import Variant
+    from bsmm.backends.cuda.kernels import Variant
 
-    cuda_backend = pytest.importorskip("bsmm.cuda_backend", reason="CuPy is not installed")
+    cuda_backend = pytest.importorskip("bsmm.backends.cuda.backend", reason="CuPy is not installed")
     monkeypatch.setattr(cuda_backend, "tensor_map", lambda *args: args)
     n, C, K, nnzb = 300, 512, 384, 7
     x, other, out = 0x1000, 0x2000, 0x3000

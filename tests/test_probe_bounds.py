@@ -1,4 +1,4 @@
-"""``tools/probe_bounds.py`` and the kernels' probe switches (CPU; NVRTC where installed): every kind
+"""``tools/probes/probe_bounds.py`` and the kernels' probe switches (CPU; NVRTC where installed): every kind
 of kernel compiles copy-only and math-only, the two switches refuse each other, the probe cubins
 never share a cache key with the real ones, and the bounds table computes what it says."""
 
@@ -11,10 +11,10 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from bsmm.kernels import Variant, compile_options, compile_variant
+from bsmm.backends.cuda.kernels import Variant, compile_options, compile_variant
 from conftest import compile_or_skip
 
-TOOL = Path(__file__).resolve().parents[1] / "tools" / "probe_bounds.py"
+TOOL = Path(__file__).resolve().parents[1] / "tools" / "probes" / "probe_bounds.py"
 COPY_ONLY, MATH_ONLY = "-DBSMM_PROBE_COPY_ONLY", "-DBSMM_PROBE_MATH_ONLY"
 
 # One variant of each main loop the switches touch: the TMA copy warp with wgmma (plain, column

@@ -158,7 +158,7 @@ def test_kept_parameter_blocks_follow_buffers_and_data(cupy, tall):
     still reads the buffer it names and its current data, and accumulate keeps its own block.
     ``tall``: block 32 columns of 36 blocks, which Hopper runs through TMA (tensor maps in the
     block), other GPUs through cp.async."""
-    from bsmm import cuda_backend
+    from bsmm.backends.cuda import backend as cuda_backend
 
     rng = np.random.default_rng(5)
     layout = (rng.random((48, 4)) < 0.75).astype(np.uint8) if tall else LAYOUT

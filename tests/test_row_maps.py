@@ -12,8 +12,8 @@ import importlib
 import numpy as np
 import pytest
 
-from bsmm import row_maps
-from bsmm.conv_geometry import conv_geometry
+from bsmm.nn import row_maps
+from bsmm.nn.conv_geometry import conv_geometry
 from conftest import to_numpy, to_xp
 
 GEOMETRIES = [  # (batch, spatial, kernel, stride, padding, dilation)
@@ -26,7 +26,7 @@ GEOMETRIES = [  # (batch, spatial, kernel, stride, padding, dilation)
 
 
 def _backend(xp):
-    return importlib.import_module("bsmm.cpu_backend" if xp is np else "bsmm.cuda_backend")
+    return importlib.import_module("bsmm.backends.cpu" if xp is np else "bsmm.backends.cuda.backend")
 
 
 @pytest.mark.parametrize("args", GEOMETRIES)

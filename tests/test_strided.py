@@ -18,7 +18,7 @@ from reference import DTYPES, as_float64, assert_close, random_data, random_layo
 
 
 def _backend(xp):
-    return importlib.import_module("bsmm.cpu_backend" if xp is np else "bsmm.cuda_backend")
+    return importlib.import_module("bsmm.backends.cpu" if xp is np else "bsmm.backends.cuda.backend")
 
 
 def _rows(flat: np.ndarray, rows: int, width: int, stride: int) -> np.ndarray:
@@ -135,7 +135,7 @@ def test_shifted_pass_reads_weights_in_their_order(xp, pass_name, dtype, bs, n_c
     op = bsmm.BlocksparseMatMul(layout, block_size=bs)
     # Some of the stored blocks, in any order (a convolution's residue reads a subset of offsets).
     n_stored = op.index.nnzb + 5
-    order = bsmm.strided.BlockOrder(rng.choice(n_stored, op.index.nnzb, replace=False), stored=n_stored)
+    order = bsmm.backends.strided.BlockOrder(rng.choice(n_stored, op.index.nnzb, replace=False), stored=n_stored)
     stored = random_data(rng, (n_stored, bs, bs), dtype)
     in_index_order = stored[order.positions]
     rows = 129
@@ -148,7 +148,7 @@ def test_shifted_pass_reads_weights_in_their_order(xp, pass_name, dtype, bs, n_c
     expected = ref(layout, in_index_order, bs, act.reshape(rows, width_in), 1)
     assert_close(to_numpy(out).reshape(rows, width_out), expected, dtype, pass_name)
     if xp is not np and dtype == "bfloat16" and bs == 16:
-        from bsmm import cuda_backend
+        from bsmm.backends.cuda import backend as cuda_backend
 
         plans = [p for key, p in cuda_backend._PLANS[op.index].items() if any(k is order for k in key)]
         assert plans and all(p.variant.cols > 1 for p in plans), "column groups did not take the reordered table"
@@ -156,17 +156,17 @@ def test_shifted_pass_reads_weights_in_their_order(xp, pass_name, dtype, bs, n_c
 
 def test_block_order_errors(xp):
     with pytest.raises(ValueError, match="distinct"):
-        bsmm.strided.BlockOrder([0, 0, 1])
+        bsmm.backends.strided.BlockOrder([0, 0, 1])
     with pytest.raises(ValueError, match="distinct"):
-        bsmm.strided.BlockOrder([0, 3], stored=3)
+        bsmm.backends.strided.BlockOrder([0, 3], stored=3)
     op = bsmm.BlocksparseMatMul(np.ones((2, 2)), block_size=8)
     backend, flat = _backend(xp), to_xp(xp, np.zeros(16 * 8 * 4, np.float32))
     w = to_xp(xp, np.zeros(op.w_shape, np.float32).ravel())
     with pytest.raises(ValueError, match="one position per block"):
         backend.shifted_pass("fprop", op.index, flat, w, flat[:16 * 4], 4, (16, 16), None,
-                             weight_blocks=bsmm.strided.BlockOrder([1, 0]))
+                             weight_blocks=bsmm.backends.strided.BlockOrder([1, 0]))
     with pytest.raises(NotImplementedError, match="not updat"):
         backend.shifted_pass("updat", op.index, flat, flat, w, 4, (16, 16), None,
-                             weight_blocks=bsmm.strided.BlockOrder([1, 0, 3, 2]))
-    assert bsmm.strided.BlockOrder([1, 0]) == bsmm.strided.BlockOrder(np.array([1, 0]))
-    assert hash(bsmm.strided.BlockOrder([1, 0])) == hash(bsmm.strided.BlockOrder([1, 0]))
+                             weight_blocks=bsmm.backends.strided.BlockOrder([1, 0, 3, 2]))
+    assert bsmm.backends.strided.BlockOrder([1, 0]) == bsmm.backends.strided.BlockOrder(np.array([1, 0]))
+    assert hash(bsmm.backends.strided.BlockOrder([1, 0])) == hash(bsmm.backends.strided.BlockOrder([1, 0]))

@@ -21,9 +21,9 @@ import pytest
 torch = pytest.importorskip("torch", reason="PyTorch is not installed: bsmm.torch tests skipped")
 
 import bsmm  # noqa: E402
-import bsmm.cpu_backend  # noqa: E402
+import bsmm.backends.cpu  # noqa: E402
 import bsmm.torch as bt  # noqa: E402
-from bsmm import torch_ops  # noqa: E402
+from bsmm.torch import ops as torch_ops  # noqa: E402
 from reference import (  # noqa: E402
     assert_close,
     dense_to_present_blocks,
@@ -477,13 +477,13 @@ def test_inputs_are_not_modified(device):
 def test_cpu_passes_share_memory_with_the_tensors(monkeypatch):
     """Zero copy on the CPU: the backend reads x and w and writes y at the tensors' own addresses."""
     seen = []
-    real = bsmm.cpu_backend.fprop
+    real = bsmm.backends.cpu.fprop
 
     def spy(index, x, w, out, *args, **kwargs):
         seen.append([a.__array_interface__["data"][0] for a in (x, w, out)])
         return real(index, x, w, out, *args, **kwargs)
 
-    monkeypatch.setattr(bsmm.cpu_backend, "fprop", spy)
+    monkeypatch.setattr(bsmm.backends.cpu, "fprop", spy)
     for dtype in (torch.float32, torch.bfloat16):
         layer = bt.BlockSparseLinear(16, 16, np.ones((2, 2)), block_size=BS, bias=False, dtype=dtype)
         x = torch.randn(3, 16, dtype=dtype)
@@ -645,16 +645,16 @@ def test_gpu_kernels_write_the_output_tensor_on_torch_stream(cuda, monkeypatch):
     """The kernel's out is the returned tensor's memory, and it runs on PyTorch's current (side) stream."""
     import cupy
 
-    import bsmm.cuda_backend
+    import bsmm.backends.cuda.backend
 
     seen = []
-    real = bsmm.cuda_backend.fprop
+    real = bsmm.backends.cuda.backend.fprop
 
     def spy(index, x, w, out, *args, **kwargs):
         seen.append((x.data.ptr, w.data.ptr, out.data.ptr, cupy.cuda.get_current_stream().ptr))
         return real(index, x, w, out, *args, **kwargs)
 
-    monkeypatch.setattr(bsmm.cuda_backend, "fprop", spy)
+    monkeypatch.setattr(bsmm.backends.cuda.backend, "fprop", spy)
     layer = bt.BlockSparseLinear(64, 64, np.ones((2, 2)), block_size=32, bias=False, device=cuda)
     x = torch.randn(8, 64, device=cuda)
     side = torch.cuda.Stream()

@@ -15,11 +15,11 @@ import pytest
 
 import bsmm
 import bsmm.config
-from bsmm import tune
-from bsmm.kernels import Variant
+from bsmm.cli import tune
+from bsmm.backends.cuda.kernels import Variant
 from conftest import compile_or_skip
 
-cuda_backend = pytest.importorskip("bsmm.cuda_backend", reason="CuPy is not installed")
+cuda_backend = pytest.importorskip("bsmm.backends.cuda.backend", reason="CuPy is not installed")
 
 
 @pytest.fixture
@@ -126,7 +126,7 @@ def test_candidates_are_fitting_moves_that_keep_the_tile_width():
 def test_candidates_compile():
     """Candidates of the largest block size of every table compile through NVRTC, as the tuner's
     workers will compile them (sm_90a for the Hopper tables, sm_80 for the default ones)."""
-    from bsmm.kernels import compile_variant
+    from bsmm.backends.cuda.kernels import compile_variant
 
     largest = {}
     for entry, variant in _entry_variants():
@@ -324,7 +324,7 @@ def test_worker_lines_are_read_as_they_come_and_a_silent_worker_is_killed(monkey
 
 
 def test_command_line_without_a_gpu(cache, monkeypatch, capsys):
-    from bsmm import __main__ as cli
+    from bsmm.cli import main as cli
 
     monkeypatch.setattr(cli, "gpu_available", lambda: False)
     assert cli.main(["tune", "--workload", "T"]) == 2
@@ -339,7 +339,7 @@ def test_command_line_without_a_gpu(cache, monkeypatch, capsys):
 
 
 def test_tune_cases_follow_the_workload_and_the_arguments():
-    from bsmm import __main__ as cli
+    from bsmm.cli import main as cli
 
     def cases(**given):
         arguments = dict(workload=None, N=None, C=None, K=None, block_size=None, densities=None, dtype=None,

@@ -1,0 +1,272 @@
+"""Compiling and loading bsmm's CUDA kernels at run time.
+
+Kernel source lives in ``cuda/``. A *variant* (element type, block size, tile
+shape, math mode, pass, feature axis, alignment) is one template instance of
+``bsmm::bsmm_matmul`` (``bsmm_matmul_tma`` on Hopper, or of the convolution's row gather, :class:`GatherVariant`, or the
+transpose of :class:`TransposeVariant`).
+It is compiled with NVRTC (through CuPy's binding) for the exact architecture
+of the device (``sm_80`` ... ``sm_90a``), the cubin is kept in a disk cache
+keyed by source, options and NVRTC version, and loaded with ``cupy.RawModule``; loaded kernels are memoized per (device, variant).
+The same :func:`compile_variant` runs in CI, where there is no GPU, so CI
+compiles exactly what the library runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import json
+import os
+import sys
+import threading
+from pathlib import Path
+
+from bsmm.config import CUDA_DIR, cache_dir
+
+__all__ = ["Variant", "GatherVariant", "TransposeVariant", "compile_variant", "load_kernel", "arch_for", "cuda_include_dirs", "compile_options"]
+
+SOURCE_FILE = "bsmm_matmul.cu"
+MATH_MODES = {"simt": 0, "tensor16": 1, "tf32": 2, "wgmma16": 3, "wgmma_tf32": 3}  # (wgmma on float: TF32)
+#: Math modes whose instructions exist only on one architecture (compiled for it alone);
+#: TMA variants (``Variant.tma``) are built for sm_90a only as well.
+ARCH_ONLY_MODES = {"wgmma16": "sm_90a", "wgmma_tf32": "sm_90a"}
+PASS_IDS = {"fprop": 0, "bprop": 1, "updat": 2}
+#: Longest part of a block column (row) one thread block takes; its step-table slice is staged in
+#: shared memory (8 bytes an entry). Passed to NVRTC, so host and kernel agree.
+MAX_PART_BLOCKS = 256
+C_TYPES = {"float32": "float", "float16": "__half", "bfloat16": "__nv_bfloat16"}
+ELEMENT_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """One compiled instance of the kernel template: everything fixed at compile time."""
+
+    dtype: str  # "float32", "float16", "bfloat16"
+    block_size: int
+    tile: tuple[int, int, int, int, int, int]  # BM, BN, BK, WARPS_M, WARPS_N, STAGES
+    math: str  # "simt", "tensor16", "tf32", "wgmma16" or "wgmma_tf32" (sm_90a)
+    pass_name: str  # "fprop", "bprop", "updat"
+    feature_axis: int
+    aligned: bool  # 16-byte vector copies are legal for every operand
+    grouped: bool = False  # updat only: a thread block streams a group of blocks, whole batch per step
+    # fprop/bprop: block columns (rows) per output tile, stepping over their union; updat: blocks of a row group
+    cols: int = 1
+    # ``bsmm_matmul_tma`` (sm_90a): stages filled by TMA from a copy warp (one more warp than the
+    # tile's), three tensor maps passed by value after the 14 common parameters; wgmma16 passes
+    # (with cols > 1: column groups, or updat row groups computed transposed), or tensor16
+    # fprop/bprop one block a step (small batches).
+    tma: bool = False
+    # fprop/bprop (cp.async kernel): the activations come from a transposed copy, read as on
+    # feature axis 0 (``feature_axis`` is then 0), and the output is written on feature axis 1
+    # (``cuda_backend.TransposedActivations``).
+    act_transposed: bool = False
+
+    source_file = SOURCE_FILE
+
+    @property
+    def threads(self) -> int:
+        return self.tile[3] * self.tile[4] * 32 + (32 if self.tma else 0)
+
+    @property
+    def shared_bytes(self) -> int:
+        """Dynamic shared memory: the cp.async pipeline's stages (mirrors Kernel::SMEM_BYTES)."""
+        bm, bn, bk, _, _, stages = self.tile
+        item = ELEMENT_BYTES[self.dtype]
+        if self.math == "wgmma16" or self.tma:  # swizzled, unpadded stages + 1 KiB to align them
+            return stages * (bm * bk + bk * bn) * item + 1024
+        vec = 16 // item
+        a_kmajor = (self.feature_axis == 0) if self.pass_name == "updat" else (self.feature_axis == 1)
+        b_kmajor = (self.feature_axis == 0) if self.pass_name == "updat" else (self.pass_name == "bprop")
+        a = (bm * (bk + vec)) if a_kmajor else (bk * (bm + vec))
+        b = (bn * (bk + vec)) if b_kmajor else (bk * (bn + vec))
+        staging = bm * (bn + 4) * 4 if self.grouped and self.math != "simt" else 0  # finished tiles, as floats
+        return stages * (a + b) * item + staging
+
+    @property
+    def name_expression(self) -> str:
+        bm, bn, bk, wm, wn, stages = self.tile
+        return (
+            f"bsmm::bsmm_matmul{'_tma' if self.tma else ''}<{C_TYPES[self.dtype]}, {self.block_size}, {bm}, {bn}, {bk}, {wm}, {wn}, {stages}, "
+            f"{MATH_MODES[self.math]}, {PASS_IDS[self.pass_name]}, {2 if self.act_transposed else int(self.feature_axis == 1)}, "
+            f"{int(self.aligned)}, "
+            f"{int(self.grouped)}, {self.cols}>"
+        )
+
+
+#: Access units of the row gather, by bytes.
+GATHER_UNITS = {16: "uint4", 8: "uint2", 4: "unsigned int", 2: "unsigned short"}
+
+
+@dataclasses.dataclass(frozen=True)
+class GatherVariant:
+    """One instance of ``bsmm::gather_rows`` (``cuda/bsmm_gather_rows.cu``): rows moved in
+    units of ``unit_bytes`` (16 where the row width and both pointers allow it)."""
+
+    unit_bytes: int
+    source_file = "bsmm_gather_rows.cu"
+    math = "copy"
+    shared_bytes = 0
+
+    @property
+    def name_expression(self) -> str:
+        return f"bsmm::gather_rows<{GATHER_UNITS[self.unit_bytes]}>"
+
+
+@dataclasses.dataclass(frozen=True)
+class TransposeVariant:
+    """``bsmm::transpose_tiles`` (``cuda/bsmm_transpose.cu``) over elements of ``element_bytes``:
+    the transposed copies of x and dy that updat reads on feature axis 1 (half precision at
+    blocks 16 and 32, TF32 on Hopper)."""
+
+    element_bytes: int = 2
+    source_file = "bsmm_transpose.cu"
+    math = "copy"
+    shared_bytes = 0
+    threads = 256
+    TILE = 64  # rows and columns of the matrix per thread block
+
+    @property
+    def name_expression(self) -> str:
+        return f"bsmm::transpose_tiles<{'unsigned short' if self.element_bytes == 2 else 'unsigned int'}>"
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockTransposeVariant:
+    """``bsmm::transpose_blocks`` (``cuda/bsmm_transpose.cu``): float weight blocks transposed and
+    reordered for the TF32 fprop that runs as a bprop over the transposed layout."""
+
+    block_size: int
+    source_file = "bsmm_transpose.cu"
+    math = "copy"
+    shared_bytes = 0
+    threads = 256
+
+    @property
+    def tiles(self) -> int:
+        """Thread blocks per weight block (32 x 32 sub-tiles, or the whole block below 32)."""
+        return max(1, self.block_size // 32) ** 2
+
+    @property
+    def name_expression(self) -> str:
+        return f"bsmm::transpose_blocks<{self.block_size}>"
+
+
+def arch_for(compute_capability: str | int) -> str:
+    """NVRTC's -arch for a device: sm_90a on Hopper (wgmma, setmaxnreg), sm_XY elsewhere."""
+    cc = int(compute_capability)
+    if cc < 80:
+        raise RuntimeError(
+            f"bsmm's kernels need compute capability 8.0 or newer (A100, L4/RTX 40xx, H100); "
+            f"this GPU is {cc // 10}.{cc % 10}"
+        )
+    return "sm_90a" if cc == 90 else f"sm_{cc}"
+
+
+@functools.cache
+def cuda_include_dirs() -> tuple[str, ...]:
+    """Directories holding cuda_fp16.h and friends: the NVIDIA wheels, else the toolkit."""
+    found = []
+    for entry in sys.path:
+        for sub in ("nvidia/cu13/include", "nvidia/cuda_runtime/include", "nvidia/cu12/include"):
+            candidate = Path(entry) / sub
+            if (candidate / "cuda_fp16.h").is_file():
+                found.append(str(candidate))
+    for root in (os.environ.get("CUDA_PATH"), os.environ.get("CUDA_HOME"), "/usr/local/cuda"):
+        if root and (Path(root) / "include" / "cuda_fp16.h").is_file():
+            found.append(str(Path(root) / "include"))
+    if not found:
+        raise RuntimeError(
+            "CUDA headers (cuda_fp16.h) not found: install the nvidia-cuda-runtime wheel "
+            "(pip install 'bsmm[cuda]') or set CUDA_PATH"
+        )
+    return tuple(dict.fromkeys(found))[:1]
+
+
+def compile_options(arch: str) -> tuple[str, ...]:
+    """NVRTC options, identical at run time and in CI's compile check."""
+    includes = tuple(f"-I{d}" for d in (str(CUDA_DIR), *cuda_include_dirs()))
+    extra = tuple(os.environ.get("BSMM_NVRTC_OPTIONS", "").split())  # e.g. -lineinfo for profiling
+    return ("-std=c++17", f"-arch={arch}", "-DNDEBUG", f"-DBSMM_MAX_PART={MAX_PART_BLOCKS}", "-Xptxas=-v",
+            *includes, *extra)
+
+
+def _source(source_file: str) -> str:
+    return (CUDA_DIR / source_file).read_text()
+
+
+def _source_digest() -> str:
+    digest = hashlib.sha256()
+    for path in sorted(CUDA_DIR.glob("*.cu*")):
+        digest.update(path.name.encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+def compile_variant(variant: Variant | GatherVariant | TransposeVariant, arch: str) -> tuple[bytes, str, str]:
+    """Compile one variant with NVRTC: (cubin, lowered kernel name, compiler log). Needs no GPU."""
+    from cupy_backends.cuda.libs import nvrtc
+
+    program = nvrtc.createProgram(_source(variant.source_file), variant.source_file, [], [])
+    try:
+        nvrtc.addNameExpression(program, variant.name_expression)
+        try:
+            nvrtc.compileProgram(program, list(compile_options(arch)))
+        except nvrtc.NVRTCError as error:
+            raise RuntimeError(
+                f"NVRTC failed on {variant} for {arch}:\n{nvrtc.getProgramLog(program)}"
+            ) from error
+        return nvrtc.getCUBIN(program), nvrtc.getLoweredName(program, variant.name_expression), nvrtc.getProgramLog(program)
+    finally:
+        nvrtc.destroyProgram(program)
+
+
+def _cache_dir() -> Path:
+    path = cache_dir() / "kernels"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _cached_cubin(variant: Variant | GatherVariant | TransposeVariant, arch: str) -> tuple[Path, str]:
+    """The variant's cubin file in the disk cache, compiling it on a miss."""
+    from cupy_backends.cuda.libs import nvrtc
+
+    key = hashlib.sha256(
+        json.dumps([_source_digest(), variant.name_expression, compile_options(arch), nvrtc.getVersion()]).encode()
+    ).hexdigest()[:32]
+    cubin_path, meta_path = _cache_dir() / f"{key}.cubin", _cache_dir() / f"{key}.json"
+    if cubin_path.is_file() and meta_path.is_file():
+        return cubin_path, json.loads(meta_path.read_text())["lowered_name"]
+    cubin, lowered, log = compile_variant(variant, arch)
+    tmp = cubin_path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_bytes(cubin)
+    os.replace(tmp, cubin_path)  # atomic: concurrent processes never see half a file
+    meta_path.write_text(json.dumps({"lowered_name": lowered, "variant": repr(variant), "arch": arch, "log": log}))
+    return cubin_path, lowered
+
+
+_LOADED: dict = {}
+_LOAD_LOCK = threading.Lock()
+
+
+def load_kernel(variant: Variant | GatherVariant | TransposeVariant, device_id: int):
+    """The loaded kernel for ``variant`` on ``device_id``, compiled or read from cache once."""
+    key = (device_id, variant)
+    kernel = _LOADED.get(key)
+    if kernel is not None:
+        return kernel
+    import cupy
+
+    with _LOAD_LOCK:
+        kernel = _LOADED.get(key)
+        if kernel is None:
+            with cupy.cuda.Device(device_id) as device:
+                arch = arch_for(device.compute_capability)
+                cubin_path, lowered = _cached_cubin(variant, arch)
+                kernel = cupy.RawModule(path=str(cubin_path)).get_function(lowered)
+                # Always opt in: static shared memory (the staged step table) counts against the
+                # 48 KiB default together with the dynamic stages.
+                kernel.max_dynamic_shared_size_bytes = variant.shared_bytes
+            _LOADED[key] = kernel
+    return kernel

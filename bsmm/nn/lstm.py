@@ -1,0 +1,553 @@
+"""A block-sparse LSTM layer: forward over a sequence and backpropagation through time.
+
+Gates
+-----
+The four gates of a step are one product of width ``4H``,
+``z = x_t·Wx + h_{t-1}·Wh + b``, in the order input ``i``, forget ``f``,
+output ``o``, candidate ``g``: columns ``[q*H, (q+1)*H)`` hold gate ``q``
+(the three sigmoid gates first, so one call squashes them all). Then
+``c_t = f*c_{t-1} + i*g`` and ``h_t = o*tanh(c_t)``.
+
+``Wx`` (I, 4H) and ``Wh`` (H, 4H) are each one :class:`~bsmm.BlocksparseMatMul`
+whose layout has ``4 * H // bs`` block columns. A square layout ``L`` (H/bs,
+H/bs), e.g. a small-world graph among hidden blocks, is tiled once per gate,
+``[L | L | L | L]``: hidden block ``k`` hears block ``c`` through all four
+gates exactly when ``L[c, k]``. A layout that is already 4 times as wide gives
+each gate its own. A layout of None makes the matrix dense (an ordinary matrix
+product of the array library: BLAS or cuBLAS), which is how the dense baseline
+runs through the same code with any sizes.
+
+Steps
+-----
+``x·Wx`` of all time steps is one pass over ``T·N`` rows; each step then adds
+``h_{t-1}·Wh`` into its slice with ``fprop(..., out=, accumulate=True)``.
+Backward runs the steps in reverse for the pre-activation gradients ``dz_t``
+(kept for all steps) and ``dh_{t-1} = dz_t·Whᵀ``. The weight gradients are
+then accumulated across time steps into one buffer per matrix, each by a
+single ``updat`` over all ``T·N`` rows, the sum over the steps taken inside
+the pass: ``dWh = Σ_t h_{t-1}ᵀ·dz_t`` from the stacked states ``h_0 … h_{T-1}``,
+``dWx = Σ_t x_tᵀ·dz_t``. Passing ``grads=`` adds to the caller's buffers
+instead (``updat(..., out=, accumulate=True)``), so the gradients of several
+truncated-BPTT chunks or micro-batches also sum in place.
+
+Dtypes
+------
+``dtype`` is the dtype of the activation passes (fprop and bprop): float32,
+float16 or bfloat16, or float64 on the CPU backend (for gradient checks).
+Parameters, the cell state, gate activations and weight gradients are kept in
+the *master* dtype, float32 (float64 for float64): half-precision weights are a
+cast of the master copy made once per :meth:`BlocksparseLSTM.forward`, and
+``updat`` runs on the float32 copies of ``h`` and ``dz`` so that summing over
+time steps rounds nothing to half precision.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import numpy as np
+from scipy import sparse
+from scipy.sparse import csgraph
+
+from bsmm import initializers, layouts
+from bsmm.block_index import check_block_size, check_layout
+from bsmm.config import settings
+from bsmm.dtypes import canonical_dtype
+from bsmm.matmul import BlocksparseMatMul, _array_module
+
+__all__ = [
+    "BlocksparseLSTM",
+    "DenseMatMul",
+    "LSTMCache",
+    "gate_layout",
+    "small_world_layout",
+    "small_world_lstm",
+    "layout_report",
+    "GATES",
+]
+
+#: Gate order along the 4H columns of the gate matrices.
+GATES = ("input", "forget", "output", "candidate")
+_F64 = np.dtype(np.float64)
+_F32 = np.dtype(np.float32)
+
+
+class DenseMatMul:
+    """A dense ``W`` (C, K) with the passes and signatures of :class:`~bsmm.BlocksparseMatMul`.
+
+    Half-precision operands are multiplied in float32 and rounded once (also
+    after ``accumulate``), as the block-sparse passes do.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> op = DenseMatMul(3, 2)
+    >>> out = np.ones((1, 2))
+    >>> op.fprop(np.ones((1, 3)), np.ones(op.w_shape), out=out, accumulate=True).tolist()
+    [[4.0, 4.0]]
+    """
+
+    density = 1.0
+
+    def __init__(self, C: int, K: int):
+        self.C, self.K = int(C), int(K)
+        self.w_shape = (self.C, self.K)
+
+    def fprop(self, x, w, out=None, accumulate: bool = False):
+        """y = x·W, x (N, C) -> (N, K)."""
+        return _gemm(x, w, out, accumulate)
+
+    def bprop(self, dy, w, out=None, accumulate: bool = False):
+        """dx = dy·Wᵀ, dy (N, K) -> (N, C)."""
+        return _gemm(dy, w.T, out, accumulate)
+
+    def updat(self, x, dy, out=None, accumulate: bool = False):
+        """dW = xᵀ·dy, (C, K)."""
+        return _gemm(x.T, dy, out, accumulate)
+
+    def __repr__(self) -> str:
+        return f"DenseMatMul(C={self.C}, K={self.K})"
+
+
+def _gemm(a, b, out, accumulate: bool):
+    dtype = a.dtype
+    if dtype not in (_F32, _F64):
+        a, b = a.astype(_F32), b.astype(_F32)
+    product = a @ b
+    if accumulate:
+        if out is None:
+            raise ValueError("accumulate=True needs out=, the buffer to add the product to")
+        product += out
+    if out is None:
+        return product.astype(dtype, copy=False)
+    out[...] = product
+    return out
+
+
+class LSTMCache(NamedTuple):
+    """What :meth:`BlocksparseLSTM.forward` keeps for the backward pass.
+
+    Attributes
+    ----------
+    x : (T, N, I), compute dtype
+    h : (T + 1, N, H), master dtype; ``h[0]`` is the initial state
+    c : (T + 1, N, H), master dtype
+    gates : (T, N, 4H), master dtype: the gate activations, order :data:`GATES`
+    wx, wh : the weights in the compute dtype
+    """
+
+    x: object
+    h: object
+    c: object
+    gates: object
+    wx: object
+    wh: object
+
+
+def gate_layout(layout, columns: int) -> np.ndarray:
+    """The (rows, 4·columns) layout of a gate matrix from a per-gate or full layout.
+
+    A layout ``columns`` block columns wide is tiled once per gate; one
+    ``4 * columns`` wide is returned as it is.
+
+    Examples
+    --------
+    >>> gate_layout(np.eye(2), 2).astype(int).tolist()
+    [[1, 0, 1, 0, 1, 0, 1, 0], [0, 1, 0, 1, 0, 1, 0, 1]]
+    """
+    checked = check_layout(layout)
+    if checked.shape[1] == columns:
+        return np.tile(checked, (1, len(GATES)))
+    if checked.shape[1] == len(GATES) * columns:
+        return np.array(checked)
+    raise ValueError(
+        f"layout must have {columns} block columns (one gate, tiled) or {len(GATES) * columns} (all gates); "
+        f"got shape {checked.shape}"
+    )
+
+
+class BlocksparseLSTM:
+    """An LSTM layer whose input and recurrent gate matrices are block-sparse.
+
+    Parameters
+    ----------
+    input_size, hidden_size : int
+        ``I`` and ``H``; multiples of ``block_size`` where the matrix has a layout.
+    block_size : int, default from ``bsmm.toml``
+    input_layout : (I/bs, H/bs) or (I/bs, 4H/bs) array of 0/1, or None
+        Layout of ``Wx`` (see the module docstring); None: dense.
+    recurrent_layout : (H/bs, H/bs) or (H/bs, 4H/bs) array of 0/1, or None
+        Layout of ``Wh``; None: dense.
+    dtype : float32, float16, bfloat16, or float64 (CPU backend only)
+        Dtype of the activation passes; parameters stay float32 (float64).
+    forget_bias : float
+        Initial bias of the forget gate (the other gates start at 0).
+
+    Raises
+    ------
+    ValueError
+        If a size is not a positive multiple of the block size where a layout
+        is given, or a layout has the wrong shape.
+    TypeError
+        If ``dtype`` is not supported.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from bsmm.nn.lstm import BlocksparseLSTM
+    >>> lstm = BlocksparseLSTM(16, 32, block_size=8, recurrent_layout=np.eye(4))
+    >>> params = lstm.init_params(seed=0)
+    >>> x = np.zeros((5, 3, 16), dtype=np.float32)  # (T, N, I)
+    >>> h, (h_T, c_T), cache = lstm.forward(params, x)
+    >>> h.shape, h_T.shape
+    ((5, 3, 32), (3, 32))
+    >>> dx, grads, (dh0, dc0) = lstm.backward(params, cache, np.ones_like(h))
+    >>> dx.shape, grads["wh"].shape == lstm.recurrent_op.w_shape
+    ((5, 3, 16), True)
+    """
+
+    def __init__(self, input_size: int, hidden_size: int, block_size: int | None = None, input_layout=None,
+                 recurrent_layout=None, dtype="float32", forget_bias: float = 1.0):
+        self.input_size = layouts._check_int(input_size, "input_size", 1)
+        self.hidden_size = layouts._check_int(hidden_size, "hidden_size", 1)
+        self.dtype = canonical_dtype(dtype, "dtype", backend="cpu")
+        self.master_dtype = _F64 if self.dtype == _F64 else _F32
+        self.forget_bias = float(forget_bias)
+        self.block_size = check_block_size(settings()["defaults"]["block_size"] if block_size is None else block_size)
+        self.input_op = self._operator(input_layout, self.input_size, "input")
+        self.recurrent_op = self._operator(recurrent_layout, self.hidden_size, "recurrent")
+        #: The layouts as given (per gate or all gates), read-only; None for a dense matrix.
+        self.input_layout = None if input_layout is None else check_layout(input_layout)
+        self.recurrent_layout = None if recurrent_layout is None else check_layout(recurrent_layout)
+
+    def _operator(self, layout, rows: int, name: str):
+        width = len(GATES) * self.hidden_size
+        if layout is None:
+            return DenseMatMul(rows, width)
+        bs = self.block_size
+        sizes = {"input_size": rows, "hidden_size": self.hidden_size} if name == "input" else {"hidden_size": rows}
+        for what, size in sizes.items():
+            if size % bs:
+                raise ValueError(f"{what} ({size}) must be a multiple of block_size ({bs}) for a {name}_layout")
+        full = gate_layout(layout, self.hidden_size // bs)
+        if full.shape[0] != rows // bs:
+            raise ValueError(f"{name}_layout must have {rows // bs} block rows; got shape {np.shape(layout)}")
+        return BlocksparseMatMul(full, block_size=bs, feature_axis=1)
+
+    # -- parameters -----------------------------------------------------------------------
+    @property
+    def param_shapes(self) -> dict[str, tuple]:
+        """Shapes of the parameters: ``wx``, ``wh`` (block data or dense) and ``b`` (4H,)."""
+        return {"wx": self.input_op.w_shape, "wh": self.recurrent_op.w_shape, "b": (len(GATES) * self.hidden_size,)}
+
+    @property
+    def n_params(self) -> int:
+        """Number of stored parameters (present blocks only)."""
+        return sum(math.prod(shape) for shape in self.param_shapes.values())
+
+    def init_params(self, xp=np, seed=None) -> dict:
+        """Initial parameters as ``xp`` arrays of the master dtype.
+
+        ``wx``: N(0, 1/fan-in) per output column (:func:`bsmm.initializers.normal`);
+        ``wh``: orthonormal columns per block column (per gate when dense);
+        ``b``: ``forget_bias`` on the forget gate, 0 elsewhere.
+        """
+        rng = layouts._as_generator(seed)
+        wx = _initial_weights(self.input_op, "normal", rng)
+        wh = _initial_weights(self.recurrent_op, "orthogonal", rng)
+        b = np.zeros(self.param_shapes["b"])
+        b[self.hidden_size:2 * self.hidden_size] = self.forget_bias
+        return {name: xp.asarray(value.astype(self.master_dtype)) for name, value in
+                (("wx", wx), ("wh", wh), ("b", b))}
+
+    def _check_params(self, params) -> None:
+        shapes = self.param_shapes
+        for name, shape in shapes.items():
+            if name not in params:
+                raise ValueError(f"params must hold {sorted(shapes)}; {name!r} is missing")
+            if tuple(params[name].shape) != shape:
+                raise ValueError(f"params[{name!r}] must have shape {shape}; got {tuple(params[name].shape)}")
+
+    def _compute_weights(self, params):
+        self._check_params(params)
+        return (params["wx"].astype(self.dtype, copy=False), params["wh"].astype(self.dtype, copy=False),
+                params["b"].astype(self.master_dtype, copy=False))
+
+    # -- forward ----------------------------------------------------------------------------
+    def forward(self, params, x, h0=None, c0=None):
+        """Run the layer over a sequence.
+
+        Parameters
+        ----------
+        params : dict of ``wx``, ``wh``, ``b`` (see :attr:`param_shapes`)
+        x : (T, N, I) array, cast to ``dtype``; T, N >= 1
+        h0, c0 : (N, H) arrays, optional (zeros), cast to the master dtype
+
+        Returns
+        -------
+        h : (T, N, H), compute dtype: every hidden state (in float32 and float64
+            a view of ``cache.h``: do not write to it before :meth:`backward`)
+        state : (h_T, c_T), each (N, H), master dtype: pass as ``h0, c0`` of the next chunk
+        cache : :class:`LSTMCache`
+        """
+        wx, wh, b = self._compute_weights(params)
+        xp = _array_module(x)
+        if x.ndim != 3 or x.shape[2] != self.input_size or 0 in x.shape:
+            raise ValueError(f"x must have shape (T, N, {self.input_size}) with T, N >= 1; got {tuple(x.shape)}")
+        steps, n, hidden = x.shape[0], x.shape[1], self.hidden_size
+        x = xp.ascontiguousarray(x.astype(self.dtype, copy=False))
+        z = self.input_op.fprop(x.reshape(steps * n, self.input_size), wx).reshape(steps, n, 4 * hidden)
+        h = xp.empty((steps + 1, n, hidden), dtype=self.master_dtype)
+        c = xp.empty_like(h)
+        h[0] = self._state(h0, n, "h0")
+        c[0] = self._state(c0, n, "c0")
+        h_compute = h
+        if self.dtype != self.master_dtype:
+            h_compute = xp.empty(h.shape, dtype=self.dtype)
+            h_compute[0] = h[0]
+        gates = xp.empty((steps, n, 4 * hidden), dtype=self.master_dtype)
+        for t in range(steps):
+            self.recurrent_op.fprop(h_compute[t], wh, out=z[t], accumulate=True)
+            _cell_forward(z[t], b, c[t], gates[t], h[t + 1], c[t + 1])
+            if h_compute is not h:
+                h_compute[t + 1] = h[t + 1]
+        cache = LSTMCache(x, h, c, gates, wx, wh)
+        return h_compute[1:], (h[steps], c[steps]), cache
+
+    def step(self, params, x, h, c):
+        """One step of the cell: x (N, I), h and c (N, H) -> new (h, c) in the master dtype."""
+        return self.forward(params, x[None], h, c)[1]
+
+    def _state(self, value, n: int, name: str):
+        if value is None:
+            return 0
+        if tuple(value.shape) != (n, self.hidden_size):
+            raise ValueError(f"{name} must have shape ({n}, {self.hidden_size}); got {tuple(value.shape)}")
+        return value.astype(self.master_dtype, copy=False)
+
+    # -- backward ---------------------------------------------------------------------------
+    def backward(self, params, cache: LSTMCache, dh, dh_T=None, dc_T=None, grads=None):
+        """Backpropagation through time over the sequence of ``cache``.
+
+        Parameters
+        ----------
+        params : the dict given to :meth:`forward` (checked for shape only: the
+            weights multiplied with are the compute-dtype copies in ``cache``)
+        cache : :class:`LSTMCache` from :meth:`forward`
+        dh : (T, N, H) array or None
+            Loss gradient with respect to every returned hidden state.
+        dh_T, dc_T : (N, H) arrays, optional
+            Gradient with respect to the final state (from a later chunk).
+        grads : dict of ``wx``, ``wh``, ``b`` buffers of the master dtype, optional
+            Added to in place (e.g. over truncated-BPTT chunks); new buffers if None.
+
+        Returns
+        -------
+        dx : (T, N, I), compute dtype
+        grads : dict ``wx``, ``wh``, ``b``, master dtype. Each weight gradient is
+            accumulated across the time steps into its one buffer by a single
+            ``updat`` over all ``T·N`` rows (see the module docstring).
+        state_grads : (dh0, dc0), each (N, H), master dtype
+        """
+        self._check_params(params)
+        xp = _array_module(cache.h)
+        steps, n, hidden = cache.gates.shape[0], cache.gates.shape[1], self.hidden_size
+        accumulate = grads is not None
+        if grads is None:
+            grads = {name: xp.empty(shape, dtype=self.master_dtype) for name, shape in self.param_shapes.items()}
+        elif set(grads) != set(self.param_shapes):
+            raise ValueError(f"grads must hold {sorted(self.param_shapes)}; got {sorted(grads)}")
+        if dh is not None and tuple(dh.shape) != (steps, n, hidden):
+            raise ValueError(f"dh must have shape {(steps, n, hidden)}; got {tuple(dh.shape)}")
+        # New arrays (never the caller's): dh_next is updated in place, step after step.
+        dh_next = self._state(dh_T, n, "dh_T") + xp.zeros((n, hidden), dtype=self.master_dtype)
+        dc_next = self._state(dc_T, n, "dc_T") + xp.zeros((n, hidden), dtype=self.master_dtype)
+        dz = xp.empty_like(cache.gates)
+        dz_compute = dz if self.dtype == self.master_dtype else xp.empty(dz.shape, dtype=self.dtype)
+        # bprop writes dz_t·Whᵀ straight into dh_next in float32 (float64); half precision casts it in.
+        dh_recurrent = dh_next if self.dtype == self.master_dtype else xp.empty((n, hidden), dtype=self.dtype)
+        for t in reversed(range(steps)):
+            if dh is not None:
+                dh_next += dh[t]
+            dc_next = _cell_backward(dh_next, dc_next, cache.gates[t], cache.c[t], cache.c[t + 1], dz[t])
+            if dz_compute is not dz:
+                dz_compute[t] = dz[t]
+            self.recurrent_op.bprop(dz_compute[t], cache.wh, out=dh_recurrent)
+            if dh_recurrent is not dh_next:
+                dh_next[...] = dh_recurrent
+        rows = steps * n
+        # h[t] is the state step t read (h[0] the initial one): h[:T] stacks every step's input state, and the
+        # slice of the contiguous (T + 1, N, H) array along its first axis is contiguous itself.
+        h_in = cache.h[:steps].reshape(rows, hidden)
+        self.recurrent_op.updat(h_in, dz.reshape(rows, 4 * hidden), out=grads["wh"], accumulate=accumulate)
+        x_master = cache.x.reshape(rows, self.input_size).astype(self.master_dtype, copy=False)
+        self.input_op.updat(x_master, dz.reshape(rows, 4 * hidden), out=grads["wx"], accumulate=accumulate)
+        bias = dz.sum(axis=(0, 1))
+        if accumulate:
+            grads["b"] += bias
+        else:
+            grads["b"][...] = bias
+        dx = self.input_op.bprop(dz_compute.reshape(rows, 4 * hidden), cache.wx).reshape(steps, n, self.input_size)
+        return dx, grads, (dh_next, dc_next)
+
+    def __repr__(self) -> str:
+        return (f"BlocksparseLSTM(input_size={self.input_size}, hidden_size={self.hidden_size}, "
+                f"block_size={self.block_size}, input_density={self.input_op.density:.3g}, "
+                f"recurrent_density={self.recurrent_op.density:.3g}, dtype={self.dtype.name})")
+
+
+def _initial_weights(op, kind: str, rng) -> np.ndarray:
+    """Host float64 weights for ``op``: block data (block-sparse) or a dense (C, K) matrix."""
+    if isinstance(op, BlocksparseMatMul):
+        if kind == "normal":
+            return initializers.normal(op.layout, op.block_size, seed=rng).astype(_F64)
+        return initializers.orthogonal(op.layout, op.block_size, seed=rng).astype(_F64)
+    if kind == "normal":
+        return rng.standard_normal(op.w_shape) / math.sqrt(op.C)
+    # Only Wh (H, 4H) is orthogonal: per gate, a Haar-orthogonal (H, H) matrix.
+    assert op.K == len(GATES) * op.C, op.w_shape
+    parts = []
+    for _ in GATES:
+        q, r = np.linalg.qr(rng.standard_normal((op.C, op.C)))
+        q *= np.sign(np.diagonal(r))
+        parts.append(q)
+    return np.concatenate(parts, axis=1)
+
+
+def _sigmoid(x, out):
+    # 1/2 + tanh(x/2)/2 overflows nowhere, unlike 1 / (1 + exp(-x)).
+    _array_module(x).tanh(x * 0.5, out=out)
+    out *= 0.5
+    out += 0.5
+    return out
+
+
+def _cell_forward(z, b, c_prev, gates, h_out, c_out):
+    """Gate activations into ``gates`` (master dtype) and the new ``h``, ``c`` from pre-activations ``z``."""
+    xp = _array_module(gates)
+    hidden = c_prev.shape[1]
+    gates[...] = z
+    gates += b
+    sig = gates[:, :3 * hidden]
+    _sigmoid(sig, sig)
+    xp.tanh(gates[:, 3 * hidden:], out=gates[:, 3 * hidden:])
+    i, f, o, g = (gates[:, q * hidden:(q + 1) * hidden] for q in range(4))
+    xp.multiply(f, c_prev, out=c_out)
+    c_out += i * g
+    xp.multiply(o, xp.tanh(c_out), out=h_out)
+
+
+def _cell_backward(dh, dc_next, gates, c_prev, c, dz_out):
+    """Pre-activation gradients into ``dz_out``; returns the gradient for ``c_prev``."""
+    xp = _array_module(gates)
+    hidden = c.shape[1]
+    i, f, o, g = (gates[:, q * hidden:(q + 1) * hidden] for q in range(4))
+    tanh_c = xp.tanh(c)
+    dc = dh * o
+    dc *= 1 - tanh_c * tanh_c
+    dc += dc_next
+    d_i, d_f, d_o, d_g = (dz_out[:, q * hidden:(q + 1) * hidden] for q in range(4))
+    xp.multiply(dc, g, out=d_i)
+    xp.multiply(dc, c_prev, out=d_f)
+    xp.multiply(dh, tanh_c, out=d_o)
+    sig = gates[:, :3 * hidden]
+    dz_out[:, :3 * hidden] *= sig * (1 - sig)
+    xp.multiply(dc, i, out=d_g)
+    d_g *= 1 - g * g
+    return dc * f
+
+
+# -- layouts ------------------------------------------------------------------------------------
+def small_world_layout(n: int, blocks: int, kind: str = "barabasi_albert", seed=None, rewire: float = 0.1):
+    """A symmetric small-world (n, n) layout with ``blocks`` blocks (or one more), diagonal included.
+
+    ``barabasi_albert`` grows a graph with ``m`` edges per new node
+    (``n + 2 (m n - m (m+1) / 2)`` blocks); ``watts_strogatz`` rewires a ring
+    lattice of even degree ``k`` (``n (k + 1)`` blocks) with probability
+    ``rewire`` per edge. The sparsest such graph with at least ``blocks``
+    blocks is thinned to ``blocks`` by removing uniformly chosen edges, none
+    of a spanning tree's, so thinning disconnects nothing. An edge is two
+    blocks: an odd excess leaves one block more. A budget below the sparsest
+    graph's (a tree, or a ring of degree 2) gives that graph.
+
+    Examples
+    --------
+    >>> layout = small_world_layout(32, 200, seed=0)
+    >>> layout.shape, int(layout.sum()), bool((layout == layout.T).all())
+    ((32, 32), 200, True)
+    """
+    if kind == "barabasi_albert":
+        counts = {m: n + 2 * (m * n - m * (m + 1) // 2) for m in range(1, n)}
+    elif kind == "watts_strogatz":
+        counts = {k: n * (k + 1) for k in range(2, n, 2)}
+    else:
+        raise ValueError(f"kind must be 'barabasi_albert' or 'watts_strogatz'; got {kind!r}")
+    if not counts:
+        raise ValueError(f"n must be large enough for a {kind} graph; got {n}")
+    rng = layouts._as_generator(seed)
+    degree = min((key for key in counts if counts[key] >= blocks), default=max(counts))
+    if kind == "barabasi_albert":
+        layout = layouts.barabasi_albert(n, degree, seed=rng)
+    else:
+        layout = layouts.watts_strogatz_1d(n, degree, rewire, seed=rng)
+    excess = (int(layout.sum()) - blocks) // 2
+    if excess > 0:
+        # Edges of a breadth-first spanning tree stay, so the graph stays connected.
+        tree = csgraph.breadth_first_tree(sparse.csr_array(layout), 0, directed=False).toarray() != 0
+        rows, cols = np.nonzero(np.triu(layout, k=1) & ~(tree | tree.T))
+        drop = rng.permutation(rows.size)[:excess]
+        layout[rows[drop], cols[drop]] = layout[cols[drop], rows[drop]] = 0
+    return layout
+
+
+def small_world_lstm(input_size: int, hidden_size: int, n_params: int, block_size: int | None = None,
+                     kind: str = "barabasi_albert", seed=None, sparse_input: bool = True, **kwargs) -> BlocksparseLSTM:
+    """A :class:`BlocksparseLSTM` with about ``n_params`` parameters on one small-world graph.
+
+    The graph, among the ``hidden_size / block_size`` hidden blocks (see
+    :func:`small_world_layout`), is the recurrent layout of every gate and,
+    with ``sparse_input`` (which needs ``input_size == hidden_size``), the
+    input layout too; otherwise ``Wx`` is dense. Its block count is the one
+    closest to what ``n_params`` leaves after the bias and a dense ``Wx``.
+    ``kwargs`` go to :class:`BlocksparseLSTM` (``dtype``, ``forget_bias``).
+
+    Examples
+    --------
+    >>> dense = BlocksparseLSTM(128, 128)
+    >>> sparse = small_world_lstm(256, 256, dense.n_params, block_size=8, seed=0)
+    >>> round(sparse.n_params / dense.n_params, 2), round(sparse.recurrent_op.density, 3)
+    (1.0, 0.25)
+    """
+    bs = check_block_size(settings()["defaults"]["block_size"] if block_size is None else block_size)
+    gates = len(GATES)
+    if sparse_input and input_size != hidden_size:
+        raise ValueError(f"sparse_input needs input_size == hidden_size (one graph); got {input_size} and {hidden_size}")
+    weights = n_params - gates * hidden_size - (0 if sparse_input else input_size * gates * hidden_size)
+    blocks_per_gate = weights / (bs * bs) / gates / (2 if sparse_input else 1)
+    hidden_blocks = layouts._check_int(hidden_size, "hidden_size", 1) // bs
+    layout = small_world_layout(hidden_blocks, round(blocks_per_gate), kind, seed)
+    return BlocksparseLSTM(input_size, hidden_size, bs, layout if sparse_input else None, layout, **kwargs)
+
+
+def layout_report(layout, seed=0) -> dict[str, float]:
+    """Small-world measures of a square layout next to a sampled random graph with as many edges.
+
+    Returns :func:`bsmm.layouts.small_world_summary` plus ``sampled_random_path_length``
+    and ``sampled_random_clustering`` of an Erdős–Rényi graph G(n, M) with the
+    layout's number of undirected edges M (NaN path length if it came out disconnected).
+    """
+    report = layouts.small_world_summary(layout)
+    n = report["n_nodes"]
+    edges = int(layouts.degree(layout).sum()) // 2
+    rng = layouts._as_generator(seed)
+    upper_rows, upper_cols = np.triu_indices(n, k=1)
+    chosen = rng.choice(upper_rows.size, size=edges, replace=False)
+    random = np.eye(n, dtype=np.uint8)
+    random[upper_rows[chosen], upper_cols[chosen]] = 1
+    try:
+        report["sampled_random_path_length"] = layouts.average_shortest_path_length(random)
+    except ValueError:
+        report["sampled_random_path_length"] = math.nan
+    report["sampled_random_clustering"] = layouts.clustering_coefficient(random)
+    return report

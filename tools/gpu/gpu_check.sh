@@ -1,0 +1,150 @@
+#!/usr/bin/env bash
+# One call on the lent GPU: compile every kernel variant into the cache, the path census, the GPU
+# test suite (each census path among them), the randomized sweep at users' shapes, the checks past
+# 2**31 elements, memcheck and initcheck over a sample of the census, and the benchmark. Full logs
+# go to $OUT; a short table is printed last.
+#   tools/gpu/gpu_check.sh [check|smoke|tests|bench|all|note|conv|race|models|tune|framework] [bench args...]
+# check (the default): correctness, then sweep. correctness: compile, census, GPU tests, edges.
+# sweep: compile, the randomized sweep (SWEEP_CASES cases, default 2000, within SWEEP_BUDGET s, default 180), sanitizers (every
+# CENSUS_STRIDE-th census shape, default 25), the framework bench (torch, jax and cupy, S, D, F). (The device tool runs
+# 10 minutes a call: there, run correctness and sweep as two calls.)
+# framework: no compile step; tools/gpu/host_floor.py (host time per call against the frameworks' own floors, with a
+# cProfile of the PyTorch step), then the framework bench ($FRAMEWORKS, default torch,jax,cupy; $FRAMEWORK_WORKLOADS).
+# note: compile, GPU tests, memcheck of the column-group, row-group, transposed-updat, part-reduction,
+# wgmma, shifted-pass, row-gather and convolution tests, bench, then the convolution benchmark against cuDNN.
+# conv: compile, the convolution, row-gather and strided GPU tests, their memcheck, the conv bench.
+# race: compile, compute-sanitizer racecheck over one GPU test of each kernel kind.
+# models: the small-world LSTM experiment ($LSTM_BUDGET s, default 240); its table.
+# tune: `python -m bsmm tune` with the remaining arguments (e.g. --workload T --block-size 64
+# --dtype float16 --dry-run); its report, and the kept tiles in $BSMM_CACHE_DIR/tuned.toml.
+set -uo pipefail
+OUT=${OUT:-/tmp/bsmm-out}
+mkdir -p "$OUT"
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 BSMM_CACHE_DIR=${BSMM_CACHE_DIR:-/tmp/bsmm-cache}
+stage=${1:-check}; shift || true
+status=0
+summary=()
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv >"$OUT/gpu.txt" 2>&1
+python3 -c "import cupy, numpy, sys; print('python', sys.version.split()[0], 'cupy', cupy.__version__, 'numpy', numpy.__version__, 'nvrtc', cupy.cuda.nvrtc.getVersion())" | tee -a "$OUT/gpu.txt"
+
+if [[ $stage != framework ]]; then  # (the framework stage compiles the few kernels it runs on first use)
+  t0=$(date +%s)
+  python3 tools/ci/compile_kernels.py --arch sm_90a --jobs 16 --populate-cache --quiet >"$OUT/compile.log" 2>&1 || status=1
+  echo "compile: $(tail -1 "$OUT/compile.log") [$(( $(date +%s) - t0 ))s]"
+fi
+
+if [[ $stage == smoke || $stage == all ]]; then
+  t0=$(date +%s)
+  python3 tools/gpu/gpu_smoke.py ${SMOKE_ARGS:-} >"$OUT/smoke.log" 2>&1 || status=1
+  grep -m 20 FAIL "$OUT/smoke.log"
+  echo "smoke: $(grep checked "$OUT/smoke.log") [$(( $(date +%s) - t0 ))s]"
+  grep worst "$OUT/smoke.log"
+fi
+if [[ $stage == check || $stage == correctness ]]; then
+  python3 tests/path_census.py --markdown >"$OUT/census.md" 2>&1 || status=1
+  summary+=("census: $(tail -1 "$OUT/census.md")")
+  t0=$(date +%s)
+  python3 -m pytest -q -m gpu tests -p no:cacheprovider >"$OUT/pytest_gpu.log" 2>&1 || status=1
+  summary+=("gpu tests: $(tail -1 "$OUT/pytest_gpu.log") [$(( $(date +%s) - t0 ))s]")
+  grep -E "^(FAILED|ERROR)" "$OUT/pytest_gpu.log" | head -20
+  t0=$(date +%s)
+  python3 tools/gpu/gpu_edges.py --json "$OUT/edges.json" >"$OUT/edges.log" 2>&1 || status=1
+  summary+=("edges past 2**31: $(tail -1 "$OUT/edges.log") [$(( $(date +%s) - t0 ))s]")
+fi
+if [[ $stage == check || $stage == sweep ]]; then
+  t0=$(date +%s)
+  python3 tools/gpu/gpu_sweep.py --cases "${SWEEP_CASES:-2000}" --budget "${SWEEP_BUDGET:-180}" --json "$OUT/sweep.json" >"$OUT/sweep.log" 2>&1 || status=1
+  grep -m 20 -E "FAIL" "$OUT/sweep.log"
+  summary+=("sweep: $(head -1 "$OUT/sweep.log"); $(grep -m1 -E "^cases|checks" "$OUT/sweep.log") [$(( $(date +%s) - t0 ))s]")
+  for tool in memcheck initcheck; do
+    t0=$(date +%s)
+    BSMM_CENSUS_STRIDE=${CENSUS_STRIDE:-25} compute-sanitizer --tool $tool --error-exitcode 9 python3 -m pytest -q -m gpu \
+      tests/test_census.py -k "census_path" -p no:cacheprovider >"$OUT/$tool.log" 2>&1 || status=1
+    summary+=("$tool (census sample): $(grep -E "ERROR SUMMARY" "$OUT/$tool.log" | sort | uniq -c | tr -s ' ') $(tail -1 "$OUT/$tool.log") [$(( $(date +%s) - t0 ))s]")
+  done
+fi
+if [[ $stage == check || $stage == sweep || $stage == framework ]]; then
+  if [[ $stage == framework ]]; then
+    t0=$(date +%s)
+    python3 tools/gpu/host_floor.py --json "$OUT/host_floor.json" >"$OUT/host_floor.md" 2>"$OUT/host_floor.log" || status=1
+    summary+=("host floors [$(( $(date +%s) - t0 ))s]: host_floor.md, cProfile in host_floor.log")
+  fi
+  t0=$(date +%s)
+  # XLA would take 75 % of the GPU's memory at start-up; CuPy and PyTorch share the GPU with it here.
+  XLA_PYTHON_CLIENT_PREALLOCATE=false python3 -m bsmm bench --framework ${FRAMEWORKS:-torch,jax,cupy} \
+    --workloads ${FRAMEWORK_WORKLOADS:-S,D,F} --json "$OUT/framework.json" -v >"$OUT/framework.md" \
+    2>"$OUT/framework.log" || status=1
+  # One layer is too small a program for XLA to put in a CUDA graph by default; a model is not.
+  XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_graph_min_graph_size=1" XLA_PYTHON_CLIENT_PREALLOCATE=false python3 -m bsmm bench \
+    --framework jax --workloads S --json "$OUT/framework_jax_graphs.json" >"$OUT/framework_jax_graphs.md" \
+    2>>"$OUT/framework.log" || status=1
+  summary+=("framework bench [$(( $(date +%s) - t0 ))s]: framework.md, framework_jax_graphs.md")
+  cat "$OUT/framework.md"
+  tail -n +3 "$OUT/framework_jax_graphs.md"
+  [[ $stage == framework ]] && cat "$OUT/host_floor.md"
+fi
+if (( ${#summary[@]} )); then
+  echo
+  printf '%s\n' "${summary[@]}"
+fi
+if [[ $stage == tests || $stage == all || $stage == note ]]; then
+  t0=$(date +%s)
+  python3 -m pytest -q -m gpu tests -x -p no:cacheprovider >"$OUT/pytest_gpu.log" 2>&1 || status=1
+  echo "gpu tests: $(tail -1 "$OUT/pytest_gpu.log") [$(( $(date +%s) - t0 ))s]"
+fi
+if [[ $stage == conv ]]; then
+  t0=$(date +%s)
+  python3 -m pytest -q -m gpu tests/test_conv.py tests/test_row_maps.py tests/test_strided.py tests/test_conv_torch.py \
+    -p no:cacheprovider >"$OUT/pytest_gpu.log" 2>&1 || status=1
+  echo "gpu tests (conv): $(tail -1 "$OUT/pytest_gpu.log") [$(( $(date +%s) - t0 ))s]"
+fi
+if [[ $stage == note || $stage == conv ]]; then
+  t0=$(date +%s)
+  compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -q -m gpu tests/test_passes.py \
+    tests/test_strided.py tests/test_row_maps.py tests/test_conv.py tests/test_repeat_calls.py \
+    -k "column_groups or row_groups or transposed or long_block or wgmma or shifted or gather or 3x3-p1 or 3x3-valid or 3x3-s2-p1 or whole_columns or back_to_back or kept_parameter" \
+    -p no:cacheprovider >"$OUT/memcheck.log" 2>&1 || status=1
+  echo "memcheck: $(grep -E "ERROR SUMMARY" "$OUT/memcheck.log" | sort | uniq -c | tr -s ' ') $(tail -1 "$OUT/memcheck.log") [$(( $(date +%s) - t0 ))s]"
+fi
+if [[ $stage == race ]]; then
+  # Shared-memory hazards: one kernel of each kind (cp.async mma.sync and SIMT, TMA mma.sync,
+  # wgmma column and row groups, transposed updat, parts with their reduction) on small shapes.
+  t0=$(date +%s)
+  compute-sanitizer --tool racecheck --error-exitcode 9 python3 -m pytest -q -m gpu tests/test_passes.py \
+    tests/test_repeat_calls.py -k "back_to_back or (kept_parameter and tall) or (column_groups and listed-float16) \
+    or (updat_row_groups and 1-False-float16) or (whole_columns and fprop) or (transposed and float16) \
+    or (long_block and float16)" -p no:cacheprovider >"$OUT/racecheck.log" 2>&1 || status=1
+  echo "racecheck: $(grep -E "RACECHECK SUMMARY|ERROR SUMMARY" "$OUT/racecheck.log" | sort | uniq -c | tr -s ' ') $(tail -1 "$OUT/racecheck.log") [$(( $(date +%s) - t0 ))s]"
+fi
+if [[ $stage == bench || $stage == all || $stage == note ]]; then
+  t0=$(date +%s)
+  python3 -m bsmm bench --backend gpu --json "$OUT/bench.json" -v "$@" >"$OUT/bench.md" 2>"$OUT/bench.log" || status=1
+  echo "bench [$(( $(date +%s) - t0 ))s]:"
+  cat "$OUT/bench.md"
+  tail -3 "$OUT/bench.log"
+fi
+if [[ $stage == note || $stage == conv ]]; then
+  t0=$(date +%s)
+  python3 tools/gpu/bench_conv.py --json "$OUT/conv.json" ${CONV_ARGS:-} >"$OUT/conv.md" 2>&1 || status=1
+  python3 tools/probes/profile_conv.py >"$OUT/profile_conv.txt" 2>&1 || status=1
+  echo "conv bench [$(( $(date +%s) - t0 ))s]:"
+  grep -E "^\|" "$OUT/conv.md" | awk '!seen[$0]++'
+  echo "conv profile (wide32, block 32, 50 %):"
+  cat "$OUT/profile_conv.txt"
+fi
+if [[ $stage == tune ]]; then
+  t0=$(date +%s)
+  python3 -m bsmm tune "$@" >"$OUT/tune.md" 2>"$OUT/tune.log" || status=1
+  echo "tune [$(( $(date +%s) - t0 ))s]:"
+  cat "$OUT/tune.md"
+  tail -3 "$OUT/tune.log"
+  cp "$BSMM_CACHE_DIR/tuned.toml" "$OUT/tuned.toml" 2>/dev/null
+fi
+if [[ $stage == models ]]; then
+  t0=$(date +%s)
+  python3 examples/char_lstm/experiment.py --budget "${LSTM_BUDGET:-240}" --json "$OUT/lstm_h100.json" \
+    --markdown "$OUT/lstm_h100.md" >"$OUT/lstm.log" 2>&1 || status=1
+  echo "lstm [$(( $(date +%s) - t0 ))s]:"
+  cat "$OUT/lstm_h100.md" 2>/dev/null || tail -20 "$OUT/lstm.log"
+fi
+exit $status
