@@ -16,6 +16,7 @@ import bsmm
 def spies(cupy, monkeypatch):
     """Counts of plan builds, host-to-device uploads and host synchronisations while a test runs."""
     from bsmm.backends.cuda import backend as cuda_backend
+    from bsmm.backends.cuda import plans as cuda_plans
 
     counts = {"plans": 0, "uploads": 0, "syncs": 0}
 
@@ -25,7 +26,7 @@ def spies(cupy, monkeypatch):
             return function(*args, **kwargs)
         return counted
 
-    monkeypatch.setattr(cuda_backend, "_build_plan", counting("plans", cuda_backend._build_plan))
+    monkeypatch.setattr(cuda_plans, "build_plan", counting("plans", cuda_plans.build_plan))
     monkeypatch.setattr(cuda_backend.cupy, "asarray", counting("uploads", cupy.asarray))
     for name in ("deviceSynchronize", "streamSynchronize"):
         monkeypatch.setattr(cupy.cuda.runtime, name, counting("syncs", getattr(cupy.cuda.runtime, name)))

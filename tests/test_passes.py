@@ -170,15 +170,15 @@ def test_tf32_fprop_through_transposed_weights(cupy, bs):
     """On Hopper a TF32 fprop runs as the transposed layout's bprop over transposed weight blocks
     (TransposedWeightsFprop): calls with new weights (the kept workspace rewritten) and an
     accumulating call all match the float64 reference; a skewed layout, N off the tile."""
-    from bsmm.backends.cuda import backend as cuda_backend
+    from bsmm.backends.cuda import plans as cuda_plans
 
     rng = np.random.default_rng([bs, 7])
     layout = skewed_layout(rng, *SHAPE_IN_BLOCKS[bs])
     op = bsmm.BlocksparseMatMul(layout, block_size=bs, tf32=True)
     x_host = random_data(rng, (300, op.C), "float32")
     x = cupy.asarray(x_host)
-    plan = cuda_backend.plan_for(op.index, "fprop", 300, "float32", 1, True, True)
-    assert isinstance(plan, cuda_backend.TransposedWeightsFprop) == (cupy.cuda.Device().compute_capability == "90")
+    plan = cuda_plans.plan_for(op.index, "fprop", 300, "float32", 1, True, True)
+    assert isinstance(plan, cuda_plans.TransposedWeightsFprop) == (cupy.cuda.Device().compute_capability == "90")
     for _ in range(3):
         w = random_data(rng, op.w_shape, "float32")
         assert_close(to_numpy(op(x, cupy.asarray(w))), ref_fprop(layout, w, bs, x_host, 1), "tf32")
@@ -487,11 +487,11 @@ def test_long_block_columns_cut_into_parts(xp, dtype, min_part_blocks, monkeypat
     """
     if xp is np:
         pytest.skip("the CPU backend has no parts")
-    from bsmm.backends.cuda import backend as cuda_backend
+    from bsmm.backends.cuda import plans as cuda_plans
 
     if min_part_blocks is not None:
         monkeypatch.setitem(bsmm.config.settings()["kernels"], "min_part_blocks", min_part_blocks)
-    monkeypatch.setattr(cuda_backend, "_PLANS", type(cuda_backend._PLANS)())
+    cuda_plans.forget_plans()
     rng = np.random.default_rng([70, min_part_blocks or 0])
     layout = random_layout(rng, 70, 3, 0.3)
     layout[:, 1] = 1
@@ -503,7 +503,7 @@ def test_long_block_columns_cut_into_parts(xp, dtype, min_part_blocks, monkeypat
             first = to_numpy(call(case.op, pass_name, args))
             assert_close(first, reference(case, pass_name), dtype, pass_name)
             assert first.tobytes() == to_numpy(call(case.op, pass_name, args)).tobytes()
-    plans = cuda_backend._PLANS[case.op.index]
+    plans = cuda_plans.plans_of(case.op.index)
     assert any(p.workspace_floats > 0 for key, p in plans.items() if key[0] in ("fprop", "bprop")), \
         "no column was cut into parts: the reduction path went untested"
 
@@ -521,19 +521,20 @@ def test_column_groups(xp, bs, tile, dtype, wgmma, monkeypatch):
     a wgmma tile whose steps take several block rows (a part's last step partly empty)."""
     if xp is np:
         pytest.skip("the CPU backend has no column groups")
-    from bsmm.backends.cuda import backend as cuda_backend
+    from bsmm.backends.cuda import plans as cuda_plans
+    from bsmm.backends.cuda import planner as cuda_planner
 
     kernels = bsmm.config.settings()["kernels"]
     if wgmma == "deep":
         deep = [128, 128, 2 * max(32, bs), 8, 1, 3, 128 // bs]
         monkeypatch.setitem(kernels["sm90"]["tma16"], "columns", {str(bs): {"large": deep}})
-    listed = cuda_backend.tile_for("tma16", "fprop", bs, 4096, "sm90", columns=True) is not None
+    listed = cuda_planner.tile_for("tma16", "fprop", bs, 4096, "sm90", columns=True) is not None
     hopper = use_wgmma(xp, monkeypatch, wgmma != "off") and listed
     monkeypatch.setitem(kernels, "group_min_blocks_per_step", 0)
     monkeypatch.setitem(kernels, "wgmma_group_min_blocks_per_step", {})
     monkeypatch.setitem(kernels, "min_part_blocks", 2)
     monkeypatch.setitem(kernels["default"]["tensor16"], "columns", {str(bs): {"any": tile}})
-    monkeypatch.setattr(cuda_backend, "_PLANS", type(cuda_backend._PLANS)())
+    cuda_plans.forget_plans()
     rng = np.random.default_rng([bs, len(dtype)])
     layout = random_layout(rng, 11, tile[6] * 2 + 3, 0.3)  # the last group is partial
     layout[:, 1] = 0
@@ -544,7 +545,7 @@ def test_column_groups(xp, bs, tile, dtype, wgmma, monkeypatch):
             case = make_case(rng, layout, bs, n, dtype, axis)
             for pass_name in ("fprop", "bprop"):
                 check_pass_repeat_accumulate(xp, rng, case, pass_name, device_inputs(xp, case, pass_name))
-    plans = cuda_backend._PLANS[case.op.index]
+    plans = cuda_plans.plans_of(case.op.index)
     aligned_plans = [p for p in plans.values() if p.variant.aligned]
     assert aligned_plans and all(p.variant.cols == tile[6] for p in aligned_plans), \
         "an aligned plan did not use column groups"
@@ -561,7 +562,7 @@ def test_banded_order_matches_launch_order(xp, bs, dtype, monkeypatch):
     bitwise the result of launch order."""
     if xp is np:
         pytest.skip("the visiting order is a GPU launch detail")
-    from bsmm.backends.cuda import backend as cuda_backend
+    from bsmm.backends.cuda import plans as cuda_plans
 
     kernels = bsmm.config.settings()["kernels"]
     monkeypatch.setitem(kernels, "min_part_blocks", 2)
@@ -577,11 +578,11 @@ def test_banded_order_matches_launch_order(xp, bs, dtype, monkeypatch):
         results = []
         for band_rows in (3, 1):
             monkeypatch.setitem(kernels, "band_rows", band_rows)
-            monkeypatch.setattr(cuda_backend, "_PLANS", type(cuda_backend._PLANS)())
+            cuda_plans.forget_plans()
             case.op._gpu_calls.clear()  # the repeat-call path would keep the first plan
             out = poisoned(xp, reference(case, pass_name).shape, case.x.dtype)
             call(case.op, pass_name, args, out=out)
-            plan = next(p for key, p in cuda_backend._PLANS[case.op.index].items() if key[0] == pass_name)
+            plan = next(p for key, p in cuda_plans.plans_of(case.op.index).items() if key[0] == pass_name)
             assert plan.band_rows == band_rows and plan.launcher.grid[1] == -(-1000 // plan.variant.tile[0])
             results.append(to_numpy(out))
         assert_close(results[0], reference(case, pass_name), dtype, f"{pass_name} in bands")
@@ -646,7 +647,7 @@ def test_updat_row_groups(xp, bs, cols, dtype, batch_parts, feature_axis, wgmma,
     boxes of x and dy as they are), whose absent group members are never copied."""
     if xp is np:
         pytest.skip("the CPU backend has no row groups")
-    from bsmm.backends.cuda import backend as cuda_backend
+    from bsmm.backends.cuda import plans as cuda_plans
 
     hopper = use_wgmma(xp, monkeypatch, wgmma)
     if bs == 64 and not hopper:
@@ -657,7 +658,7 @@ def test_updat_row_groups(xp, bs, cols, dtype, batch_parts, feature_axis, wgmma,
     # Few groups and a long batch: the batch is cut so that every SM has work (0 waves: never).
     monkeypatch.setitem(kernels, "waves", 64 if batch_parts else 0)
     monkeypatch.setitem(kernels, "updat_cut_gain", 0)
-    monkeypatch.setattr(cuda_backend, "_PLANS", type(cuda_backend._PLANS)())
+    cuda_plans.forget_plans()
     rng = np.random.default_rng([bs, cols, len(dtype), batch_parts, feature_axis])
     layout = random_layout(rng, 6, 2 * cols + 3, 0.5)
     layout[1, :] = 0
@@ -666,7 +667,7 @@ def test_updat_row_groups(xp, bs, cols, dtype, batch_parts, feature_axis, wgmma,
     for n in (65, 130, 1000) if feature_axis == 1 else (72, 136, 1000):
         case = make_case(rng, layout, bs, n, dtype, feature_axis)
         check_updat_repeat_accumulate(xp, rng, case, device_inputs(xp, case, "updat"))
-    plans = [p for key, p in cuda_backend._PLANS[case.op.index].items() if key[0] == "updat"]
+    plans = [p for key, p in cuda_plans.plans_of(case.op.index).items() if key[0] == "updat"]
     assert plans and all(p.variant.cols == cols for p in plans), "updat did not run on row groups"
     assert any(p.workspace_floats > 0 for p in plans) == batch_parts
     on_wgmma = hopper
@@ -686,13 +687,13 @@ def test_updat_through_transposed_copies(xp, bs, dtype, wgmma, monkeypatch):
     feed transposed wgmma row groups, or (BSMM_WGMMA=0) mma.sync."""
     if xp is np:
         pytest.skip("transposed copies are a GPU path")
-    from bsmm.backends.cuda import backend as cuda_backend
+    from bsmm.backends.cuda import plans as cuda_plans
 
     hopper = use_wgmma(xp, monkeypatch, wgmma)
     kernels = bsmm.config.settings()["kernels"]
     monkeypatch.setitem(kernels, "updat_transpose", [bs])
     monkeypatch.setitem(kernels, "updat_transpose_min_rows", 65)
-    monkeypatch.setattr(cuda_backend, "_PLANS", type(cuda_backend._PLANS)())
+    cuda_plans.forget_plans()
     rng = np.random.default_rng([bs, len(dtype), 7])
     layout = random_layout(rng, 5, 19, 0.4)
     layout[1, :] = 0
@@ -704,8 +705,8 @@ def test_updat_through_transposed_copies(xp, bs, dtype, wgmma, monkeypatch):
         before = [to_numpy(a).copy() for a in args]
         check_updat_repeat_accumulate(xp, rng, case, args)
         assert all(to_numpy(a).tobytes() == b.tobytes() for a, b in zip(args, before)), "input modified"
-        plan = next(p for key, p in cuda_backend._PLANS[case.op.index].items() if key[0] == "updat" and key[1] == n)
-        assert isinstance(plan, cuda_backend.TransposedUpdat), "updat did not take the transposed copies"
+        plan = next(p for key, p in cuda_plans.plans_of(case.op.index).items() if key[0] == "updat" and key[1] == n)
+        assert isinstance(plan, cuda_plans.TransposedUpdat), "updat did not take the transposed copies"
         assert plan.variant.tma == hopper and plan.variant.cols > 1, f"{plan.variant} under the copies"
         ((_, x_t), (_, dy_t)), = plan.workspaces.values()  # (pointer, CuPy memory) of each copy
         for memory, source in ((x_t, args[0]), (dy_t, args[1])):
@@ -715,7 +716,7 @@ def test_updat_through_transposed_copies(xp, bs, dtype, wgmma, monkeypatch):
             assert to_numpy(copy).tobytes() == padded.tobytes(), f"transposed copy N={n}"
     monkeypatch.setitem(kernels, "updat_transpose_max_bytes", 0)
     assert not bsmm.backends.cuda.planner.transposes_updat(case.op.index, 1001, dtype, 1, True,
-                                             cuda_backend.device_traits(xp.cuda.Device()))
+                                             cuda_plans.device_traits(xp.cuda.Device()))
 
 
 @pytest.mark.gpu
@@ -730,9 +731,9 @@ def test_passes_through_transposed_activations(xp, bs, dtype, groups, monkeypatc
     bitwise repeat, accumulate, inputs unchanged; refused past the workspace limit."""
     if xp is np:
         pytest.skip("transposed copies are a GPU path")
-    from bsmm.backends.cuda import backend as cuda_backend
+    from bsmm.backends.cuda import plans as cuda_plans
 
-    monkeypatch.setattr(cuda_backend, "_PLANS", type(cuda_backend._PLANS)())
+    cuda_plans.forget_plans()
     overrides = {"act_transpose": [bs], "act_transpose_min_rows": 1, "min_part_blocks": 2,
                 "act_transpose_group_min_blocks_per_step": 0 if groups else 1e9}
     for key, value in overrides.items():
@@ -750,9 +751,9 @@ def test_passes_through_transposed_activations(xp, bs, dtype, groups, monkeypatc
             before = [to_numpy(a).copy() for a in args]
             check_pass_repeat_accumulate(xp, rng, case, pass_name, args)
             assert all(to_numpy(a).tobytes() == b.tobytes() for a, b in zip(args, before)), "input modified"
-            plan = next(p for key, p in cuda_backend._PLANS[case.op.index].items()
+            plan = next(p for key, p in cuda_plans.plans_of(case.op.index).items()
                         if key[0] == pass_name and key[1] == n)
-            assert isinstance(plan, cuda_backend.TransposedActivations), f"{pass_name} did not take the copy"
+            assert isinstance(plan, cuda_plans.TransposedActivations), f"{pass_name} did not take the copy"
             # (bsmm.toml lists column-group tiles for large batches only)
             assert plan.variant.act_transposed and (plan.variant.cols > 1) == (groups and n > 64), f"{plan.variant}"
             (_, memory), = plan.workspaces.values()  # (pointer, CuPy memory) of the copy
@@ -760,8 +761,8 @@ def test_passes_through_transposed_activations(xp, bs, dtype, groups, monkeypatc
             copy = xp.ndarray(padded.shape, padded.dtype, memptr=memory)
             padded[:, :n] = to_numpy(args[0]).T
             assert to_numpy(copy).tobytes() == padded.tobytes(), f"transposed copy N={n}"
-    parted = [p.plan for p in cuda_backend._PLANS[case.op.index].values()
-              if isinstance(p, cuda_backend.TransposedActivations)]
+    parted = [p.plan for p in cuda_plans.plans_of(case.op.index).values()
+              if isinstance(p, cuda_plans.TransposedActivations)]
     assert any(p.workspace_floats > 0 for p in parted), "no column was cut into parts"
     assert bsmm.backends.cuda.planner.transposes_activations(case.op.index, "bprop", 1001, dtype, 1, True)
     monkeypatch.setitem(bsmm.config.settings()["kernels"], "act_transpose_max_bytes", 0)
@@ -780,7 +781,7 @@ def test_wgmma_passes(xp, dtype, bs, min_part_blocks, tma, monkeypatch):
     that the passes took the TMA kernel (bsmm_matmul_tma) or, with BSMM_TMA=0, did not."""
     if xp is np:
         pytest.skip("wgmma is a GPU kernel")
-    from bsmm.backends.cuda import backend as cuda_backend
+    from bsmm.backends.cuda import plans as cuda_plans
 
     if xp.cuda.Device().compute_capability != "90":
         pytest.skip("wgmma kernels run on compute capability 9.0 only")
@@ -789,7 +790,7 @@ def test_wgmma_passes(xp, dtype, bs, min_part_blocks, tma, monkeypatch):
     monkeypatch.setitem(bsmm.config.settings()["kernels"], "tma_min_macs", 0)  # these passes are short
     if min_part_blocks is not None:
         monkeypatch.setitem(bsmm.config.settings()["kernels"], "min_part_blocks", min_part_blocks)
-    monkeypatch.setattr(cuda_backend, "_PLANS", type(cuda_backend._PLANS)())
+    cuda_plans.forget_plans()
     rng = np.random.default_rng([bs, len(dtype), min_part_blocks or 0])
     layout = random_layout(rng, 9, 7, 0.4)
     layout[:, 1] = 0
@@ -808,7 +809,7 @@ def test_wgmma_passes(xp, dtype, bs, min_part_blocks, tma, monkeypatch):
             summed = to_xp(xp, start)
             call(case.op, pass_name, args, out=summed, accumulate=True)
             assert_close(to_numpy(summed), as_float64(start) + reference(case, pass_name), dtype, f"{pass_name} +=")
-    plans = cuda_backend._PLANS[case.op.index]
+    plans = cuda_plans.plans_of(case.op.index)
     used = {key[0] for key, p in plans.items() if p.variant.math == "wgmma16"}
     assert used == set(PASSES), f"wgmma ran for {used or 'no pass'}"
     with_tma = {key[0] for key, p in plans.items() if p.variant.tma}
@@ -839,7 +840,7 @@ def test_tma_matches_cp_async_bitwise(xp, dtype, bs, n, monkeypatch):
     give (same steps, same instructions, only the copies differ): wgmma at blocks 64/128 with
     a batch that ends inside a tile (updat: inside a step), mma.sync fprop/bprop at block 32
     for small batches; columns (batches) cut into parts."""
-    from bsmm.backends.cuda import backend as cuda_backend
+    from bsmm.backends.cuda import plans as cuda_plans
 
     kernels = tma_for_any_layout(xp, monkeypatch)
     monkeypatch.delenv("BSMM_WGMMA", raising=False)
@@ -860,11 +861,11 @@ def test_tma_matches_cp_async_bitwise(xp, dtype, bs, n, monkeypatch):
         results = {}
         for tma in ("1", "0"):
             monkeypatch.setenv("BSMM_TMA", tma)
-            monkeypatch.setattr(cuda_backend, "_PLANS", type(cuda_backend._PLANS)())
+            cuda_plans.forget_plans()
             case.op._gpu_calls.clear()  # the repeat-call path would keep the first plan
             out = poisoned(xp, reference(case, pass_name).shape, case.x.dtype)
             call(case.op, pass_name, args, out=out)
-            plan = next(p for key, p in cuda_backend._PLANS[case.op.index].items() if key[0] == pass_name)
+            plan = next(p for key, p in cuda_plans.plans_of(case.op.index).items() if key[0] == pass_name)
             assert plan.variant.tma == (tma == "1") and plan.variant.math == ("wgmma16" if bs > 32 else "tensor16")
             assert pass_name != "updat" or plan.workspace_floats > 0, "updat's batch was not cut into parts"
             results[tma] = to_numpy(out)
@@ -878,7 +879,7 @@ def test_small_batch_tma_walks_whole_columns(xp, pass_name, monkeypatch):
     """GPU, Hopper: small-batch fprop/bprop through TMA cut no block column (row) of up to
     tma_mma_min_part_blocks blocks into parts, and cut longer ones; exact either way. The
     layout has more block columns (rows) than the H100 has SMs: fewer are cut to fill it."""
-    from bsmm.backends.cuda import backend as cuda_backend
+    from bsmm.backends.cuda import plans as cuda_plans
 
     kernels = tma_for_any_layout(xp, monkeypatch)
     monkeypatch.delenv("BSMM_TMA", raising=False)
@@ -893,12 +894,12 @@ def test_small_batch_tma_walks_whole_columns(xp, pass_name, monkeypatch):
     args = device_inputs(xp, case, pass_name)
     for least, cut in ((16, False), (8, True)):
         monkeypatch.setitem(kernels, "tma_mma_min_part_blocks", least)
-        monkeypatch.setattr(cuda_backend, "_PLANS", type(cuda_backend._PLANS)())
+        cuda_plans.forget_plans()
         case.op._gpu_calls.clear()
         out = poisoned(xp, reference(case, pass_name).shape, case.x.dtype)
         call(case.op, pass_name, args, out=out)
         assert_close(to_numpy(out), reference(case, pass_name), "float16", f"{pass_name} parts of {least}")
-        plan = next(p for key, p in cuda_backend._PLANS[case.op.index].items() if key[0] == pass_name)
+        plan = next(p for key, p in cuda_plans.plans_of(case.op.index).items() if key[0] == pass_name)
         assert plan.variant.tma and plan.variant.math == "tensor16", plan.variant
         assert (plan.workspace_floats > 0) == cut, f"parts of at least {least}: cut={plan.workspace_floats > 0}"
 

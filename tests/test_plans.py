@@ -241,14 +241,14 @@ def test_tma_maps_describe_what_each_kernel_copies(monkeypatch):
     not stored through TMA."""
     from bsmm.backends.cuda.kernels import Variant
 
-    cuda_backend = pytest.importorskip("bsmm.backends.cuda.backend", reason="CuPy is not installed")
-    monkeypatch.setattr(cuda_backend, "tensor_map", lambda *args: args)
+    cuda_plans = pytest.importorskip("bsmm.backends.cuda.plans", reason="CuPy is not installed")
+    monkeypatch.setattr(cuda_plans, "tensor_map", lambda *args: args)
     n, C, K, nnzb = 300, 512, 384, 7
     x, other, out = 0x1000, 0x2000, 0x3000
 
     def maps(bs, tile, math, pass_name, axis=1, cols=1, sizes=None, dtype="float16"):
         variant = Variant(dtype, bs, tile, math, pass_name, axis, True, False, cols, True)
-        plan = cuda_backend.TmaPlan(variant=variant, segments=None, units=None, table=None, workspace_floats=0,
+        plan = cuda_plans.TmaPlan(variant=variant, segments=None, units=None, table=None, workspace_floats=0,
                                     counter_count=0, launcher=None, **planner.tma_boxes(variant),
                                     block_rows=nnzb * bs, feature_rows=(C, K))
         default = (n, C, K // bs, K) if pass_name != "updat" else (n, C, K, 0)

@@ -158,7 +158,7 @@ def test_kept_parameter_blocks_follow_buffers_and_data(cupy, tall):
     still reads the buffer it names and its current data, and accumulate keeps its own block.
     ``tall``: block 32 columns of 36 blocks, which Hopper runs through TMA (tensor maps in the
     block), other GPUs through cp.async."""
-    from bsmm.backends.cuda import backend as cuda_backend
+    from bsmm.backends.cuda import plans as cuda_plans
 
     rng = np.random.default_rng(5)
     layout = (rng.random((48, 4)) < 0.75).astype(np.uint8) if tall else LAYOUT
@@ -177,7 +177,7 @@ def test_kept_parameter_blocks_follow_buffers_and_data(cupy, tall):
         assert rel_error(to_numpy(out), ref_fprop(layout, w_hosts[k], bs, x_host, 1)) < tolerance("float16")
     call = op._gpu_calls[("fprop", x.shape, x.dtype, 1, False)]
     if tall and cupy.cuda.Device().compute_capability == "90":
-        assert isinstance(call.plan, cuda_backend.TmaPlan)
+        assert isinstance(call.plan, cuda_plans.TmaPlan)
     assert len(call.blocks) == 6, "each (weights, output) pair launched twice by the repeat path keeps a block"
     w_hosts[0] = random_data(rng, op.w_shape, "float16")  # new data in a kept buffer
     ws[0][...] = to_xp(cupy, w_hosts[0])

@@ -19,7 +19,8 @@ from bsmm.cli import tune
 from bsmm.backends.cuda.kernels import Variant
 from conftest import compile_or_skip
 
-cuda_backend = pytest.importorskip("bsmm.backends.cuda.backend", reason="CuPy is not installed")
+cuda_plans = pytest.importorskip("bsmm.backends.cuda.plans", reason="CuPy is not installed")
+from bsmm.backends.cuda import planner as cuda_planner  # noqa: E402
 
 
 @pytest.fixture
@@ -156,16 +157,16 @@ def test_the_used_entry_is_the_last_lookup_of_the_variants_tile_and_kind():
 
 
 def test_tile_lookups_are_recorded_only_while_asked():
-    with cuda_backend.recording_table_lookups() as found:
-        tile = cuda_backend.tile_for("tensor16", "fprop", 64, 4096, "sm90")
-        cuda_backend.tile_for("tma16", "updat", 128, 4096, "sm90", optional=True)
-        assert cuda_backend.tile_for("tma16", "fprop", 16, 4096, "sm90", optional=True) is None  # none: not recorded
+    with cuda_planner.recording_table_lookups() as found:
+        tile = cuda_planner.tile_for("tensor16", "fprop", 64, 4096, "sm90")
+        cuda_planner.tile_for("tma16", "updat", 128, 4096, "sm90", optional=True)
+        assert cuda_planner.tile_for("tma16", "fprop", 16, 4096, "sm90", optional=True) is None  # none: not recorded
         with pytest.raises(RuntimeError, match="already"):
-            with cuda_backend.recording_table_lookups():
+            with cuda_planner.recording_table_lookups():
                 pass
     assert found == [(("default", "tensor16", "sparse", "64", "large"), tile),
                      (("sm90", "tma16", "updat", "128", "any"), tuple(shipped("sm90", "tma16", "updat", "128", "any")))]
-    cuda_backend.tile_for("tensor16", "fprop", 64, 4096, "sm90")
+    cuda_planner.tile_for("tensor16", "fprop", 64, 4096, "sm90")
     assert len(found) == 2
 
 
@@ -377,7 +378,7 @@ def test_tune_on_the_gpu(cupy, cache):
     assert result.trials and all((t.ratios is None) != (t.error is None) for t in result.trials)
     assert all(r > 0 for t in result.trials if t.ratios for r in t.ratios)
     bsmm.config.settings.cache_clear()
-    cuda_backend.forget_plans()
+    cuda_plans.forget_plans()
     layout = bsmm.layouts.random_layout(32, 32, density=0.5, seed=1)
     op = bsmm.BlocksparseMatMul(layout, block_size=32)
     rng = np.random.default_rng(0)
@@ -386,4 +387,4 @@ def test_tune_on_the_gpu(cupy, cache):
     y = op(cupy.asarray(x), cupy.asarray(w)).get().astype(np.float64)
     expected = x.astype(np.float64) @ op.to_dense(w).astype(np.float64)
     assert np.linalg.norm(y - expected) / np.linalg.norm(expected) < 1e-2
-    cuda_backend.forget_plans()
+    cuda_plans.forget_plans()

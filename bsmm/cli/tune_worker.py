@@ -24,7 +24,8 @@ import sys
 import cupy
 import numpy as np
 
-from bsmm.backends.cuda import backend as cuda_backend
+from bsmm.backends.cuda import plans as cuda_plans
+from bsmm.backends.cuda import planner as cuda_planner
 from bsmm.cli.bench import _gpu_seconds, pass_calls, weight_sets
 from bsmm.config import overriding
 from bsmm.dtypes import canonical_dtype
@@ -90,8 +91,8 @@ def _survey(request: dict) -> dict:
     for fields in request["survey"]:
         case = Case(**fields)
         op = operands.op(case)
-        cuda_backend.forget_plans()
-        with cuda_backend.recording_table_lookups() as lookups:
+        cuda_plans.forget_plans()
+        with cuda_planner.recording_table_lookups() as lookups:
             operands.run(case, op)[0]()
         # The operator keeps the call it just made (BlocksparseMatMul._gpu_calls), and the call its plan.
         variant = next(iter(op._gpu_calls.values())).plan.variant
@@ -113,7 +114,7 @@ def _measure(request: dict) -> None:
 
     def outputs_and_times(layer: dict) -> tuple[list, list]:
         with overriding(layer):
-            cuda_backend.forget_plans()
+            cuda_plans.forget_plans()
             found, times = [], []
             for case in cases:
                 run, out = operands.run(case, operands.op(case))
@@ -122,7 +123,7 @@ def _measure(request: dict) -> None:
                 found.append(out.astype(np.float64))
                 if not request["check"]:
                     times.append(_gpu_seconds(run, calls, batches))
-        cuda_backend.forget_plans()  # nothing planned with ``layer`` outlives it
+        cuda_plans.forget_plans()  # nothing planned with ``layer`` outlives it
         return found, times
 
     for tile in request["tiles"]:

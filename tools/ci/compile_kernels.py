@@ -16,7 +16,7 @@ import time
 from bsmm.config import settings
 from bsmm.backends.cuda.kernels import (ARCH_ONLY_MODES, GATHER_UNITS, BlockTransposeVariant, GatherVariant, TransposeVariant, Variant,
                           _cached_cubin, compile_variant)
-from bsmm.backends.cuda.backend import math_mode, tile_for
+from bsmm.backends.cuda.planner import math_mode, tile_for
 
 
 def all_variants() -> list[Variant | GatherVariant | TransposeVariant | BlockTransposeVariant]:
@@ -36,15 +36,15 @@ def all_variants() -> list[Variant | GatherVariant | TransposeVariant | BlockTra
                         if mode == "tensor16" and wgmma and n > 64:
                             variants.add(Variant(dtype, bs, wgmma, "wgmma16", pass_name, 1, True))
                             tma = tile_for("tma16", pass_name, bs, n, "sm90", optional=True)
-                            if tma:  # bsmm_matmul_tma (cuda_backend._tma_tile)
+                            if tma:  # bsmm_matmul_tma (planner._tma_tile)
                                 variants.add(Variant(dtype, bs, tma, "wgmma16", pass_name, 1, True, tma=True))
                         group_tma = tile_for("tma16", pass_name, bs, n, "sm90", columns=True)
                         if mode == "tensor16" and group_tma and pass_name != "updat":
-                            # wgmma column groups (cuda_backend._group_tma_tile)
+                            # wgmma column groups (planner._group_tma_tile)
                             variants.add(Variant(dtype, bs, group_tma[:6], "wgmma16", pass_name, 1, True, False,
                                                  group_tma[6], tma=True))
                         if mode == "tensor16" and group_tma and pass_name == "updat" and n > 64:
-                            # transposed wgmma row groups (cuda_backend._group_tma_tile)
+                            # transposed wgmma row groups (planner._group_tma_tile)
                             for axis in (0, 1):
                                 variants.add(Variant(dtype, bs, group_tma[:6], "wgmma16", pass_name, axis, True, False,
                                                      group_tma[6], tma=True))
@@ -52,7 +52,7 @@ def all_variants() -> list[Variant | GatherVariant | TransposeVariant | BlockTra
                         if mode == "tensor16" and tma_mma and pass_name != "updat":  # mma.sync fed by TMA
                             variants.add(Variant(dtype, bs, tma_mma, mode, pass_name, 1, True, tma=True))
                         tma_tf32 = tile_for("tma_tf32", pass_name, bs, n, "sm90", optional=True)
-                        if mode == "tf32" and tma_tf32 and pass_name == "bprop":  # TF32 wgmma (cuda_backend._build_plan)
+                        if mode == "tf32" and tma_tf32 and pass_name == "bprop":  # TF32 wgmma (plans.build_plan)
                             variants.add(Variant(dtype, bs, tma_tf32, "wgmma_tf32", pass_name, 1, True, tma=True))
                             variants.add(BlockTransposeVariant(bs))  # its fprop (TransposedWeightsFprop)
                         tf32_rows = tile_for("tma_tf32", pass_name, bs, n, "sm90", columns=True)
@@ -61,7 +61,7 @@ def all_variants() -> list[Variant | GatherVariant | TransposeVariant | BlockTra
                                                  tf32_rows[6], tma=True))
                         if (mode == "tensor16" and pass_name != "updat" and n > 64
                                 and bs in settings()["kernels"]["act_transpose"]):
-                            # on transposed activations, output on axis 1 (cuda_backend.TransposedActivations)
+                            # on transposed activations, output on axis 1 (plans.TransposedActivations)
                             variants.add(Variant(dtype, bs, tile, mode, pass_name, 0, True, act_transposed=True))
                             if columns:
                                 variants.add(Variant(dtype, bs, columns[:6], mode, pass_name, 0, True, False,

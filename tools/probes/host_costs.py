@@ -31,7 +31,7 @@ for name, fn in cases.items():
 import time
 
 import bsmm
-from bsmm.backends.cuda import backend as cuda_backend
+from bsmm.backends.cuda import plans as cuda_plans
 
 layout = bsmm.layouts.random_layout(384, 384, density=0.02, seed=0)
 op = bsmm.BlocksparseMatMul(layout, block_size=32)
@@ -52,7 +52,7 @@ def host_time(fn, calls=200, rounds=20):
     return best
 
 
-real_launch = cuda_backend._launch_kernel
+real_launch = cuda_plans.launch_kernel
 print(f"{'op.fprop(x, w, out=y)':36s} {host_time(lambda: op.fprop(x, w, out=y)) * 1e9:8.0f} ns")
 print(f"{'op.fprop(x, w)':36s} {host_time(lambda: op.fprop(x, w)) * 1e9:8.0f} ns")
 # The repeated call's kept parameter block: launched by cuLaunchKernel (CuPy), or by
@@ -67,11 +67,11 @@ if serialized:
     print(f"{'cuLaunchKernelEx alone (ctypes)':36s} {host_time(lambda: driver(*block.arguments)) * 1e9:8.0f} ns")
     block.driver = lambda *args: 0
 else:
-    cuda_backend._launch_kernel = lambda *args: None
+    cuda_plans.launch_kernel = lambda *args: None
 print(f"{'op.fprop(x, w, out=y), no launch':36s} {host_time(lambda: op.fprop(x, w, out=y)) * 1e9:8.0f} ns")
 if serialized:
     block.driver = driver
-cuda_backend._launch_kernel = real_launch
+cuda_plans.launch_kernel = real_launch
 launcher, stream = call.plan.launcher, cupy.cuda.get_current_stream().ptr
 args = (launcher.function, *launcher.grid, launcher.threads, 1, 1, launcher.shared_bytes, stream,
         launcher.pointers_address, 0)

@@ -10,7 +10,7 @@ import numpy as np
 import bsmm
 import bsmm.cli.bench as bench
 import bsmm.config as config
-import bsmm.backends.cuda.backend as cuda_backend
+from bsmm.backends.cuda import plans as cuda_plans
 from bsmm.cli.tune import Entry
 
 dtype = bsmm.SUPPORTED_DTYPES[sys.argv[1] if len(sys.argv) > 1 else "float16"]
@@ -29,7 +29,7 @@ for bs, options in tiles.items():
     for tile in options:
         layer = {} if tile is None else Entry("sm90", "tma16", "sparse", str(bs), "large").layer(tile)
         with config.overriding(layer):
-            cuda_backend.forget_plans()
+            cuda_plans.forget_plans()
             for spread in (1, 2, 4):
                 layout = np.zeros((cols, cols), dtype=bool)
                 kept = np.arange(0, cols, spread)
@@ -42,4 +42,4 @@ for bs, options in tiles.items():
                 real = layout.sum() / layout.size
                 print(f"| {bs} | {tile or 'shipped'} | {spread} | {layout.sum() / len(kept):.1f} | {f * 1e6:.1f} | "
                       f"{b * 1e6:.1f} | {dense * real / f:.0%} | {dense * real / b:.0%} |", flush=True)
-        cuda_backend.forget_plans()
+        cuda_plans.forget_plans()

@@ -335,7 +335,7 @@ def _tma_tile(table: str, index: BlockIndex, pass_name: str, n: int, device: Dev
 
 def tma_boxes(variant: Variant) -> dict:
     """The boxes of ``bsmm_matmul_tma``'s copies (its BOX-column panels) and, for wgmma tiles,
-    of its output stores (the fields of ``cuda_backend.TmaPlan``)."""
+    of its output stores (the fields of ``plans.TmaPlan``)."""
     bm, bn, bk = variant.tile[:3]
     bs = variant.block_size
     if variant.cols > 1 and variant.pass_name == "updat":  # row groups: a block's features by BK batch rows
@@ -391,7 +391,7 @@ class Path:
 
 @dataclasses.dataclass
 class LaunchLayout:
-    """The host tables and grid of one kernel launch (uploaded by ``cuda_backend``)."""
+    """The host tables and grid of one kernel launch (uploaded by :mod:`bsmm.backends.cuda.plans`)."""
 
     variant: Variant
     segments: np.ndarray  # int32 (n_segments, 4)
@@ -411,7 +411,7 @@ def launch_layout(index: BlockIndex, pass_name: str, n: int, dtype: str, feature
     """Every decision of one kernel launch and its tables.
 
     act_transposed: fprop/bprop on feature axis 0 operands whose output is written on axis 1
-    (``cuda_backend.TransposedActivations``); feature_axis is then 0, which keeps the wgmma and
+    (``plans.TransposedActivations``); feature_axis is then 0, which keeps the wgmma and
     TMA kernels out.
     """
     bs = index.block_size
@@ -524,7 +524,7 @@ def copy_row_elements(n: int, item: int) -> int:
 def transposes_activations(index: BlockIndex, pass_name: str, n: int, dtype: str, feature_axis: int,
                            aligned: bool) -> bool:
     """Whether fprop (bprop) of ``n`` rows on ``feature_axis`` reads a transposed copy of x (dy)
-    (``cuda_backend.TransposedActivations``): half precision on feature axis 1 at the block
+    (``plans.TransposedActivations``): half precision on feature axis 1 at the block
     sizes of ``[kernels] act_transpose``, from ``act_transpose_min_rows`` rows, where the copy,
     features x N elements (N rounded up to 16 bytes), fits ``act_transpose_max_bytes``."""
     cfg = settings()["kernels"]
@@ -549,7 +549,7 @@ def _tf32_wgmma_tile(pass_name: str, block_size: int, n: int, device: Device, co
 
 def transposes_updat(index: BlockIndex, n: int, dtype: str, feature_axis: int, aligned: bool, device: Device,
                      tf32: bool = False) -> bool:
-    """Whether updat reads transposed copies of x and dy (``cuda_backend.TransposedUpdat``): half
+    """Whether updat reads transposed copies of x and dy (``plans.TransposedUpdat``): half
     precision at the block sizes of ``[kernels] updat_transpose``, TF32 on Hopper at those of
     ``[kernels.sm90.tma_tf32.updat_rows]`` (its wgmma row groups need x and dy K-major); feature
     axis 1, aligned, from ``updat_transpose_min_rows`` rows, copies within ``updat_transpose_max_bytes``."""
@@ -573,7 +573,7 @@ def transposed_layout(index: BlockIndex) -> BlockIndex:
 def transposes_weights(index: BlockIndex, n: int, dtype: str, feature_axis: int, tf32: bool, aligned: bool,
                        device: Device, plain: bool = True) -> bool:
     """Whether fprop runs as the TF32 wgmma bprop of the transposed layout over transposed weight
-    blocks (``cuda_backend.TransposedWeightsFprop``): TF32 on feature axis 1, aligned, a plain
+    blocks (``plans.TransposedWeightsFprop``): TF32 on feature axis 1, aligned, a plain
     layout, where that bprop is a TF32 wgmma one."""
     if (dtype != "float32" or not tf32 or feature_axis != 1 or not plain or not aligned or index.nnzb == 0
             or _tf32_wgmma_tile("bprop", index.block_size, n, device) is None):
@@ -597,7 +597,7 @@ def copies(index: BlockIndex, pass_name: str, n: int, dtype: str, feature_axis: 
 
 def path(index: BlockIndex, pass_name: str, n: int, dtype: str, feature_axis: int, tf32: bool, aligned: bool,
          device: Device) -> Path:
-    """The :class:`Path` a plain pass of ``n`` rows takes on ``device`` (what ``cuda_backend``
+    """The :class:`Path` a plain pass of ``n`` rows takes on ``device`` (what :mod:`bsmm.backends.cuda.plans`
     would launch), computed without a GPU.
 
     Examples

@@ -1,0 +1,427 @@
+"""Launch plans: the decisions of :mod:`bsmm.backends.cuda.planner` uploaded to a device.
+
+A *plan* fixes everything about a pass that does not change from call to call
+for one (layout, pass, N, dtype, feature axis, math mode, alignment, device):
+the kernel variant, the grid, and the device-side tables (segments, units,
+step table), uploaded once. A pass then costs one kernel launch on the caller's
+stream, no host synchronisation and no allocation besides the output and, for
+layouts whose long block columns are cut into parts, a workspace and counters
+kept per (plan, stream) and reused (:mod:`bsmm.backends.cuda.workspaces`).
+Plans are cached per layout (:func:`plan_for`, :func:`plans_of`, :func:`forget_plans`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import struct
+import threading
+import weakref
+
+import cupy
+import numpy as np
+
+from bsmm.block_index import BlockIndex
+from bsmm.backends.cuda.kernels import ELEMENT_BYTES, BlockTransposeVariant, TransposeVariant, Variant, load_kernel
+from bsmm.backends.cuda.launches import SerializedLaunch
+from bsmm.backends.cuda.planner import (Device, Path, copies, copy_row_elements, launch_layout, layout_path,
+                                        transposed_layout, transposes_weights)
+from bsmm.backends.cuda.tensor_maps import MAP_BYTES, tensor_map
+from bsmm.backends.cuda.workspaces import allocate_workspace, per_stream
+from bsmm.backends.strided import BlockOrder
+
+__all__ = ["Launcher", "Parameters", "Plan", "TmaPlan", "TransposedActivations", "TransposedUpdat",
+           "TransposedWeightsFprop", "build_plan", "device_traits", "occupancy", "forget_plans", "plan_for", "plans_of"]
+
+# Bound once: the per-call path looks it up on every launch.
+launch_kernel = cupy.cuda.driver.launchKernel
+
+_ARG_COUNT = 14  # parameters of bsmm_matmul
+
+
+class Launcher:
+    """Launches one kernel with a parameter block packed in one call.
+
+    CuPy's generic launch converts every argument on every call (tens of
+    microseconds for 14 arguments); here the values are packed into a fixed
+    buffer whose slot addresses were computed once. ``cuLaunchKernel`` copies
+    the parameters, so the buffer is free again when it returns. ``map_count``
+    128-byte TMA tensor maps (:mod:`bsmm.backends.cuda.tensor_maps`) follow the 8-byte slots.
+    """
+
+    def __init__(self, kernel, grid, threads: int, shared_bytes: int, arg_count: int = _ARG_COUNT,
+                 map_count: int = 0, serialized: bool = False):
+        self.function = kernel.kernel.ptr
+        # Launched with programmatic stream serialization (bsmm.backends.cuda.launches): stream -> its configuration.
+        self.serialized: dict | None = {} if serialized else None
+        self.grid, self.threads, self.shared_bytes = grid, threads, shared_bytes
+        # cuLaunchKernel's arguments before the stream: function, grid, block, shared bytes.
+        self.head = (self.function, *grid, threads, 1, 1, shared_bytes)
+        # Each parameter gets an 8-byte slot; int parameters are read from the low 4 bytes (little-endian).
+        self.arg_count = arg_count
+        self.pack = struct.Struct(f"<{arg_count}Q").pack_into
+        self.values = (ctypes.c_uint64 * arg_count)()
+        self.maps = [(ctypes.c_uint64 * (MAP_BYTES // 8))() for _ in range(map_count)]
+        base = ctypes.addressof(self.values)
+        self.map_addresses = [ctypes.addressof(m) for m in self.maps]
+        self.pointers = (ctypes.c_uint64 * (arg_count + map_count))(
+            *(base + 8 * i for i in range(arg_count)), *self.map_addresses)
+        self.pointers_address = ctypes.addressof(self.pointers)
+        self.map_key = None  # what the tensor maps in the buffer describe
+        self.lock = threading.Lock()
+
+    def launch(self, stream_ptr: int, *values: int, map_key=None, make_maps=None) -> None:
+        """One launch on ``stream_ptr`` with the kernel's parameters in order. ``make_maps()`` gives
+        the tensor maps' bytes; it is called only where ``map_key`` differs from the last launch's
+        (an eager loop over the same arrays skips it)."""
+        with self.lock:
+            self.pack(self.values, 0, *values)
+            if map_key != self.map_key:
+                for address, data in zip(self.map_addresses, make_maps()):
+                    ctypes.memmove(address, data, MAP_BYTES)
+                self.map_key = map_key
+            if self.serialized is None:
+                launch_kernel(*self.head, stream_ptr, self.pointers_address, 0)
+            else:
+                self.serialized_on(stream_ptr).launch(self.pointers_address)
+
+    def serialized_on(self, stream_ptr: int) -> SerializedLaunch:
+        """The serialized launch configuration of this kernel on ``stream_ptr`` (made once)."""
+        launch = self.serialized.get(stream_ptr)
+        if launch is None:
+            launch = self.serialized[stream_ptr] = SerializedLaunch(self.function, self.grid, (self.threads, 1, 1),
+                                                                    self.shared_bytes, stream_ptr)
+        return launch
+
+    def parameters(self, stream_ptr: int, values: tuple, maps: tuple = ()) -> "Parameters":
+        """A parameter block of its own for a launch on ``stream_ptr`` with these values and maps,
+        never written again: a repeated call launches it as it is, without packing, locking or
+        copying maps (:class:`FastCall`)."""
+        block = Parameters(self.arg_count, values, maps)
+        if self.serialized is not None:  # cuLaunchKernelEx and its arguments, made once
+            launch = self.serialized_on(stream_ptr)
+            block.driver, block.arguments = launch.driver, launch.arguments(block.address)
+        return block
+
+
+class Parameters:
+    """A kernel's parameters laid out as :class:`Launcher` lays them out, held for a launch to
+    pass by address (``cuLaunchKernel`` copies them during the call)."""
+
+    __slots__ = ("values", "maps", "pointers", "address", "driver", "arguments")
+
+    def __init__(self, arg_count: int, values: tuple, maps: tuple):
+        self.driver = self.arguments = None  # cuLaunchKernelEx and its arguments, where launches are serialized
+        self.values = (ctypes.c_uint64 * arg_count)(*values)
+        self.maps = [(ctypes.c_uint64 * (MAP_BYTES // 8)).from_buffer_copy(data) for data in maps]
+        base = ctypes.addressof(self.values)
+        self.pointers = (ctypes.c_uint64 * (arg_count + len(maps)))(
+            *(base + 8 * i for i in range(arg_count)), *(ctypes.addressof(m) for m in self.maps))
+        self.address = ctypes.addressof(self.pointers)
+
+
+@dataclasses.dataclass
+class Plan:
+    """Everything one pass launch needs, built once; see the module docstring."""
+
+    variant: Variant
+    segments: object  # cupy int32 (n_segments, 4)
+    units: object  # cupy int32 (n_units, 2)
+    table: object  # cupy int32 (entries, 2)
+    workspace_floats: int
+    counter_count: int
+    launcher: Launcher
+    band_rows: int = 1  # fprop/bprop: row tiles per band of the kernel's visiting order
+    path: Path | None = None  # the planner's decisions (bsmm.backends.cuda.planner.Path)
+    # stream -> (kernel pointer arguments 3..7, the workspace and counter arrays they point into)
+    scratch: dict = dataclasses.field(default_factory=dict)
+
+    def launch(self, stream_ptr: int, act_ptr: int, other_ptr: int, out_ptr: int, sizes: tuple,
+               accumulate: int) -> None:
+        """One launch on ``stream_ptr``; ``sizes`` = (N, ld_act, ld_other, ld_out)."""
+        self.launcher.launch(stream_ptr, *self.values(stream_ptr, act_ptr, other_ptr, out_ptr, sizes, accumulate))
+
+    def values(self, stream_ptr: int, act_ptr: int, other_ptr: int, out_ptr: int, sizes: tuple,
+               accumulate: int) -> tuple:
+        """The kernel's integer parameters, in order, for a launch on ``stream_ptr``."""
+        return (act_ptr, other_ptr, out_ptr, *self.scratch_for(stream_ptr), *sizes, int(accumulate), self.band_rows)
+
+    def parameters(self, stream_ptr: int, act_ptr: int, other_ptr: int, out_ptr: int, sizes: tuple,
+                   accumulate: int):
+        """The parameters of :meth:`launch` as a block of their own, to launch again as they are."""
+        return self.launcher.parameters(stream_ptr,
+                                        self.values(stream_ptr, act_ptr, other_ptr, out_ptr, sizes, accumulate))
+
+    def scratch_for(self, stream_ptr: int) -> tuple:
+        """Pointers to the tables and to this stream's workspace and counters (allocated once)."""
+        entry = self.scratch.get(stream_ptr)
+        if entry is None:
+            entry = per_stream(self.scratch, stream_ptr, lambda: self._new_scratch(stream_ptr))
+        return entry[0]
+
+    def _new_scratch(self, stream_ptr: int) -> tuple:
+        # Counters start at zero and each launch's last part resets the ones it used.
+        workspace, workspace_owner = allocate_workspace(4 * max(1, self.workspace_floats))
+        counters, counters_owner = allocate_workspace(4 * max(1, self.counter_count))
+        cupy.cuda.runtime.memsetAsync(counters, 0, 4 * max(1, self.counter_count), stream_ptr)
+        pointers = (self.segments.data.ptr, self.units.data.ptr, self.table.data.ptr, workspace, counters)
+        return pointers, (workspace_owner, counters_owner)
+
+
+@dataclasses.dataclass
+class TmaPlan(Plan):
+    """A :class:`Plan` of ``bsmm_matmul_tma`` (Hopper): each launch also passes TMA tensor maps
+    (:mod:`bsmm.backends.cuda.tensor_maps`) of the activations (N rows of ld_act elements), of the other
+    operand (fprop/bprop: the weights as ``block_rows`` rows of one block each; updat: dy as N
+    rows of ld_other) and of the output (fprop/bprop: N rows of the output features, ld_out
+    apart; updat: the weights' ``block_rows`` rows). On feature axis 0 (updat row groups) x and
+    dy are ``feature_rows`` rows of N elements. Boxes are (elements, rows)."""
+
+    act_box: tuple = (64, 64)
+    other_box: tuple = (64, 64)
+    out_box: tuple | None = None  # None: tiles are not stored through TMA (mma.sync, row groups)
+    block_rows: int = 0  # nnzb x block size
+    feature_rows: tuple = (0, 0)  # (C, K): the rows of x and dy on feature axis 0
+
+    def launch(self, stream_ptr: int, act_ptr: int, other_ptr: int, out_ptr: int, sizes: tuple,
+               accumulate: int) -> None:
+        # A new output array (each eager call's) changes no map the kernel reads where tiles
+        # are not stored through TMA.
+        out_key = out_ptr if self.out_box is not None else None
+        self.launcher.launch(stream_ptr, *self.values(stream_ptr, act_ptr, other_ptr, out_ptr, sizes, accumulate),
+                             map_key=(act_ptr, other_ptr, out_key, sizes),
+                             make_maps=lambda: self.maps(act_ptr, other_ptr, out_ptr, sizes))
+
+    def parameters(self, stream_ptr: int, act_ptr: int, other_ptr: int, out_ptr: int, sizes: tuple,
+                   accumulate: int):
+        return self.launcher.parameters(stream_ptr,
+                                        self.values(stream_ptr, act_ptr, other_ptr, out_ptr, sizes, accumulate),
+                                        self.maps(act_ptr, other_ptr, out_ptr, sizes))
+
+    def maps(self, act_ptr: int, other_ptr: int, out_ptr: int, sizes: tuple) -> tuple[bytes, bytes, bytes]:
+        """The activation, other-operand and output tensor maps of a launch (``sizes`` as for
+        :meth:`Plan.launch`; fprop/bprop carry the output blocks in ld_other). Only wgmma tiles
+        are stored through TMA: mma.sync tiles and updat row groups get zeros for the output map."""
+        n, ld_act, ld_other, ld_out = sizes
+        bs = self.variant.block_size
+        e = ELEMENT_BYTES[self.variant.dtype]
+        if self.variant.feature_axis == 0:  # updat row groups: xᵀ and dyᵀ, N columns (past N: zeros)
+            return (tensor_map(act_ptr, n, self.feature_rows[0], e * ld_act, *self.act_box, e),
+                    tensor_map(other_ptr, n, self.feature_rows[1], e * ld_other, *self.other_box, e), _NO_MAP)
+        act = tensor_map(act_ptr, ld_act, n, e * ld_act, *self.act_box, e)
+        stored = self.out_box is not None
+        if self.variant.pass_name == "updat":
+            dy = tensor_map(other_ptr, ld_other, n, e * ld_other, *self.other_box, e)
+            return act, dy, tensor_map(out_ptr, bs, self.block_rows, e * bs, *self.out_box, e) if stored else _NO_MAP
+        weights = tensor_map(other_ptr, bs, self.block_rows, e * bs, *self.other_box, e)
+        return act, weights, tensor_map(out_ptr, ld_other * bs, n, e * ld_out, *self.out_box, e) if stored else _NO_MAP
+
+
+_NO_MAP = bytes(MAP_BYTES)  # a tensor-map parameter the kernel does not read
+
+
+def device_traits(device) -> Device:
+    """The planner's :class:`bsmm.backends.cuda.planner.Device` for a CuPy device, as the environment
+    switches of this moment leave it; occupancy comes from the driver (loading the kernel)."""
+    return Device.with_environment(f"sm{device.compute_capability}", device.attributes["MultiProcessorCount"],
+                                   lambda variant: occupancy(load_kernel(variant, device.id), variant))
+
+
+def build_plan(index: BlockIndex, pass_name: str, n: int, dtype: str, feature_axis: int, tf32: bool,
+                aligned: bool, device, act_blocks: tuple | None = None,
+                weight_blocks: BlockOrder | None = None, act_transposed: bool = False, copied: str = "") -> Plan:
+    """The plan of one kernel launch: :func:`bsmm.backends.cuda.planner.launch_layout`'s decisions and tables,
+    uploaded to ``device``. ``copied``: what the caller transposes first (for :attr:`Plan.path`)."""
+    traits = device_traits(device)
+    layout = launch_layout(index, pass_name, n, dtype, feature_axis, tf32, aligned, traits, act_blocks,
+                           weight_blocks, act_transposed)
+    variant = layout.variant
+    kernel = load_kernel(variant, device.id)
+    with device:
+        return (TmaPlan if variant.tma else Plan)(
+            variant=variant,
+            launcher=Launcher(kernel, layout.grid, variant.threads, variant.shared_bytes,
+                               map_count=3 if variant.tma else 0, serialized=traits.programmatic),
+            segments=cupy.asarray(layout.segments),
+            units=cupy.asarray(layout.units),
+            table=cupy.asarray(layout.table),
+            workspace_floats=layout.workspace_floats,
+            counter_count=layout.counter_count,
+            band_rows=layout.band_rows,
+            path=layout_path(pass_name, copied, layout, traits),
+            **layout.tma_fields,
+        )
+
+
+def occupancy(kernel, variant) -> int:
+    """Thread blocks of ``variant`` one SM holds at once."""
+    return max(1, cupy.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(
+        kernel.kernel.ptr, variant.threads, variant.shared_bytes))
+
+
+_PLANS: "weakref.WeakKeyDictionary[BlockIndex, dict]" = weakref.WeakKeyDictionary()
+
+_PLAN_LOCK = threading.Lock()
+
+
+def forget_plans() -> None:
+    """Drop every cached plan, so that the next call of a pass plans it from the current settings
+    (:func:`bsmm.config.overriding`). Operators keep the calls they already made
+    (:class:`FastCall`): make new ones."""
+    with _PLAN_LOCK:
+        _PLANS.clear()
+
+
+def _transpose_launcher(item: int, ld: int, features: int, device) -> Launcher:
+    """A launch of ``transpose_tiles`` (``cuda/bsmm_transpose.cu``) turning an (N, features)
+    operand of ``item``-byte elements into its (features, ld) copy."""
+    tile = TransposeVariant.TILE
+    return Launcher(load_kernel(TransposeVariant(item), device.id), (-(-ld // tile), -(-features // tile), 1),
+                     TransposeVariant.threads, 0, 5, serialized=device_traits(device).programmatic)
+
+
+class TransposedActivations:
+    """fprop (bprop) on feature axis 1 through a transposed copy of x (dy): one launch of
+    ``cuda/bsmm_transpose.cu`` into a workspace, then the pass reading that copy as on feature
+    axis 0 and writing its output on axis 1 (``Variant.act_transposed``).
+
+    At block 16 a row of the activations holds a block's features as one 32-byte segment, its
+    own cache-line request, and those requests, not the bytes, bound the pass; in the copy every
+    row of a tile is whole lines. Used for the block sizes of ``[kernels] act_transpose``,
+    float16/bfloat16, batches of at least ``act_transpose_min_rows`` rows and where the copy,
+    features x N elements (N rounded up to 16 bytes with zeros), fits
+    ``act_transpose_max_bytes`` (:func:`bsmm.backends.cuda.planner.transposes_activations`); kept per stream
+    like :class:`TransposedUpdat`'s. Same launch interface as :class:`Plan`.
+    """
+
+    def __init__(self, index: BlockIndex, pass_name: str, n: int, dtype: str, device):
+        self.n = n
+        self.features = index.C if pass_name == "fprop" else index.K
+        item = ELEMENT_BYTES[dtype]
+        self.ld = copy_row_elements(n, item)
+        self.plan = build_plan(index, pass_name, n, dtype, 0, False, True, device, act_transposed=True,
+                                copied="x" if pass_name == "fprop" else "dy")
+        self.variant, self.path = self.plan.variant, self.plan.path
+        self.transpose = _transpose_launcher(item, self.ld, self.features, device)
+        self.item = item
+        self.workspaces: dict = {}  # stream -> the activations transposed
+
+    def launch(self, stream_ptr: int, act_ptr: int, w_ptr: int, out_ptr: int, sizes: tuple, accumulate: int) -> None:
+        act_t, _ = per_stream(self.workspaces, stream_ptr, lambda: allocate_workspace(self.features * self.ld * self.item))
+        self.transpose.launch(stream_ptr, act_ptr, act_t, self.n, self.features, self.ld)
+        # (n, activation row length, output blocks, output row length): the copy's rows are ld long.
+        self.plan.launch(stream_ptr, act_t, w_ptr, out_ptr, (sizes[0], self.ld, *sizes[2:]), accumulate)
+
+
+class TransposedUpdat:
+    """updat on feature axis 1 through transposed copies of x and dy: two launches of
+    ``cuda/bsmm_transpose.cu`` into a workspace, then the feature-axis-0 updat over them.
+
+    At block 16 (32) a row of x or dy holds a block's features as one 32 (64)-byte segment,
+    its own cache line, and those line requests, not the bytes, bound the pass; transposed,
+    every row of a tile is whole lines (T, fp16: block 16 5-6 -> 9-10 % efficiency, block 32
+    14-15 -> 15-18 %; ``results/archive/RESULTS.md``, v8). TF32 on Hopper takes it too, for its wgmma
+    row groups, which read 32-bit operands K-major only (:func:`bsmm.backends.cuda.planner.transposes_updat`). Used for
+    the block sizes listed in ``[kernels] updat_transpose``, batches of at least
+    ``updat_transpose_min_rows`` rows and where the workspace, (C + K) x N elements (N
+    rounded up to 16 bytes with zeros), fits ``updat_transpose_max_bytes``;
+    the workspace is kept per stream, like a plan's (CUDA graphs capture its address).
+    Same launch interface as :class:`Plan`.
+    """
+
+    def __init__(self, index: BlockIndex, n: int, dtype: str, device, tf32: bool = False):
+        self.n, self.C, self.K = n, index.C, index.K
+        item = ELEMENT_BYTES[dtype]
+        self.ld = copy_row_elements(n, item)
+        self.plan = build_plan(index, "updat", n, dtype, 0, tf32, True, device, copied="x+dy")
+        self.variant, self.path = self.plan.variant, self.plan.path
+        self.transpose_x, self.transpose_dy = (_transpose_launcher(item, self.ld, features, device)
+                                               for features in (self.C, self.K))
+        self.item = item
+        self.workspaces: dict = {}  # stream -> (x transposed, dy transposed)
+
+    def launch(self, stream_ptr: int, x_ptr: int, dy_ptr: int, out_ptr: int, sizes: tuple, accumulate: int) -> None:
+        (x_t, _), (dy_t, _) = per_stream(self.workspaces, stream_ptr, lambda: (
+            allocate_workspace(self.C * self.ld * self.item), allocate_workspace(self.K * self.ld * self.item)))
+        self.transpose_x.launch(stream_ptr, x_ptr, x_t, self.n, self.C, self.ld)
+        self.transpose_dy.launch(stream_ptr, dy_ptr, dy_t, self.n, self.K, self.ld)
+        self.plan.launch(stream_ptr, x_t, dy_t, out_ptr, (self.n, self.ld, self.ld, 0), accumulate)
+
+
+class TransposedWeightsFprop:
+    """TF32 fprop on Hopper as a bprop over the transposed layout: y = x·W is x·W'ᵀ, W' holding
+    each block of W transposed, in the row-major order of the layout's transpose (its
+    ``col_order``). TF32 wgmma reads 32-bit operands K-major only: bprop's weight rows are,
+    fprop's are not. One launch of ``transpose_blocks`` (``cuda/bsmm_transpose.cu``) writes W'
+    into a workspace of nnzb x block² floats, kept per stream like a plan's; then the transposed
+    layout's bprop plan runs on W'. Used where that plan is a TF32 wgmma one
+    (``[kernels.sm90.tma_tf32]``); same launch interface as :class:`Plan`.
+    """
+
+    def __init__(self, index: BlockIndex, n: int, device):
+        self.index_t = transposed_layout(index)
+        self.plan = build_plan(self.index_t, "bprop", n, "float32", 1, True, True, device, copied="w")
+        self.variant, self.path = self.plan.variant, dataclasses.replace(self.plan.path, pass_name="fprop")
+        self.order = cupy.asarray(index.col_order, dtype=np.int32)
+        transpose = BlockTransposeVariant(index.block_size)
+        self.transpose = Launcher(load_kernel(transpose, device.id), (index.nnzb, transpose.tiles, 1),
+                                   transpose.threads, 0, 3, serialized=device_traits(device).programmatic)
+        self.weight_count = index.nnzb * index.block_size ** 2
+        self.workspaces: dict = {}  # stream -> W'
+
+    def launch(self, stream_ptr: int, x_ptr: int, w_ptr: int, out_ptr: int, sizes: tuple, accumulate: int) -> None:
+        # (n, C, K / block, K) of the fprop are (n, K', C' / block, C') of the transposed bprop.
+        w_t, _ = per_stream(self.workspaces, stream_ptr, lambda: allocate_workspace(4 * self.weight_count))
+        self.transpose.launch(stream_ptr, w_ptr, w_t, self.order.data.ptr)
+        self.plan.launch(stream_ptr, x_ptr, w_t, out_ptr, sizes, accumulate)
+
+
+def plan_for(index: BlockIndex, pass_name: str, n: int, dtype: str, feature_axis: int, tf32: bool,
+             aligned: bool, act_blocks: tuple | None = None, weight_blocks: BlockOrder | None = None,
+             plain: bool = False) -> Plan:
+    """The cached plan for this pass on the current device, built on first use.
+
+    ``plain``: the operands are whole (N, C) and (N, K) arrays (or their feature-axis-0
+    transposes), so the pass may read transposed copies of them (:class:`TransposedUpdat`,
+    :class:`TransposedActivations`); strided and shifted passes are not. A TF32 fprop gets its
+    :class:`TransposedWeightsFprop` where that applies (:func:`bsmm.backends.cuda.planner.copies`).
+    """
+    device_id = cupy.cuda.runtime.getDevice()
+    key = (pass_name, n, dtype, feature_axis, tf32, aligned, device_id, act_blocks, weight_blocks, plain)
+    plans = _PLANS.get(index)
+    plan = plans.get(key) if plans is not None else None
+    if plan is None:
+        with _PLAN_LOCK:
+            plans = _PLANS.setdefault(index, {})
+            plan = plans.get(key)
+            if plan is None:
+                plan = plans[key] = _new_plan(index, pass_name, n, dtype, feature_axis, tf32, aligned, act_blocks,
+                                              weight_blocks, plain, cupy.cuda.Device(device_id))
+    return plan
+
+
+def _new_plan(index: BlockIndex, pass_name: str, n: int, dtype: str, feature_axis: int, tf32: bool, aligned: bool,
+              act_blocks, weight_blocks, plain: bool, device):
+    """The plan :func:`plan_for` keeps: a :class:`Plan`, or one of the copying plans around one."""
+    traits = device_traits(device)
+    if plain:
+        copied = copies(index, pass_name, n, dtype, feature_axis, tf32, aligned, traits)
+    elif act_blocks is None and weight_blocks is None and pass_name == "fprop" and transposes_weights(
+            index, n, dtype, feature_axis, tf32, aligned, traits):
+        copied = "w"
+    else:
+        copied = ""
+    if copied == "w":
+        return TransposedWeightsFprop(index, n, device)
+    if copied == "x+dy":
+        return TransposedUpdat(index, n, dtype, device, tf32)
+    if copied:
+        return TransposedActivations(index, pass_name, n, dtype, device)
+    return build_plan(index, pass_name, n, dtype, feature_axis, tf32, aligned, device, act_blocks, weight_blocks)
+
+
+def plans_of(index: BlockIndex) -> dict:
+    """A copy of the plans cached for ``index``: {(pass, N, dtype, feature axis, tf32, aligned,
+    device, activation blocks, weight blocks, plain): plan}; empty where none was built."""
+    with _PLAN_LOCK:
+        return dict(_PLANS.get(index, {}))
