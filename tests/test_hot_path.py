@@ -75,19 +75,18 @@ def test_torch_training_step_after_the_first_plans_nothing_and_allocates_its_out
         y.backward(grad)
         return y.detach().clone(), x.grad.clone(), layer.weight.grad.clone()
 
-    from bsmm.torch import ops as torch_ops
-
     first = step()
     torch.cuda.synchronize()
     before = dict(spies)
     stats = torch.cuda.memory_stats()["allocation.all.allocated"]
-    checked = []
-    into_new = torch_ops._into_new
-    torch_ops._into_new = lambda *args, **kwargs: checked.append(args) or into_new(*args, **kwargs)
-    try:
+    checked = []  # the checked path runs the operator's passes; the raw-pointer repeat does not
+    with pytest.MonkeyPatch.context() as patch:
+        for pass_name in ("fprop", "bprop", "updat"):
+            method = getattr(bsmm.BlocksparseMatMul, pass_name)
+            patch.setattr(bsmm.BlocksparseMatMul, pass_name,
+                          lambda self, *args, _method=method, **kwargs: checked.append(args) or _method(self, *args,
+                                                                                                        **kwargs))
         again = step()
-    finally:
-        torch_ops._into_new = into_new
     torch.cuda.synchronize()
     assert not checked, "a repeated step took the checked (DLPack) path instead of the kept raw-pointer call"
     assert spies == before, f"a repeated step planned, uploaded or synchronised: {before} -> {spies}"
