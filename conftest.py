@@ -10,6 +10,7 @@ import os
 _ADAPTERS = {
     "bsmm/torch/__init__.py": "torch",
     "bsmm/torch/ops.py": "torch",
+    "bsmm/torch/conv_ops.py": "torch",
     "bsmm/jax/__init__.py": "jax",
     "bsmm/jax/passes.py": "jax",
     "bsmm/tf.py": "tensorflow",

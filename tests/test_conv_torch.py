@@ -18,7 +18,7 @@ torch = pytest.importorskip("torch", reason="PyTorch is not installed: bsmm.torc
 F = torch.nn.functional
 
 import bsmm.torch as bt  # noqa: E402
-from bsmm.torch import ops as torch_ops  # noqa: E402
+from bsmm.torch import conv_ops  # noqa: E402
 from bsmm.nn.conv import BlocksparseConv  # noqa: E402
 from reference import assert_close, dense_to_present_blocks, dense_weight, random_data, random_layout  # noqa: E402
 from test_torch import _cuda_or_skip, _forward_backward, device, host  # noqa: E402, F401 (device: a fixture)
@@ -118,15 +118,15 @@ def test_opcheck(device, requires_grad):
     rng = np.random.default_rng(12)
     conv = BlocksparseConv(random_layout(rng, 2, 3, 0.6), BS, (3, 3), stride=(2, 1), padding=1, channels_last=False)
     registration = bt.register(conv.index)
-    spec = torch_ops.conv_spec(conv, (5, 4))
+    spec = conv_ops.conv_spec(conv, (5, 4))
 
     def sample(shape):
         return tensor(random_data(rng, shape, "float32"), device, requires_grad=requires_grad)
 
     x, w = sample((3, conv.C, 5, 4)), sample(conv.w_shape)
     dy = sample(conv.output_shape(tuple(x.shape)))
-    for operator, args in ((torch_ops.conv_fprop, (x, w)), (torch_ops.conv_bprop, (dy, w)),
-                           (torch_ops.conv_updat, (x, dy))):
+    for operator, args in ((conv_ops.conv_fprop, (x, w)), (conv_ops.conv_bprop, (dy, w)),
+                           (conv_ops.conv_updat, (x, dy))):
         results = torch.library.opcheck(operator, (*args, registration.key, spec, False))
         assert set(results.values()) == {"SUCCESS"}, results
 
@@ -289,7 +289,7 @@ def test_errors_name_the_argument():
          "kernel_size must be an int or a tuple of 2 ints for BlockSparseConv2d"),
         (lambda: bt.BlockSparseConv1d(16, 8, 3, np.ones((2, 1)), BS)(torch.randn(2, 8, 9)), ValueError,
          r"x must have shape \(N, 16, \*spatial\)"),
-        (lambda: torch_ops.conv_fprop(x, w, bt.register(conv.index).key, [2, 3], False), ValueError,
+        (lambda: conv_ops.conv_fprop(x, w, bt.register(conv.index).key, [2, 3], False), ValueError,
          "spec must be"),
     ]
     for call, error, match in cases:

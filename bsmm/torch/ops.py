@@ -11,7 +11,7 @@ block-sparse:
 
 (``g`` is the upstream gradient; all take ``key, feature_axis, tf32`` after the tensors.)
 The convolutions of :class:`bsmm.nn.conv.BlocksparseConv`, ``bsmm::conv_fprop``,
-``bsmm::conv_bprop`` and ``bsmm::conv_updat``, have the same structure and take
+``bsmm::conv_bprop`` and ``bsmm::conv_updat`` (:mod:`bsmm.torch.conv_ops`), have the same structure and take
 ``key, spec, tf32``, ``spec`` being the geometry and the input's spatial shape as ints
 (:func:`conv_spec`).
 
@@ -54,11 +54,10 @@ except ImportError as error:  # pragma: no cover - depends on the environment
 
 from bsmm.backends.cuda import launches
 from bsmm.block_index import BlockIndex, block_index
-from bsmm.nn.conv import BlocksparseConv
 from bsmm.matmul import BlocksparseMatMul
 
-__all__ = ["Registration", "register", "lookup", "matmul", "matmul_bprop", "matmul_updat", "product", "run_pass",
-           "conv_spec", "conv_fprop", "conv_bprop", "conv_updat"]
+__all__ = ["Registration", "register", "lookup", "registration", "matmul", "matmul_bprop", "matmul_updat", "product",
+           "run_pass", "check_dtype", "check_like", "check_contiguous", "into_new", "register_bilinear"]
 
 #: torch dtypes bsmm runs on every device, by the names bsmm.dtypes uses.
 SUPPORTED_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
@@ -142,10 +141,10 @@ def lookup(key: str) -> BlockIndex:
     ValueError
         If nothing holds a registration of ``key`` in this process.
     """
-    return _registration(key).index
+    return registration(key).index
 
 
-def _registration(key: str) -> Registration:
+def registration(key: str) -> Registration:
     registration = _REGISTRY.get(key)
     if registration is None:
         raise ValueError(
@@ -173,7 +172,7 @@ def check_dtype(dtype: torch.dtype, device: torch.device, argument: str) -> None
     )
 
 
-def _check_like(tensor: torch.Tensor, argument: str, reference: torch.Tensor, reference_name: str) -> None:
+def check_like(tensor: torch.Tensor, argument: str, reference: torch.Tensor, reference_name: str) -> None:
     if tensor.device != reference.device:
         raise ValueError(
             f"{argument} is on {tensor.device} but {reference_name} is on {reference.device}; move them to one device"
@@ -184,7 +183,7 @@ def _check_like(tensor: torch.Tensor, argument: str, reference: torch.Tensor, re
         )
 
 
-def _check_contiguous(tensor: torch.Tensor, argument: str) -> None:
+def check_contiguous(tensor: torch.Tensor, argument: str) -> None:
     if not tensor.is_contiguous():
         raise ValueError(f"{argument} must be contiguous; got shape {tuple(tensor.shape)}, strides {tensor.stride()}")
 
@@ -196,14 +195,14 @@ def _check_activation(tensor: torch.Tensor, argument: str, features: int, featur
         raise ValueError(
             f"{argument} must have shape {expected} with feature_axis={feature_axis}; got {tuple(tensor.shape)}"
         )
-    _check_contiguous(tensor, argument)
+    check_contiguous(tensor, argument)
     return tensor.shape[1 - feature_axis]
 
 
 def _check_weights(tensor: torch.Tensor, argument: str, index: BlockIndex) -> None:
     if tuple(tensor.shape) != index.w_shape:
         raise ValueError(f"{argument} must have shape w_shape {index.w_shape}; got {tuple(tensor.shape)}")
-    _check_contiguous(tensor, argument)
+    check_contiguous(tensor, argument)
 
 
 def _check_feature_axis(feature_axis: int) -> None:
@@ -221,7 +220,7 @@ def _product_shape(a, w, key, feature_axis, pass_name: str) -> tuple:
     name, features_in, features_out = ("x", index.C, index.K) if pass_name == "fprop" else ("dy", index.K, index.C)
     _check_feature_axis(feature_axis)
     check_dtype(a.dtype, a.device, name)
-    _check_like(w, "w", a, name)
+    check_like(w, "w", a, name)
     n = _check_activation(a, name, features_in, feature_axis)
     _check_weights(w, "w", index)
     return _activation_shape(n, features_out, feature_axis)
@@ -231,7 +230,7 @@ def _updat_shape(x, dy, key, feature_axis) -> tuple:
     index = lookup(key)
     _check_feature_axis(feature_axis)
     check_dtype(x.dtype, x.device, "x")
-    _check_like(dy, "dy", x, "x")
+    check_like(dy, "dy", x, "x")
     n = _check_activation(x, "x", index.C, feature_axis)
     n_dy = _check_activation(dy, "dy", index.K, feature_axis)
     if n_dy != n:
@@ -268,7 +267,7 @@ def _cupy_stream(cupy, device_index: int, ptr: int):
 
 
 def _matmul_operator(key: str, feature_axis: int, tf32: bool) -> BlocksparseMatMul:
-    return _registration(key).operator(("matmul", feature_axis, tf32),
+    return registration(key).operator(("matmul", feature_axis, tf32),
                                        lambda index: BlocksparseMatMul.from_index(index, feature_axis, tf32))
 
 
@@ -290,7 +289,7 @@ def _run_on(op: BlocksparseMatMul, pass_name: str, a: torch.Tensor, b: torch.Ten
             return out
     shape = _updat_shape(a, b, key, op.feature_axis) if pass_name == "updat" else \
         _product_shape(a, b, key, op.feature_axis, pass_name)
-    return _into_new(getattr(op, pass_name), a, b, shape)
+    return into_new(getattr(op, pass_name), a, b, shape)
 
 
 #: torch dtype -> the NumPy dtype of the CuPy arrays the checked path shares (repeat calls' keys).
@@ -318,7 +317,7 @@ def _repeat_on_cuda(op: BlocksparseMatMul, pass_name: str, a: torch.Tensor, b: t
     return out
 
 
-def _into_new(method, a: torch.Tensor, b: torch.Tensor, shape: tuple, **options) -> torch.Tensor:
+def into_new(method, a: torch.Tensor, b: torch.Tensor, shape: tuple, **options) -> torch.Tensor:
     """``method(a, b, out=..., **options)`` on shared NumPy/CuPy views, into a new tensor of ``shape``."""
     out = torch.empty(shape, dtype=a.dtype, device=a.device)
     if a.device.type == "cpu":
@@ -395,7 +394,7 @@ def _autograd(first_gradient, second_gradient):
     return backward
 
 
-def _register_bilinear(fprop, bprop, updat) -> None:
+def register_bilinear(fprop, bprop, updat) -> None:
     """Autograd formulas of three operators with the cotangent structure of a product (module docstring)."""
     fprop.register_autograd(
         _autograd(lambda g, x, w, *o: bprop(g, w, *o), lambda g, x, w, *o: updat(x, g, *o)),
@@ -411,7 +410,7 @@ def _register_bilinear(fprop, bprop, updat) -> None:
     )
 
 
-_register_bilinear(matmul, matmul_bprop, matmul_updat)
+register_bilinear(matmul, matmul_bprop, matmul_updat)
 
 
 class _EagerProduct(torch.autograd.Function):
@@ -464,77 +463,3 @@ def product(x: torch.Tensor, w: torch.Tensor, key: str, feature_axis: int, tf32:
             return _EagerProduct.apply(x, w, key, feature_axis, tf32)
         return run_pass("fprop", x, w, key, feature_axis, tf32)  # inference: no graph to record
     return matmul(x, w, key, feature_axis, tf32)
-
-
-# -- the convolutions ----------------------------------------------------------------------------------
-# ``spec`` carries a BlocksparseConv's geometry and the input's spatial shape as ints (what an
-# operator argument can be): [rank, *kernel_size, *stride, *padding, *dilation, channels_last, *spatial].
-def conv_spec(conv: BlocksparseConv, spatial) -> list[int]:
-    """The ``spec`` argument of the convolution operators for ``conv`` on inputs of ``spatial`` size."""
-    return [conv.ndim, *conv.kernel_size, *conv.stride, *conv.padding, *conv.dilation, int(conv.channels_last),
-            *(int(v) for v in spatial)]
-
-
-def _conv_of(key: str, spec: list[int], tf32: bool) -> tuple[BlocksparseConv, tuple]:
-    rank = spec[0] if spec else 0
-    if rank not in (1, 2, 3) or len(spec) != 2 + 5 * rank:
-        raise ValueError(f"spec must be [rank, *kernel_size, *stride, *padding, *dilation, channels_last, *spatial] "
-                         f"for rank 1, 2 or 3; got {list(spec)}")
-    kernel, stride, padding, dilation = (tuple(spec[1 + i * rank:1 + (i + 1) * rank]) for i in range(4))
-    channels_last = bool(spec[1 + 4 * rank])
-    conv = _registration(key).operator(
-        ("conv", kernel, stride, padding, dilation, channels_last, tf32),
-        lambda index: BlocksparseConv.from_index(index, kernel, stride, padding, dilation, channels_last, tf32))
-    return conv, tuple(spec[2 + 4 * rank:])
-
-
-def _conv_shapes(pass_name: str, a, b, key: str, spec: list[int], tf32: bool):
-    """(conv, result shape, input shape) of a convolution pass, or raise naming the argument."""
-    conv, spatial = _conv_of(key, spec, tf32)
-    names = {"fprop": ("x", "w"), "bprop": ("dy", "w"), "updat": ("x", "dy")}[pass_name]
-    check_dtype(a.dtype, a.device, names[0])
-    _check_like(b, names[1], a, names[0])
-    x_shape = conv._shape(a.shape[0] if a.dim() else 0, spatial, conv.C)
-    y_shape = conv.output_shape(x_shape)
-    expected = {"fprop": (x_shape, conv.w_shape), "bprop": (y_shape, conv.w_shape), "updat": (x_shape, y_shape)}
-    for tensor, name, shape in zip((a, b), names, expected[pass_name]):
-        if tuple(tensor.shape) != shape:
-            raise ValueError(f"{name} must have shape {shape}; got {tuple(tensor.shape)}")
-        _check_contiguous(tensor, name)
-    return conv, {"fprop": y_shape, "bprop": x_shape, "updat": conv.w_shape}[pass_name], x_shape
-
-
-def _run_conv(pass_name: str, a, b, key: str, spec: list[int], tf32: bool) -> torch.Tensor:
-    conv, shape, x_shape = _conv_shapes(pass_name, a, b, key, spec, tf32)
-    options = {"x_shape": x_shape} if pass_name == "bprop" else {}
-    return _into_new(getattr(conv, pass_name), a, b, shape, **options)
-
-
-@torch.library.custom_op("bsmm::conv_fprop", mutates_args=())
-def conv_fprop(x: torch.Tensor, w: torch.Tensor, key: str, spec: list[int], tf32: bool) -> torch.Tensor:
-    """y = conv(x, W): x (N, *spatial, C) or (N, C, *spatial) -> y; w (*kernel_size, nnzb, bs, bs)."""
-    return _run_conv("fprop", x, w, key, spec, tf32)
-
-
-@torch.library.custom_op("bsmm::conv_bprop", mutates_args=())
-def conv_bprop(dy: torch.Tensor, w: torch.Tensor, key: str, spec: list[int], tf32: bool) -> torch.Tensor:
-    """dx: the gradient of conv_fprop with respect to x, for the input shape in ``spec``."""
-    return _run_conv("bprop", dy, w, key, spec, tf32)
-
-
-@torch.library.custom_op("bsmm::conv_updat", mutates_args=())
-def conv_updat(x: torch.Tensor, dy: torch.Tensor, key: str, spec: list[int], tf32: bool) -> torch.Tensor:
-    """dW on the present blocks: the gradient of conv_fprop with respect to w."""
-    return _run_conv("updat", x, dy, key, spec, tf32)
-
-
-def _conv_fake(pass_name: str):
-    def fake(a, b, key, spec, tf32):
-        return a.new_empty(_conv_shapes(pass_name, a, b, key, spec, tf32)[1])
-
-    return fake
-
-
-for _pass_name, _operator in (("fprop", conv_fprop), ("bprop", conv_bprop), ("updat", conv_updat)):
-    _operator.register_fake(_conv_fake(_pass_name))
-_register_bilinear(conv_fprop, conv_bprop, conv_updat)
