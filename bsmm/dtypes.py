@@ -1,25 +1,66 @@
-"""The one table of element types bsmm supports: on every backend, and on the CPU only."""
+"""The one table of element types bsmm supports (:data:`ELEMENT_TYPES`), and what is derived from it.
+
+Every other list of dtypes in the package is built from :data:`ELEMENT_TYPES`: the NumPy dtypes
+accepted on every backend (:data:`SUPPORTED_DTYPES`) and on the CPU only (:data:`CPU_ONLY_DTYPES`),
+and the CUDA backend's ``C_TYPES`` and ``ELEMENT_BYTES`` (:mod:`bsmm.backends.cuda.kernels`).
+"""
 
 from __future__ import annotations
+
+import dataclasses
 
 import ml_dtypes
 import numpy as np
 
-__all__ = ["SUPPORTED_DTYPES", "CPU_ONLY_DTYPES", "DTYPE_NAMES", "canonical_dtype"]
+__all__ = ["ElementType", "ELEMENT_TYPES", "SUPPORTED_DTYPES", "CPU_ONLY_DTYPES", "DTYPE_NAMES", "canonical_dtype"]
 
-#: name -> NumPy dtype, on every backend. bfloat16 comes from ml_dtypes, the type
-#: NumPy-side code (JAX, TensorFlow) already uses for it.
-SUPPORTED_DTYPES: dict[str, np.dtype] = {
-    "float32": np.dtype(np.float32),
-    "float16": np.dtype(np.float16),
-    "bfloat16": np.dtype(ml_dtypes.bfloat16),
-}
 
-#: name -> NumPy dtype run by the CPU backend only: float64, computed and accumulated
-#: in float64, for gradient checks by finite differences (no GPU kernel exists for it).
-CPU_ONLY_DTYPES: dict[str, np.dtype] = {
-    "float64": np.dtype(np.float64),
-}
+@dataclasses.dataclass(frozen=True)
+class ElementType:
+    """One element type bsmm computes on.
+
+    Examples
+    --------
+    >>> t = ELEMENT_TYPES["bfloat16"]
+    >>> t.numpy, t.c_type, t.element_bytes, t.cpu_only
+    (dtype(bfloat16), '__nv_bfloat16', 2, False)
+    >>> ELEMENT_TYPES["float64"].cpu_only
+    True
+    """
+
+    name: str  # the name users and launch tables give it ("bfloat16")
+    numpy: np.dtype  # its NumPy dtype
+    # The element type of the CUDA kernel templates (``Elem<...>`` in cuda/bsmm_common.cuh), or None
+    # where no GPU kernel exists: the type then runs on the CPU backend only.
+    c_type: str | None
+
+    @property
+    def element_bytes(self) -> int:
+        """Bytes an element (the NumPy dtype's itemsize)."""
+        return self.numpy.itemsize
+
+    @property
+    def cpu_only(self) -> bool:
+        """True where only the CPU backend computes in this type (no CUDA kernel exists for it)."""
+        return self.c_type is None
+
+
+#: name -> :class:`ElementType`, the one place a dtype's facts are written down. Order matters:
+#: error messages list the names in it. bfloat16 comes from ml_dtypes, the type NumPy-side code
+#: (JAX, TensorFlow) already uses for it. float64 is computed and accumulated in float64 on the
+#: CPU backend, for gradient checks by finite differences.
+ELEMENT_TYPES: dict[str, ElementType] = {t.name: t for t in (
+    ElementType("float32", np.dtype(np.float32), "float"),
+    ElementType("float16", np.dtype(np.float16), "__half"),
+    ElementType("bfloat16", np.dtype(ml_dtypes.bfloat16), "__nv_bfloat16"),
+    ElementType("float64", np.dtype(np.float64), None),
+)}
+
+#: name -> NumPy dtype, on every backend (the types of :data:`ELEMENT_TYPES` with a CUDA kernel).
+SUPPORTED_DTYPES: dict[str, np.dtype] = {name: t.numpy for name, t in ELEMENT_TYPES.items() if not t.cpu_only}
+
+#: name -> NumPy dtype run by the CPU backend only (no GPU kernel exists for it): float64.
+CPU_ONLY_DTYPES: dict[str, np.dtype] = {name: t.numpy for name, t in ELEMENT_TYPES.items() if t.cpu_only}
 
 #: dtype -> name of :data:`SUPPORTED_DTYPES`, for hot paths (``str(dtype)`` is slow in NumPy).
 DTYPE_NAMES: dict[np.dtype, str] = {dtype: name for name, dtype in SUPPORTED_DTYPES.items()}

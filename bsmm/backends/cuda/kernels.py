@@ -9,6 +9,13 @@ of the device (``sm_80`` ... ``sm_90a``), the cubin is kept in a disk cache
 keyed by source, options and NVRTC version, and loaded with ``cupy.RawModule``; loaded kernels are memoized per (device, variant).
 The same :func:`compile_variant` runs in CI, where there is no GPU, so CI
 compiles exactly what the library runs.
+
+Element types are those of :data:`bsmm.dtypes.ELEMENT_TYPES` that have a GPU kernel:
+
+>>> C_TYPES
+{'float32': 'float', 'float16': '__half', 'bfloat16': '__nv_bfloat16'}
+>>> ELEMENT_BYTES
+{'float32': 4, 'float16': 2, 'bfloat16': 2}
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ import threading
 from pathlib import Path
 
 from bsmm.config import CUDA_DIR, cache_dir
+from bsmm.dtypes import ELEMENT_TYPES
 
 __all__ = ["Variant", "GatherVariant", "TransposeVariant", "compile_variant", "load_kernel", "arch_for", "cuda_include_dirs", "compile_options"]
 
@@ -35,15 +43,17 @@ PASS_IDS = {"fprop": 0, "bprop": 1, "updat": 2}
 #: Longest part of a block column (row) one thread block takes; its step-table slice is staged in
 #: shared memory (8 bytes an entry). Passed to NVRTC, so host and kernel agree.
 MAX_PART_BLOCKS = 256
-C_TYPES = {"float32": "float", "float16": "__half", "bfloat16": "__nv_bfloat16"}
-ELEMENT_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+#: dtype name -> the kernel templates' element type, and -> bytes an element, for the dtypes
+#: with a GPU kernel; both read from :data:`bsmm.dtypes.ELEMENT_TYPES`.
+C_TYPES: dict[str, str] = {name: t.c_type for name, t in ELEMENT_TYPES.items() if not t.cpu_only}
+ELEMENT_BYTES: dict[str, int] = {name: t.element_bytes for name, t in ELEMENT_TYPES.items() if not t.cpu_only}
 
 
 @dataclasses.dataclass(frozen=True)
 class Variant:
     """One compiled instance of the kernel template: everything fixed at compile time."""
 
-    dtype: str  # "float32", "float16", "bfloat16"
+    dtype: str  # a name of C_TYPES: "float32", "float16", "bfloat16"
     block_size: int
     tile: tuple[int, int, int, int, int, int]  # BM, BN, BK, WARPS_M, WARPS_N, STAGES
     math: str  # "simt", "tensor16", "tf32", "wgmma16" or "wgmma_tf32" (sm_90a)
@@ -60,7 +70,7 @@ class Variant:
     tma: bool = False
     # fprop/bprop (cp.async kernel): the activations come from a transposed copy, read as on
     # feature axis 0 (``feature_axis`` is then 0), and the output is written on feature axis 1
-    # (``cuda_backend.TransposedActivations``).
+    # (``plans.TransposedActivations``).
     act_transposed: bool = False
 
     source_file = SOURCE_FILE
