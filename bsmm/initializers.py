@@ -14,7 +14,7 @@ import numpy as np
 
 from bsmm.block_index import check_block_size, check_layout
 from bsmm.dtypes import canonical_dtype
-from bsmm.layouts import _as_generator
+from bsmm.layouts.checks import as_generator
 
 __all__ = ["normal", "identity", "orthogonal"]
 
@@ -70,7 +70,7 @@ def normal(layout, block_size, scale=1.0, dtype=np.float32, seed=None) -> np.nda
     block_size = check_block_size(block_size)
     scale = _check_factor(scale, "scale")
     dtype = canonical_dtype(dtype, "dtype")
-    rng = _as_generator(seed)
+    rng = as_generator(seed)
     _, cols = np.nonzero(checked)
     fan_in = np.count_nonzero(checked, axis=0)
     std = scale / np.sqrt(fan_in[cols] * block_size)
@@ -119,7 +119,7 @@ def identity(layout, block_size, dtype=np.float32, seed=None) -> np.ndarray:
         raise ValueError(f"layout must be square for an identity; got shape {checked.shape}")
     block_size = check_block_size(block_size)
     dtype = canonical_dtype(dtype, "dtype")
-    _as_generator(seed)  # for the same seed errors as the random initializers
+    as_generator(seed)  # for the same seed errors as the random initializers
     rows, cols = np.nonzero(checked)
     data = np.zeros((rows.size, block_size, block_size))
     data[rows == cols] = np.eye(block_size)
@@ -170,7 +170,7 @@ def orthogonal(layout, block_size, gain=1.0, dtype=np.float32, seed=None) -> np.
     block_size = check_block_size(block_size)
     gain = _check_factor(gain, "gain")
     dtype = canonical_dtype(dtype, "dtype")
-    rng = _as_generator(seed)
+    rng = as_generator(seed)
     _, cols = np.nonzero(checked)
     counts = np.count_nonzero(checked, axis=0)
     # A stable sort of the row-major order by column lists each column's blocks top to bottom.

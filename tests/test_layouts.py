@@ -19,6 +19,7 @@ from bsmm.layouts import (
     watts_strogatz_1d,
     watts_strogatz_2d,
 )
+from bsmm.layouts.small_world import layout_report, small_world_layout
 
 seeds = st.integers(0, 2**32 - 1)
 
@@ -460,3 +461,25 @@ def test_path_length_needs_two_connected_nodes():
         average_shortest_path_length(two_triangles)
     with pytest.raises(ValueError, match=r"got 2 components"):
         small_world_summary(two_triangles)
+
+
+# -- small_world_layout, layout_report ---------------------------------------------
+@pytest.mark.parametrize("kind", ["barabasi_albert", "watts_strogatz"])
+def test_small_world_layout_hits_the_block_budget(kind):
+    for n, blocks in [(16, 64), (32, 200), (64, 600)]:
+        layout = small_world_layout(n, blocks, kind, seed=0)
+        assert layout.shape == (n, n) and (np.diag(layout) == 1).all() and (layout == layout.T).all()
+        assert int(layout.sum()) - blocks in (0, 1)
+        layout_report(layout)  # connected, or it raises
+    assert (small_world_layout(16, 64, kind, seed=3) == small_world_layout(16, 64, kind, seed=3)).all()
+
+
+def test_layout_report():
+    report = layout_report(small_world_layout(64, 64 * 7, "watts_strogatz", seed=0, rewire=0.05))
+    assert report["path_length"] > 1 and report["sampled_random_path_length"] > 1
+    assert report["clustering"] > 2 * report["sampled_random_clustering"]  # the small world's mark
+
+
+def test_small_world_layout_rejects_an_unknown_kind():
+    with pytest.raises(ValueError, match="kind must be 'barabasi_albert' or 'watts_strogatz'"):
+        small_world_layout(8, 16, "erdos_renyi")

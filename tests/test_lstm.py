@@ -22,9 +22,8 @@ try:
 except ImportError:  # an optional speed-up
     threadpool_limits = None
 
-from bsmm.nn.lstm import (
-    GATES, BlocksparseLSTM, DenseMatMul, gate_layout, layout_report, small_world_layout, small_world_lstm,
-)
+from bsmm.layouts.small_world import small_world_layout
+from bsmm.nn.lstm import GATES, BlocksparseLSTM, DenseMatMul, gate_layout, small_world_lstm
 from examples.char_lstm.optim import Adam, clip_by_global_norm, softmax_cross_entropy
 from examples.char_lstm.text import (
     CharLanguageModel, char_corpus, corpus_files, corpus_text, evaluate_bpc, matched_models, stream_chunks, train,
@@ -308,22 +307,6 @@ def test_gate_layout():
         gate_layout(np.ones((2, 3)), 2)
 
 
-@pytest.mark.parametrize("kind", ["barabasi_albert", "watts_strogatz"])
-def test_small_world_layout_hits_the_block_budget(kind):
-    for n, blocks in [(16, 64), (32, 200), (64, 600)]:
-        layout = small_world_layout(n, blocks, kind, seed=0)
-        assert layout.shape == (n, n) and (np.diag(layout) == 1).all() and (layout == layout.T).all()
-        assert int(layout.sum()) - blocks in (0, 1)
-        layout_report(layout)  # connected, or it raises
-    assert (small_world_layout(16, 64, kind, seed=3) == small_world_layout(16, 64, kind, seed=3)).all()
-
-
-def test_layout_report():
-    report = layout_report(small_world_layout(64, 64 * 7, "watts_strogatz", seed=0, rewire=0.05))
-    assert report["path_length"] > 1 and report["sampled_random_path_length"] > 1
-    assert report["clustering"] > 2 * report["sampled_random_clustering"]  # the small world's mark
-
-
 @pytest.mark.parametrize("kwargs,error,match", [
     ({"input_size": 10, "hidden_size": 16, "input_layout": np.ones((1, 2))}, ValueError,
      r"input_size \(10\) must be a multiple of block_size \(8\)"),
@@ -366,8 +349,6 @@ def test_call_errors():
         lstm.backward(params, cache, h, grads={"wh": np.zeros((1, 8, 8), np.float32)})
     with pytest.raises(ValueError, match="accumulate=True needs out="):
         DenseMatMul(2, 2).fprop(np.ones((1, 2)), np.ones((2, 2)), accumulate=True)
-    with pytest.raises(ValueError, match="kind must be 'barabasi_albert' or 'watts_strogatz'"):
-        small_world_layout(8, 16, "erdos_renyi")
     with pytest.raises(ValueError, match="sparse_input needs input_size == hidden_size"):
         small_world_lstm(8, 16, 1000, 8)
 

@@ -21,7 +21,7 @@ from bsmm.arrays import Operand, as_operand, check_same_place
 from bsmm.block_index import BlockIndex, block_index
 from bsmm.nn.conv_geometry import ConvGeometry, conv_geometry
 from bsmm.dtypes import canonical_dtype
-from bsmm.layouts import _as_generator
+from bsmm.layouts.checks import as_generator
 from bsmm.matmul import BlocksparseMatMul, _array_module, blocks_to_dense, dense_to_blocks
 from bsmm.backends.strided import BlockOrder
 
@@ -290,7 +290,7 @@ class BlocksparseConv:
         """Gaussian block data, std = scale / sqrt(fan-in), the fan-in of an output channel
         counting its present blocks times the kernel volume (:func:`bsmm.initializers.normal`)."""
         volume = math.prod(self.kernel_size)
-        rng = _as_generator(seed)
+        rng = as_generator(seed)
         data = [initializers.normal(self.layout, self.block_size, scale / math.sqrt(volume), dtype, rng)
                 for _ in range(volume)]
         return np.stack(data).reshape(self.w_shape)

@@ -47,13 +47,13 @@ import math
 from typing import NamedTuple
 
 import numpy as np
-from scipy import sparse
-from scipy.sparse import csgraph
 
-from bsmm import initializers, layouts
+from bsmm import initializers
 from bsmm.block_index import check_block_size, check_layout
 from bsmm.config import settings
 from bsmm.dtypes import canonical_dtype
+from bsmm.layouts.checks import as_generator, check_int
+from bsmm.layouts.small_world import small_world_layout
 from bsmm.matmul import BlocksparseMatMul, _array_module
 
 __all__ = [
@@ -61,9 +61,7 @@ __all__ = [
     "DenseMatMul",
     "LSTMCache",
     "gate_layout",
-    "small_world_layout",
     "small_world_lstm",
-    "layout_report",
     "GATES",
 ]
 
@@ -209,8 +207,8 @@ class BlocksparseLSTM:
 
     def __init__(self, input_size: int, hidden_size: int, block_size: int | None = None, input_layout=None,
                  recurrent_layout=None, dtype="float32", forget_bias: float = 1.0):
-        self.input_size = layouts._check_int(input_size, "input_size", 1)
-        self.hidden_size = layouts._check_int(hidden_size, "hidden_size", 1)
+        self.input_size = check_int(input_size, "input_size", 1)
+        self.hidden_size = check_int(hidden_size, "hidden_size", 1)
         self.dtype = canonical_dtype(dtype, "dtype", backend="cpu")
         self.master_dtype = _F64 if self.dtype == _F64 else _F32
         self.forget_bias = float(forget_bias)
@@ -253,7 +251,7 @@ class BlocksparseLSTM:
         ``wh``: orthonormal columns per block column (per gate when dense);
         ``b``: ``forget_bias`` on the forget gate, 0 elsewhere.
         """
-        rng = layouts._as_generator(seed)
+        rng = as_generator(seed)
         wx = _initial_weights(self.input_op, "normal", rng)
         wh = _initial_weights(self.recurrent_op, "orthogonal", rng)
         b = np.zeros(self.param_shapes["b"])
@@ -458,57 +456,15 @@ def _cell_backward(dh, dc_next, gates, c_prev, c, dz_out):
     return dc * f
 
 
-# -- layouts ------------------------------------------------------------------------------------
-def small_world_layout(n: int, blocks: int, kind: str = "barabasi_albert", seed=None, rewire: float = 0.1):
-    """A symmetric small-world (n, n) layout with ``blocks`` blocks (or one more), diagonal included.
-
-    ``barabasi_albert`` grows a graph with ``m`` edges per new node
-    (``n + 2 (m n - m (m+1) / 2)`` blocks); ``watts_strogatz`` rewires a ring
-    lattice of even degree ``k`` (``n (k + 1)`` blocks) with probability
-    ``rewire`` per edge. The sparsest such graph with at least ``blocks``
-    blocks is thinned to ``blocks`` by removing uniformly chosen edges, none
-    of a spanning tree's, so thinning disconnects nothing. An edge is two
-    blocks: an odd excess leaves one block more. A budget below the sparsest
-    graph's (a tree, or a ring of degree 2) gives that graph.
-
-    Examples
-    --------
-    >>> layout = small_world_layout(32, 200, seed=0)
-    >>> layout.shape, int(layout.sum()), bool((layout == layout.T).all())
-    ((32, 32), 200, True)
-    """
-    if kind == "barabasi_albert":
-        counts = {m: n + 2 * (m * n - m * (m + 1) // 2) for m in range(1, n)}
-    elif kind == "watts_strogatz":
-        counts = {k: n * (k + 1) for k in range(2, n, 2)}
-    else:
-        raise ValueError(f"kind must be 'barabasi_albert' or 'watts_strogatz'; got {kind!r}")
-    if not counts:
-        raise ValueError(f"n must be large enough for a {kind} graph; got {n}")
-    rng = layouts._as_generator(seed)
-    degree = min((key for key in counts if counts[key] >= blocks), default=max(counts))
-    if kind == "barabasi_albert":
-        layout = layouts.barabasi_albert(n, degree, seed=rng)
-    else:
-        layout = layouts.watts_strogatz_1d(n, degree, rewire, seed=rng)
-    excess = (int(layout.sum()) - blocks) // 2
-    if excess > 0:
-        # Edges of a breadth-first spanning tree stay, so the graph stays connected.
-        tree = csgraph.breadth_first_tree(sparse.csr_array(layout), 0, directed=False).toarray() != 0
-        rows, cols = np.nonzero(np.triu(layout, k=1) & ~(tree | tree.T))
-        drop = rng.permutation(rows.size)[:excess]
-        layout[rows[drop], cols[drop]] = layout[cols[drop], rows[drop]] = 0
-    return layout
-
-
+# -- small-world models -------------------------------------------------------------------------
 def small_world_lstm(input_size: int, hidden_size: int, n_params: int, block_size: int | None = None,
                      kind: str = "barabasi_albert", seed=None, sparse_input: bool = True, **kwargs) -> BlocksparseLSTM:
     """A :class:`BlocksparseLSTM` with about ``n_params`` parameters on one small-world graph.
 
     The graph, among the ``hidden_size / block_size`` hidden blocks (see
-    :func:`small_world_layout`), is the recurrent layout of every gate and,
-    with ``sparse_input`` (which needs ``input_size == hidden_size``), the
-    input layout too; otherwise ``Wx`` is dense. Its block count is the one
+    :func:`bsmm.layouts.small_world.small_world_layout`), is the recurrent
+    layout of every gate and, with ``sparse_input`` (which needs
+    ``input_size == hidden_size``), the input layout too; otherwise ``Wx`` is dense. Its block count is the one
     closest to what ``n_params`` leaves after the bias and a dense ``Wx``.
     ``kwargs`` go to :class:`BlocksparseLSTM` (``dtype``, ``forget_bias``).
 
@@ -525,29 +481,6 @@ def small_world_lstm(input_size: int, hidden_size: int, n_params: int, block_siz
         raise ValueError(f"sparse_input needs input_size == hidden_size (one graph); got {input_size} and {hidden_size}")
     weights = n_params - gates * hidden_size - (0 if sparse_input else input_size * gates * hidden_size)
     blocks_per_gate = weights / (bs * bs) / gates / (2 if sparse_input else 1)
-    hidden_blocks = layouts._check_int(hidden_size, "hidden_size", 1) // bs
+    hidden_blocks = check_int(hidden_size, "hidden_size", 1) // bs
     layout = small_world_layout(hidden_blocks, round(blocks_per_gate), kind, seed)
     return BlocksparseLSTM(input_size, hidden_size, bs, layout if sparse_input else None, layout, **kwargs)
-
-
-def layout_report(layout, seed=0) -> dict[str, float]:
-    """Small-world measures of a square layout next to a sampled random graph with as many edges.
-
-    Returns :func:`bsmm.layouts.small_world_summary` plus ``sampled_random_path_length``
-    and ``sampled_random_clustering`` of an Erdős–Rényi graph G(n, M) with the
-    layout's number of undirected edges M (NaN path length if it came out disconnected).
-    """
-    report = layouts.small_world_summary(layout)
-    n = report["n_nodes"]
-    edges = int(layouts.degree(layout).sum()) // 2
-    rng = layouts._as_generator(seed)
-    upper_rows, upper_cols = np.triu_indices(n, k=1)
-    chosen = rng.choice(upper_rows.size, size=edges, replace=False)
-    random = np.eye(n, dtype=np.uint8)
-    random[upper_rows[chosen], upper_cols[chosen]] = 1
-    try:
-        report["sampled_random_path_length"] = layouts.average_shortest_path_length(random)
-    except ValueError:
-        report["sampled_random_path_length"] = math.nan
-    report["sampled_random_clustering"] = layouts.clustering_coefficient(random)
-    return report

@@ -34,7 +34,7 @@ import numpy as np
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from bsmm.nn.lstm import layout_report  # noqa: E402
+from bsmm.layouts.small_world import layout_report  # noqa: E402
 from examples.char_lstm.optim import Adam  # noqa: E402
 from examples.char_lstm.text import char_corpus, matched_models, stream_chunks, train, train_step  # noqa: E402
 

@@ -13,7 +13,7 @@ trap 'rm -rf "$work"' EXIT
 cd "$work"
 REPO_CUDA="$here/cuda" "$work/venv/bin/python" - <<'PY'
 import os, pathlib, numpy as np, bsmm, bsmm.config
-import bsmm.backends.cuda.planner, bsmm.backends.cuda.kernels, bsmm.cli.main, bsmm.nn.conv  # every subpackage shipped
+import bsmm.backends.cuda.planner, bsmm.backends.cuda.kernels, bsmm.cli.main, bsmm.nn.conv, bsmm.layouts.small_world  # every subpackage shipped
 assert "site-packages" in bsmm.__file__, bsmm.__file__
 sources = sorted(p.name for p in bsmm.config.CUDA_DIR.glob("*.cu*"))
 expected = sorted(p.name for p in pathlib.Path(os.environ["REPO_CUDA"]).glob("*.cu*"))
