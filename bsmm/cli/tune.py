@@ -129,7 +129,7 @@ def _static_shared(variant: Variant) -> int:
 
 def tile_fits(variant: Variant, max_shared: int) -> bool:
     """Whether ``variant``'s tile meets the kernel template's tiling rules (``Kernel`` in
-    ``cuda/bsmm_matmul.cu``; NVRTC checks them all, this skips the hopeless compiles) and the
+    ``cuda/bsmm_kernel_traits.cuh``; NVRTC checks them all, this skips the hopeless compiles) and the
     device's ``max_shared`` bytes of shared memory a thread block."""
     bm, bn, bk, wm, wn, stages = variant.tile
     item = ELEMENT_BYTES[variant.dtype]
