@@ -16,7 +16,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-__all__ = ["Operand", "as_operand", "check_plain_ndarray", "check_same_place", "empty_aligned", "overlaps"]
+__all__ = ["Operand", "array_module", "as_operand", "check_plain_ndarray", "check_same_place", "empty_aligned",
+           "output_array", "overlaps"]
 
 #: Byte alignment of CPU results: TensorFlow (and Eigen) kernels abort on less when a
 #: result reaches them through DLPack; NumPy only promises 16.
@@ -198,3 +199,36 @@ def check_same_place(operands: dict[str, Operand]) -> None:
 
 def _place(operand: Operand) -> str:
     return "the CPU" if operand.backend == "cpu" else f"CUDA device {operand.device}"
+
+
+def array_module(array):
+    """``cupy`` for a CuPy array, else ``numpy``: the library whose functions apply to ``array``."""
+    if type(array).__module__.split(".", 1)[0] == "cupy":
+        import cupy
+
+        return cupy
+    return np
+
+
+def output_array(out, like: Operand, shape: tuple, dtype, inputs: tuple = ()):
+    """The array a pass writes: a new one beside ``like`` (same library and device), or ``out``
+    once checked: its shape, dtype, place and layout, writable, and overlapping none of ``inputs``."""
+    if out is None:
+        if like.backend == "cpu":
+            return empty_aligned(shape, dtype)  # safe to hand to any framework through DLPack
+        return array_module(like.array).empty(shape, dtype=dtype)
+    out_op = as_operand(out, "out")
+    check_same_place({"inputs": like, "out": out_op})
+    array = out_op.array
+    if tuple(array.shape) != shape:
+        raise ValueError(f"out must have shape {shape}; got {tuple(array.shape)}")
+    if array.dtype != dtype:
+        raise TypeError(f"out has dtype {array.dtype} but the inputs have {dtype}")
+    if not array.flags.c_contiguous:
+        raise ValueError(f"out must be C-contiguous; got strides {array.strides}")
+    if like.backend == "cpu" and not array.flags.writeable:
+        raise ValueError("out is read-only")
+    for operand in inputs:
+        if overlaps(array, operand.array):
+            raise ValueError("out overlaps an input; pass a separate output buffer")
+    return array

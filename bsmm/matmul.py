@@ -10,8 +10,8 @@ from __future__ import annotations
 import numpy as np
 
 from bsmm import initializers
-from bsmm.backends import cpu as cpu_backend
-from bsmm.arrays import Operand, as_operand, check_same_place, empty_aligned, overlaps
+from bsmm.arrays import Operand, array_module, as_operand, check_same_place, output_array
+from bsmm.backends import for_operand
 from bsmm.block_index import BlockIndex, block_index
 from bsmm.config import settings
 from bsmm.dtypes import canonical_dtype
@@ -24,12 +24,6 @@ _gpu_array_type = None
 _MAX_GPU_CALLS = 64
 
 
-def _array_module(array):
-    if type(array).__module__.split(".", 1)[0] == "cupy":
-        import cupy
-
-        return cupy
-    return np
 
 
 def blocks_to_dense(index: BlockIndex, data):
@@ -37,7 +31,7 @@ def blocks_to_dense(index: BlockIndex, data):
 
     Works on NumPy and CuPy arrays; the result is of the same library and dtype.
     """
-    xp = _array_module(data)
+    xp = array_module(data)
     bs = index.block_size
     dense = xp.zeros((index.n_block_rows, bs, index.n_block_cols, bs), dtype=data.dtype)
     dense[xp.asarray(index.rows), :, xp.asarray(index.indices), :] = data
@@ -46,7 +40,7 @@ def blocks_to_dense(index: BlockIndex, data):
 
 def dense_to_blocks(index: BlockIndex, dense):
     """Block data (nnzb, bs, bs) in storage order, cut out of a dense ``W`` (C, K)."""
-    xp = _array_module(dense)
+    xp = array_module(dense)
     bs = index.block_size
     blocked = dense.reshape(index.n_block_rows, bs, index.n_block_cols, bs)
     return xp.ascontiguousarray(blocked[xp.asarray(index.rows), :, xp.asarray(index.indices), :])
@@ -257,8 +251,8 @@ class BlocksparseMatMul:
         check_same_place({act_name: act_op, "w": w_op})
         if accumulate and out is None:
             raise ValueError("accumulate=True needs out=, the buffer to add the product to")
-        result = self._output(out, act_op, self._activation_shape(n, features_out), dtype, (act_op, w_op))
-        call = getattr(self._backend(act_op), pass_name)(
+        result = output_array(out, act_op, self._activation_shape(n, features_out), dtype, (act_op, w_op))
+        call = getattr(for_operand(act_op), pass_name)(
             self.index, act_op.array, w_op.array, result, self.feature_axis, self.tf32, accumulate=bool(accumulate)
         )
         self._remember(pass_name, act_op, call)
@@ -297,8 +291,8 @@ class BlocksparseMatMul:
         check_same_place({"x": x_op, "dy": dy_op})
         if accumulate and out is None:
             raise ValueError("accumulate=True needs out=, the buffer to add the gradient to")
-        result = self._output(out, x_op, self.w_shape, dtype, (x_op, dy_op))
-        call = self._backend(x_op).updat(
+        result = output_array(out, x_op, self.w_shape, dtype, (x_op, dy_op))
+        call = for_operand(x_op).updat(
             self.index, x_op.array, dy_op.array, result, self.feature_axis, bool(accumulate), self.tf32
         )
         self._remember("updat", x_op, call)
@@ -331,36 +325,6 @@ class BlocksparseMatMul:
             raise TypeError(f"{argument} has dtype {array.dtype} but the activations have {dtype}; pass one dtype")
         if not array.flags.c_contiguous:
             raise ValueError(f"{argument} must be C-contiguous; got strides {array.strides}")
-
-    def _output(self, out, like: Operand, shape: tuple, dtype, inputs: tuple = ()):
-        """The array a pass writes: a new one, or the checked ``out`` (which may not overlap ``inputs``)."""
-        if out is None:
-            if like.backend == "cpu":
-                return empty_aligned(shape, dtype)  # safe to hand to any framework through DLPack
-            return _array_module(like.array).empty(shape, dtype=dtype)
-        out_op = as_operand(out, "out")
-        check_same_place({"inputs": like, "out": out_op})
-        array = out_op.array
-        if tuple(array.shape) != shape:
-            raise ValueError(f"out must have shape {shape}; got {tuple(array.shape)}")
-        if array.dtype != dtype:
-            raise TypeError(f"out has dtype {array.dtype} but the inputs have {dtype}")
-        if not array.flags.c_contiguous:
-            raise ValueError(f"out must be C-contiguous; got strides {array.strides}")
-        if like.backend == "cpu" and not array.flags.writeable:
-            raise ValueError("out is read-only")
-        for operand in inputs:
-            if overlaps(array, operand.array):
-                raise ValueError("out overlaps an input; pass a separate output buffer")
-        return array
-
-    @staticmethod
-    def _backend(operand: Operand):
-        if operand.backend == "cpu":
-            return cpu_backend
-        from bsmm.backends.cuda import backend as cuda_backend
-
-        return cuda_backend
 
     def _remember(self, pass_name: str, act: Operand, call) -> None:
         """Keep the GPU backend's repeatable call for CuPy arrays of this shape (see FastCall)."""

@@ -5,10 +5,10 @@ from __future__ import annotations
 import numpy as np
 import scipy.sparse
 
-from bsmm.arrays import as_operand, check_plain_ndarray
+from bsmm.arrays import array_module, as_operand, check_plain_ndarray
 from bsmm.block_index import BlockIndex, block_index, check_block_size
 from bsmm.dtypes import canonical_dtype
-from bsmm.matmul import BlocksparseMatMul, _array_module, blocks_to_dense
+from bsmm.matmul import BlocksparseMatMul, blocks_to_dense
 
 __all__ = ["BlockSparseMatrix"]
 
@@ -129,7 +129,7 @@ class BlockSparseMatrix:
 
     def astype(self, dtype) -> "BlockSparseMatrix":
         """A copy with block data cast to ``dtype`` (float32, float16 or bfloat16; float64 for NumPy data)."""
-        backend = "cpu" if _array_module(self.data) is np else "cuda"
+        backend = "cpu" if array_module(self.data) is np else "cuda"
         data = self.data.astype(canonical_dtype(dtype, "dtype", backend), order="C")
         return BlockSparseMatrix(None, data, _index=self.index, _transposed=self.transposed)
 
@@ -154,8 +154,8 @@ class BlockSparseMatrix:
         if len(shape) != 2 or shape[0] % block_size or shape[1] % block_size:
             raise ValueError(f"dense must be 2-D with both sides multiples of block_size {block_size}; got shape {shape}")
         check_plain_ndarray(dense, "dense")
-        canonical_dtype(dense.dtype, "dense", "cpu" if _array_module(dense) is np else "cuda")
-        xp = _array_module(dense)
+        canonical_dtype(dense.dtype, "dense", "cpu" if array_module(dense) is np else "cuda")
+        xp = array_module(dense)
         blocked = dense.reshape(shape[0] // block_size, block_size, shape[1] // block_size, block_size)
         # float64 norms: float32 squares of tiny or huge entries underflow or overflow.
         norms = xp.sqrt((blocked.astype(np.float64) ** 2).sum(axis=(1, 3)))
@@ -189,7 +189,7 @@ class BlockSparseMatrix:
 
         The float32 or float64 block data of an untransposed matrix is shared, not copied.
         """
-        data = self.data.get() if _array_module(self.data) is not np else self.data
+        data = self.data.get() if array_module(self.data) is not np else self.data
         if data.dtype not in (np.float32, np.float64):
             data = data.astype(np.float32)
         index = self.index
@@ -269,6 +269,6 @@ class BlockSparseMatrix:
             run = self._op(1 - feature_axis).fprop if use_fprop else self._op(1 - feature_axis).bprop
             return run(other.T, self.data).T
         if not array.flags.c_contiguous:
-            other = _array_module(array).ascontiguousarray(array)  # strided views: one copy
+            other = array_module(array).ascontiguousarray(array)  # strided views: one copy
         run = self._op(feature_axis).fprop if use_fprop else self._op(feature_axis).bprop
         return run(other, self.data)

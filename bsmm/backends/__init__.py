@@ -1,0 +1,18 @@
+"""The backends that run the passes: :mod:`bsmm.backends.cpu` (NumPy/SciPy, also the reference)
+and :mod:`bsmm.backends.cuda` (kernels compiled at run time). Both take the same arguments in the
+same order (``fprop(index, x, w, out, feature_axis, ...)``, ...); :func:`for_operand` picks one."""
+
+from __future__ import annotations
+
+__all__ = ["for_operand"]
+
+
+def for_operand(operand):
+    """The backend module that runs passes on ``operand`` (a :class:`bsmm.arrays.Operand`)."""
+    if operand.backend == "cpu":
+        from bsmm.backends import cpu
+
+        return cpu
+    from bsmm.backends.cuda import backend
+
+    return backend

@@ -17,12 +17,13 @@ import numpy as np
 
 from bsmm import initializers
 from bsmm.nn import row_maps
-from bsmm.arrays import Operand, as_operand, check_same_place
+from bsmm.arrays import Operand, array_module, as_operand, check_same_place, output_array
+from bsmm.backends import for_operand
 from bsmm.block_index import BlockIndex, block_index
 from bsmm.nn.conv_geometry import ConvGeometry, conv_geometry
 from bsmm.dtypes import canonical_dtype
 from bsmm.layouts.checks import as_generator
-from bsmm.matmul import BlocksparseMatMul, _array_module, blocks_to_dense, dense_to_blocks
+from bsmm.matmul import BlocksparseMatMul, blocks_to_dense, dense_to_blocks
 from bsmm.backends.strided import BlockOrder
 
 __all__ = ["BlocksparseConv"]
@@ -271,7 +272,7 @@ class BlocksparseConv:
         """Dense weights ``(*kernel_size, C, K)`` of block data ``w`` (NumPy or CuPy); absent blocks are 0."""
         w_op = as_operand(w, "w")
         self._check_weights(w_op, canonical_dtype(w_op.array.dtype, "w", w_op.backend))
-        xp = _array_module(w_op.array)
+        xp = array_module(w_op.array)
         per_offset = w_op.array.reshape((math.prod(self.kernel_size),) + self.index.w_shape)
         dense = xp.stack([blocks_to_dense(self.index, blocks) for blocks in per_offset])
         return w_op.wrap(dense.reshape(self.kernel_size + (self.C, self.K)))
@@ -281,7 +282,7 @@ class BlocksparseConv:
         expected = self.kernel_size + (self.C, self.K)
         if tuple(getattr(dense, "shape", ())) != expected:
             raise ValueError(f"dense must have shape {expected}; got {getattr(dense, 'shape', None)}")
-        xp = _array_module(dense)
+        xp = array_module(dense)
         per_offset = dense.reshape((math.prod(self.kernel_size), self.C, self.K))
         blocks = xp.stack([dense_to_blocks(self.index, matrix) for matrix in per_offset])
         return blocks.reshape(self.w_shape)
@@ -318,8 +319,8 @@ class BlocksparseConv:
         x_op, w_op = as_operand(x, "x"), as_operand(w, "w")
         geometry = self._geometry(tuple(x_op.array.shape), "x")
         dtype = self._check_operands({"x": x_op, "w": w_op})
-        y = self.matmul._output(out, x_op, self._shape(geometry.batch, geometry.out, self.K), dtype, (x_op, w_op))
-        xp, backend = _array_module(y), self.matmul._backend(x_op)
+        y = output_array(out, x_op, self._shape(geometry.batch, geometry.out, self.K), dtype, (x_op, w_op))
+        xp, backend = array_module(y), for_operand(x_op)
         if geometry.rows == 0 or self.blocks == 0:
             _bits(y)[...] = 0
             return out if out is not None else x_op.wrap(y)
@@ -358,8 +359,8 @@ class BlocksparseConv:
         geometry = self._geometry(x_shape, "x_shape")
         self._check_output_gradient(dy_op, geometry, f"x_shape {x_shape}")
         dtype = self._check_operands({"dy": dy_op, "w": w_op})
-        dx = self.matmul._output(out, dy_op, x_shape, dtype, (dy_op, w_op))
-        xp, backend = _array_module(dx), self.matmul._backend(dy_op)
+        dx = output_array(out, dy_op, x_shape, dtype, (dy_op, w_op))
+        xp, backend = array_module(dx), for_operand(dy_op)
         if geometry.rows == 0 or self.blocks == 0:
             _bits(dx)[...] = 0
             return out if out is not None else dy_op.wrap(dx)
@@ -411,8 +412,8 @@ class BlocksparseConv:
         dtype = self._check_operands({"x": x_op, "dy": dy_op})
         if accumulate and out is None:
             raise ValueError("accumulate=True needs out=, the buffer to add the gradient to")
-        dw = self.matmul._output(out, x_op, self.w_shape, dtype, (x_op, dy_op))
-        xp, backend = _array_module(dw), self.matmul._backend(x_op)
+        dw = output_array(out, x_op, self.w_shape, dtype, (x_op, dy_op))
+        xp, backend = array_module(dw), for_operand(x_op)
         if geometry.rows == 0 or self.blocks == 0:
             if not accumulate:
                 _bits(dw)[...] = 0

@@ -54,7 +54,8 @@ from bsmm.config import settings
 from bsmm.dtypes import canonical_dtype
 from bsmm.layouts.checks import as_generator, check_int
 from bsmm.layouts.small_world import small_world_layout
-from bsmm.matmul import BlocksparseMatMul, _array_module
+from bsmm.arrays import array_module
+from bsmm.matmul import BlocksparseMatMul
 
 __all__ = [
     "BlocksparseLSTM",
@@ -290,7 +291,7 @@ class BlocksparseLSTM:
         cache : :class:`LSTMCache`
         """
         wx, wh, b = self._compute_weights(params)
-        xp = _array_module(x)
+        xp = array_module(x)
         if x.ndim != 3 or x.shape[2] != self.input_size or 0 in x.shape:
             raise ValueError(f"x must have shape (T, N, {self.input_size}) with T, N >= 1; got {tuple(x.shape)}")
         steps, n, hidden = x.shape[0], x.shape[1], self.hidden_size
@@ -349,7 +350,7 @@ class BlocksparseLSTM:
         state_grads : (dh0, dc0), each (N, H), master dtype
         """
         self._check_params(params)
-        xp = _array_module(cache.h)
+        xp = array_module(cache.h)
         steps, n, hidden = cache.gates.shape[0], cache.gates.shape[1], self.hidden_size
         accumulate = grads is not None
         if grads is None:
@@ -415,7 +416,7 @@ def _initial_weights(op, kind: str, rng) -> np.ndarray:
 
 def _sigmoid(x, out):
     # 1/2 + tanh(x/2)/2 overflows nowhere, unlike 1 / (1 + exp(-x)).
-    _array_module(x).tanh(x * 0.5, out=out)
+    array_module(x).tanh(x * 0.5, out=out)
     out *= 0.5
     out += 0.5
     return out
@@ -423,7 +424,7 @@ def _sigmoid(x, out):
 
 def _cell_forward(z, b, c_prev, gates, h_out, c_out):
     """Gate activations into ``gates`` (master dtype) and the new ``h``, ``c`` from pre-activations ``z``."""
-    xp = _array_module(gates)
+    xp = array_module(gates)
     hidden = c_prev.shape[1]
     gates[...] = z
     gates += b
@@ -438,7 +439,7 @@ def _cell_forward(z, b, c_prev, gates, h_out, c_out):
 
 def _cell_backward(dh, dc_next, gates, c_prev, c, dz_out):
     """Pre-activation gradients into ``dz_out``; returns the gradient for ``c_prev``."""
-    xp = _array_module(gates)
+    xp = array_module(gates)
     hidden = c.shape[1]
     i, f, o, g = (gates[:, q * hidden:(q + 1) * hidden] for q in range(4))
     tanh_c = xp.tanh(c)

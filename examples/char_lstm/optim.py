@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 
-from bsmm.matmul import _array_module
+from bsmm.arrays import array_module
 
 __all__ = ["Adam", "clip_by_global_norm", "softmax_cross_entropy"]
 
@@ -38,8 +38,8 @@ class Adam:
     def __init__(self, params, lr: float = 2e-3, betas=(0.9, 0.999), eps: float = 1e-8):
         self.params = list(params)
         self.lr, self.betas, self.eps = float(lr), (float(betas[0]), float(betas[1])), float(eps)
-        self.m = [_array_module(p).zeros_like(p) for p in self.params]
-        self.v = [_array_module(p).zeros_like(p) for p in self.params]
+        self.m = [array_module(p).zeros_like(p) for p in self.params]
+        self.v = [array_module(p).zeros_like(p) for p in self.params]
         self.t = 0
 
     def step(self, grads) -> None:
@@ -52,7 +52,7 @@ class Adam:
         # The bias corrections folded into the step size (the paper's efficient form).
         step_size = self.lr * math.sqrt(1 - beta2**self.t) / (1 - beta1**self.t)
         for p, g, m, v in zip(self.params, grads, self.m, self.v):
-            xp = _array_module(p)
+            xp = array_module(p)
             m *= beta1
             m += (1 - beta1) * g
             v *= beta2
@@ -73,7 +73,7 @@ def clip_by_global_norm(grads, max_norm: float):
     (5.0, [0.6, 0.8])
     """
     grads = list(grads)
-    xp = _array_module(grads[0])
+    xp = array_module(grads[0])
     norm = xp.sqrt(sum((g * g).sum() for g in grads))
     scale = xp.minimum(1.0, max_norm / (norm + 1e-12))
     for g in grads:
@@ -96,7 +96,7 @@ def softmax_cross_entropy(logits, targets):
     >>> round(float(loss), 6), dlogits[0].tolist()  # ln 4
     (1.386294, [0.125, -0.375, 0.125, 0.125])
     """
-    xp = _array_module(logits)
+    xp = array_module(logits)
     m = logits.shape[0]
     shifted = logits - logits.max(axis=1, keepdims=True)
     exp = xp.exp(shifted)

@@ -33,7 +33,7 @@ import time
 import numpy as np
 
 from bsmm.nn.lstm import BlocksparseLSTM, small_world_lstm
-from bsmm.matmul import _array_module
+from bsmm.arrays import array_module
 from examples.char_lstm.optim import Adam, clip_by_global_norm, softmax_cross_entropy
 
 __all__ = ["CORPUS_SOURCES", "CharCorpus", "CharLanguageModel", "char_corpus", "corpus_files", "corpus_text", "evaluate_bpc",
@@ -205,7 +205,7 @@ class CharLanguageModel:
 
     def loss_and_grads(self, params, x, y, state=(None, None)):
         """Loss, gradients of every parameter (a dict) and the final state (h_T, c_T) of one chunk."""
-        xp = _array_module(params["out_w"])
+        xp = array_module(params["out_w"])
         logits, hidden, state, cache = self._logits(params, x, state)
         loss, dlogits = softmax_cross_entropy(logits, y.reshape(-1))
         dh = (dlogits @ params["out_w"].T).reshape(x.shape + (self.lstm.hidden_size,))
@@ -221,7 +221,7 @@ class CharLanguageModel:
 
 def _scatter_add(out, rows, values) -> None:
     """``out[rows[k]] += values[k]`` for every k, repeated rows summed (NumPy or CuPy)."""
-    if _array_module(out) is np:
+    if array_module(out) is np:
         np.add.at(out, rows, values)
     else:
         import cupyx
