@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import bsmm
-from bsmm.backends.cuda import planner
+from bsmm.backends.cuda import planner, step_tables
 from bsmm.config import settings
 from reference import TOLERANCE
 
@@ -68,18 +68,21 @@ def _statement_lines(module) -> dict[int, str]:
 
 
 def test_census_reaches_every_line_of_the_selection_code():
-    """A branch added to the planner that no census shape takes fails here: add a shape to the census."""
-    source = planner.__file__
-    reached: set[int] = set()
+    """A branch added to the planner (or to the step tables it builds) that no census shape takes
+    fails here: add a shape to the census."""
+    modules = {module.__file__: module for module in (planner, step_tables)}
+    reached: dict[str, set[int]] = {source: set() for source in modules}
 
     def trace(frame, event, arg):
-        if frame.f_code.co_filename != source:
+        lines = reached.get(frame.f_code.co_filename)
+        if lines is None:
             return None
-        reached.add(frame.f_lineno)
-        return local
+        lines.add(frame.f_lineno)
 
-    def local(frame, event, arg):
-        reached.add(frame.f_lineno)
+        def local(frame, event, arg):
+            lines.add(frame.f_lineno)
+            return local
+
         return local
 
     sys.settrace(trace)
@@ -88,17 +91,20 @@ def test_census_reaches_every_line_of_the_selection_code():
     finally:
         sys.settrace(None)
     assert found
-    text = open(source).read().splitlines()
-    statements = _statement_lines(planner)
-    missed = {i: (statements[i], text[i - 1].strip()) for i in sorted(set(statements) - reached)}
+    missed = {}
+    for source, module in modules.items():
+        text = open(source).read().splitlines()
+        statements = _statement_lines(module)
+        missed.update({(module.__name__, i): (statements[i], text[i - 1].strip())
+                       for i in sorted(set(statements) - reached[source])})
 
     def explained(function, line, key):
         return function == key[0] and line.startswith(key[1])
 
-    unexplained = {i: f"{f}: {line}" for i, (f, line) in missed.items() if not any(
+    unexplained = {where: f"{f}: {line}" for where, (f, line) in missed.items() if not any(
         explained(f, line, key) for key in UNREACHED)}
     assert not unexplained, "planner lines no census shape reaches:\n" + "\n".join(
-        f"  {i}: {line}" for i, line in unexplained.items())
+        f"  {module}:{i}: {line}" for (module, i), line in unexplained.items())
     stale = [key for key in UNREACHED if not any(explained(f, line, key) for f, line in missed.values())]
     assert not stale, f"UNREACHED lists lines the census now reaches or that no longer exist: {stale}"
 

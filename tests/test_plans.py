@@ -8,6 +8,7 @@ import pytest
 import bsmm
 
 from bsmm.backends.cuda import planner
+from bsmm.backends.cuda import step_tables
 from bsmm.backends.cuda.planner import device_model
 
 
@@ -34,7 +35,7 @@ def brute_force_group_steps(layout, by_column: bool, cols: int):
 def test_group_steps_are_the_union_of_rows_in_order(cb, kb, cols, density, by_column):
     layout = (np.random.default_rng([cb, kb]).random((cb, kb)) < density).astype(np.uint8)
     index = bsmm.block_index(layout, 16)
-    entries, counts = planner._group_steps(index, by_column, cols)
+    entries, counts = step_tables.group_steps(index, by_column, cols)
     expected_entries, expected_counts = brute_force_group_steps(layout, by_column, cols)
     np.testing.assert_array_equal(entries, expected_entries)
     np.testing.assert_array_equal(counts, expected_counts)
@@ -55,7 +56,7 @@ def test_row_groups_cut_each_block_row_in_storage_order(cb, kb, cols, density):
     layout = (np.random.default_rng([cb, kb, 1]).random((cb, kb)) < density).astype(np.uint8)
     layout[cb // 2] = 0  # an empty block row has no group
     index = bsmm.block_index(layout, 16)
-    entries = planner._row_groups(index, cols)
+    entries = step_tables.row_groups(index, cols)
     expected, block = [], 0
     for row in range(cb):
         columns = list(np.flatnonzero(layout[row]))
@@ -72,7 +73,7 @@ def test_row_groups_cut_each_block_row_in_storage_order(cb, kb, cols, density):
 def test_row_groups_in_column_windows(window):
     layout = (np.random.default_rng([window, 2]).random((9, 20)) < 0.6).astype(np.uint8)
     index = bsmm.block_index(layout, 16)
-    entries = planner._row_groups(index, 4, window)
+    entries = step_tables.row_groups(index, 4, window)
     ids = entries[:, 5:][entries[:, 5:] >= 0]
     assert sorted(ids) == list(range(index.nnzb))  # every block once
     np.testing.assert_array_equal(index.rows[entries[:, 5:]][entries[:, 5:] >= 0],
@@ -82,8 +83,8 @@ def test_row_groups_in_column_windows(window):
     assert all(len(b) == 1 for b in bands)  # a group stays in one window
     keys = [(b.pop(), row[0]) for b, row in zip(bands, entries)]
     assert keys == sorted(keys)  # window by window, block rows in order inside
-    wide = planner._row_groups(index, 4, 20)
-    np.testing.assert_array_equal(wide, planner._row_groups(index, 4))
+    wide = step_tables.row_groups(index, 4, 20)
+    np.testing.assert_array_equal(wide, step_tables.row_groups(index, 4))
 
 
 def test_row_groups_only_for_long_batches_and_full_groups():

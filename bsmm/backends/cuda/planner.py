@@ -22,6 +22,7 @@ import numpy as np
 from bsmm.block_index import BlockIndex
 from bsmm.config import settings
 from bsmm.dtypes import SUPPORTED_DTYPES
+from bsmm.backends.cuda import step_tables
 from bsmm.backends.cuda.kernels import ELEMENT_BYTES, MAX_PART_BLOCKS, Variant
 from bsmm.backends.strided import BlockOrder
 
@@ -135,79 +136,6 @@ def math_mode(dtype: str, pass_name: str, block_size: int, tf32: bool) -> str:
 
 
 
-def _parts(counts: np.ndarray, part_length: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Cut each unit's run of length counts[u] into parts of at most part_length (at least one part)."""
-    parts = np.maximum(1, -(-counts // part_length))
-    unit_of = np.repeat(np.arange(len(counts)), parts)
-    first_part = np.cumsum(parts) - parts
-    part_index = np.arange(parts.sum()) - np.repeat(first_part, parts)
-    return parts, unit_of, part_index
-
-
-def _unit_table(parts: np.ndarray) -> np.ndarray:
-    """(first workspace slot, parts) per unit; only units cut into several parts use slots."""
-    split = np.where(parts > 1, parts, 0)
-    first_slot = np.cumsum(split) - split
-    return np.stack([first_slot, parts], axis=1).astype(np.int32)
-
-
-def _block_steps(index: BlockIndex, by_column: bool) -> tuple[np.ndarray, np.ndarray]:
-    """Step table of fprop (units = block columns) or bprop (block rows), one block a step.
-
-    Returns (entries (steps, 2) = (weight block, activation feature block), steps per unit).
-    """
-    ptr = index.colptr if by_column else index.indptr
-    entries = index.col_order if by_column else np.arange(index.nnzb)
-    operand_blocks = index.rows[entries] if by_column else index.indices
-    return np.stack([entries, operand_blocks], axis=1), np.diff(ptr).astype(np.int64)
-
-
-def _group_steps(index: BlockIndex, by_column: bool, cols: int) -> tuple[np.ndarray, np.ndarray]:
-    """Step table of column groups: units are ``cols`` adjacent block columns (fprop) or rows
-    (bprop); a unit steps over the union of its blocks' rows (columns), in increasing order.
-
-    Returns (entries (steps, 1 + cols) = (activation feature block, weight block of each
-    column of the group or -1), steps per unit).
-    """
-    unit_axis, step_axis = (index.indices, index.rows) if by_column else (index.rows, index.indices)
-    n_step_blocks = index.n_block_rows if by_column else index.n_block_cols
-    n_out_blocks = index.n_block_cols if by_column else index.n_block_rows
-    n_units = -(-n_out_blocks // cols)
-    keys = (unit_axis // cols).astype(np.int64) * n_step_blocks + step_axis
-    unique_keys, step_of_block = np.unique(keys, return_inverse=True)
-    entries = np.full((len(unique_keys), 1 + cols), -1, dtype=np.int64)
-    entries[:, 0] = unique_keys % n_step_blocks
-    entries[step_of_block, 1 + unit_axis % cols] = np.arange(index.nnzb)
-    counts = np.bincount(unique_keys // n_step_blocks, minlength=n_units).astype(np.int64)
-    return entries, counts
-
-
-def _row_groups(index: BlockIndex, cols: int, window: int | None = None) -> np.ndarray:
-    """updat row groups: each block row's blocks, in storage order, cut into groups of ``cols``.
-
-    ``window`` (block columns): groups stay inside windows of that many block columns and are
-    ordered window by window, so the thread blocks running at one time read the dy panels of
-    one window (sized to stay in L2) instead of all of dy.
-    Returns (groups, 1 + 2 cols) = (block row, block column of each block or -1, its storage
-    index or -1): the blocks of a group share their x tile.
-    """
-    rows, columns = index.rows.astype(np.int64), index.indices.astype(np.int64)
-    band = columns // window if window else np.zeros_like(columns)
-    order = np.lexsort((columns, rows, band))  # storage order within a (window, row) run
-    run_key = band[order] * index.n_block_rows + rows[order]
-    starts = np.flatnonzero(np.r_[True, run_key[1:] != run_key[:-1]])
-    lengths = np.diff(np.r_[starts, len(order)])
-    per_run = -(-lengths // cols)
-    place = np.arange(len(order)) - np.repeat(starts, lengths)
-    group = np.repeat(np.cumsum(per_run) - per_run, lengths) + place // cols
-    slot = place % cols
-    entries = np.full((int(per_run.sum()), 1 + 2 * cols), -1, dtype=np.int64)
-    entries[group, 0] = rows[order]
-    entries[group, 1 + slot] = columns[order]
-    entries[group, 1 + cols + slot] = order
-    return entries
-
-
 def _column_groups(index: BlockIndex, pass_name: str, mode: str, n: int, aligned: bool, arch_key: str,
                    item_bytes: int = 2, tile: tuple | None = None, least: float | None = None):
     """(tile, cols, step table, steps per unit) of a column-group launch where one pays, else None.
@@ -229,9 +157,9 @@ def _column_groups(index: BlockIndex, pass_name: str, mode: str, n: int, aligned
     if pass_name == "updat":
         panel = n * index.block_size * item_bytes  # one block column of dy
         window = max(1, cfg["updat_l2_window_bytes"] // panel)
-        table, counts = _row_groups(index, tile[6], window), None
+        table, counts = step_tables.row_groups(index, tile[6], window), None
     else:
-        table, counts = _group_steps(index, pass_name == "fprop", tile[6])
+        table, counts = step_tables.group_steps(index, pass_name == "fprop", tile[6])
     if index.nnzb < least * max(1, len(table)):
         return None  # too sparse: most steps (groups) would feed one block, as without groups
     return tile[:6], tile[6], table, counts
@@ -468,12 +396,12 @@ def launch_layout(index: BlockIndex, pass_name: str, n: int, dtype: str, feature
                                                                       math.ceil(n / (4 * bk)))))
         rows_per_part = bk * math.ceil(math.ceil(n / want_parts) / bk) if n else bk
         counts = np.full(n_units, n, dtype=np.int64)
-        parts, unit_of, part_index = _parts(counts, rows_per_part)
+        parts, unit_of, part_index = step_tables.parts(counts, rows_per_part)
         begin = part_index * rows_per_part
         end = np.minimum(begin + rows_per_part, n)
         grid_yz = (1, 1) if groups else (bs // bm, bs // bn)
     else:
-        table, counts = groups[2:] if groups else _block_steps(index, pass_name == "fprop")
+        table, counts = groups[2:] if groups else step_tables.block_steps(index, pass_name == "fprop")
         ptr = np.concatenate([[0], np.cumsum(counts)])
         n_units = len(counts)
         tiles_per_unit = math.ceil(max(n, 1) / bm) * max(1, bs // bn)
@@ -487,7 +415,7 @@ def launch_layout(index: BlockIndex, pass_name: str, n: int, dtype: str, feature
             # give every SM a thread block; fewer columns are cut to fill the GPU.
             part_length = max(part_length, cfg["tma_mma_min_part_blocks"])
         part_length = min(part_length, MAX_PART_BLOCKS)
-        parts, unit_of, part_index = _parts(counts, part_length)
+        parts, unit_of, part_index = step_tables.parts(counts, part_length)
         begin = ptr[unit_of] + part_index * part_length
         end = np.minimum(begin + part_length, ptr[unit_of + 1])
         grid_yz = (math.ceil(max(n, 1) / bm), max(1, bs // bn))
@@ -509,7 +437,7 @@ def launch_layout(index: BlockIndex, pass_name: str, n: int, dtype: str, feature
     split_parts = int(np.where(parts > 1, parts, 0).sum())
     tma_fields = {} if tma is None else dict(tma_boxes(variant), block_rows=index.nnzb * bs,
                                              feature_rows=(index.C, index.K))
-    return LaunchLayout(variant=variant, segments=segments.astype(np.int32), units=_unit_table(parts),
+    return LaunchLayout(variant=variant, segments=segments.astype(np.int32), units=step_tables.unit_table(parts),
                         table=np.ascontiguousarray(table, dtype=np.int32), grid=(len(segments), *grid_yz),
                         workspace_floats=split_parts * tiles_per_unit * bm * bn,
                         counter_count=len(parts) * tiles_per_unit, band_rows=_band_rows(index, pass_name, dtype),
