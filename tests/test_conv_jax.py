@@ -120,10 +120,10 @@ def test_jit_traces_once_per_shape(monkeypatch):
     """bsmm's conv passes are traced once per input shape, for eager calls (a new ConvPasses
     each call, equal by value) as under an outer jit."""
     conv, x, w, _ = make_case("2d-3x3-p1")
-    traced = []
-    original = bsmm.jax.passes._bind_conv
-    monkeypatch.setattr(bsmm.jax.passes, "_bind_conv",
-                        lambda passes, name, a, b: (traced.append((name, passes.x_shape)), original(passes, name, a, b))[1])
+    traced = []  # each trace of a pass makes its XLA callback once
+    original = bsmm.jax.passes.buffer_callback
+    monkeypatch.setattr(bsmm.jax.passes, "buffer_callback", lambda callback, *args, **kwargs: traced.append(
+        (callback.pass_name, callback.op.x_shape)) or original(callback, *args, **kwargs))
     jitted = jax.jit(lambda x, w: bjax.blocksparse_conv(x, w, conv) * 2)
     for _ in range(3):
         eager = bjax.blocksparse_conv(jnp.asarray(x), jnp.asarray(w), conv)

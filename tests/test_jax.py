@@ -362,9 +362,11 @@ def test_jit_traces_once(device, monkeypatch):
     """Repeated calls (eager, under an outer jit, and of the gradient) trace bsmm's passes once."""
     op, x, _, w = make_case(40, 1, 5)
     x_, w_ = put(x, device), put(w, device)
-    traced = []
-    original = bsmm.jax.passes._bind
-    monkeypatch.setattr(bsmm.jax.passes, "_bind", lambda *args: (traced.append(args[1]), original(*args))[1])
+    traced = []  # each trace of a pass makes its XLA callback once
+    original = bsmm.jax.passes.buffer_callback
+    monkeypatch.setattr(bsmm.jax.passes, "buffer_callback",
+                        lambda callback, *args, **kwargs: traced.append(callback.pass_name) or original(callback, *args,
+                                                                                                      **kwargs))
     outer = jax.jit(lambda x, w: bjax.blocksparse_matmul(x, w, op) * 2)
     grad = jax.grad(lambda w: bjax.blocksparse_matmul(x_, w, op).sum())
     for _ in range(3):
@@ -482,10 +484,11 @@ def test_cpu_buffers_are_shared_not_copied(monkeypatch):
     op, x, _, w = make_case(61, 1, 6)
     dev = jax.devices("cpu")[0]
     x_, w_ = put(x, dev), put(w, dev)
-    seen = []
-    original = bsmm.jax.passes._numpy_view
-    monkeypatch.setattr(bsmm.jax.passes, "_numpy_view",
-                        lambda buffer, writeable: seen.append(original(buffer, writeable)) or seen[-1])
+    seen = []  # the arrays the CPU backend's pass is handed
+    original = bsmm.BlocksparseMatMul.fprop
+    monkeypatch.setattr(bsmm.BlocksparseMatMul, "fprop",
+                        lambda self, x, w, out=None, **kwargs: seen.extend((out, x, w)) or original(self, x, w, out,
+                                                                                                    **kwargs))
     y = jax.jit(lambda x, w: bjax.blocksparse_matmul(x, w, op))(x_, w_)
     out, a, b = seen
     assert out.ctypes.data == y.unsafe_buffer_pointer(), "the result must be written into the output buffer"

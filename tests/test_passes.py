@@ -849,7 +849,7 @@ def test_tma_matches_cp_async_bitwise(xp, dtype, bs, n, monkeypatch):
     # wgmma groups (TMA only) visit other steps and parts: not the tile compared here.
     monkeypatch.setitem(kernels, "wgmma_group_min_blocks_per_step", {str(bs): float("inf")})
     # updat's cut of the batch depends on the kernel's occupancy, which differs between the two.
-    monkeypatch.setattr(bsmm.backends.cuda.planner, "_batch_parts", lambda ctas, resident, most: min(3, most))
+    monkeypatch.setattr(cuda_plans, "occupancy", lambda kernel, variant: 2)
     rng = np.random.default_rng([bs, len(dtype), 7])
     layout = random_layout(rng, 8, 6, 0.5)
     layout[:, 3] = 1
@@ -922,13 +922,13 @@ def test_many_chunks_equal_one_chunk_bitwise(xp, feature_axis, monkeypatch):
     if xp is np:
         import bsmm.backends.cpu as cpu_backend
 
-        real_run_chunks = cpu_backend._run_chunks
+        real_run_chunks = cpu_backend.run_chunks
 
         def counting_run_chunks(task, chunks):
             chunk_counts.append(len(chunks))
             return real_run_chunks(task, chunks)
 
-        monkeypatch.setattr(cpu_backend, "_run_chunks", counting_run_chunks)
+        monkeypatch.setattr(cpu_backend, "run_chunks", counting_run_chunks)
 
     results = {}
     for chunk_bytes in (1, 1 << 40):  # one block's worth per chunk / everything in one chunk

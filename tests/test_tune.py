@@ -298,7 +298,7 @@ def test_a_worker_that_dies_costs_its_tile_only(monkeypatch):
             on_line(line)
         return status, errors
 
-    monkeypatch.setattr(tune.Runner, "_run", run)
+    monkeypatch.setattr(tune.Runner, "run_request", run)
     trials = tune.Runner().measure(ENTRY64, [(1,), (2,), (3,), (4,)], CASES)
     assert runs == [[[1], [2], [3], [4]], [[3], [4]], [[4]]]
     assert [t.ratios for t in trials] == [[0.9], None, None, [1.1]]

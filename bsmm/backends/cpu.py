@@ -46,7 +46,8 @@ def _pool() -> concurrent.futures.ThreadPoolExecutor:
     return concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="bsmm-cpu")
 
 
-def _run_chunks(task, chunks) -> None:
+def run_chunks(task, chunks) -> None:
+    """``task(*chunk)`` for every chunk, on the backend's worker threads (inline for one chunk)."""
     if len(chunks) == 1:
         task(*chunks[0])
         return
@@ -129,7 +130,7 @@ def _segmented_pass(
             sums += targets[first_segment:end_segment].astype(compute)
         targets[first_segment:end_segment] = sums
 
-    _run_chunks(chunk, _chunk_bounds(segptr, compute.itemsize * (2 * n * bs + bs * bs)))
+    run_chunks(chunk, _chunk_bounds(segptr, compute.itemsize * (2 * n * bs + bs * bs)))
     return out
 
 
@@ -173,7 +174,7 @@ def updat(
 
     # Treat every block as its own segment so chunks split anywhere.
     itemsize = x_blocks.dtype.itemsize
-    _run_chunks(chunk, _chunk_bounds(np.arange(index.nnzb + 1), itemsize * (2 * n * bs + bs * bs)))
+    run_chunks(chunk, _chunk_bounds(np.arange(index.nnzb + 1), itemsize * (2 * n * bs + bs * bs)))
     return out
 
 

@@ -249,7 +249,7 @@ class Runner:
         self.calls, self.batches, self.seed = calls, batches, seed
         self.timeout = timeout  # seconds a worker may go without printing a line (a hung kernel)
 
-    def _run(self, request: dict, on_line: Callable[[dict], None]) -> tuple[int, str]:
+    def run_request(self, request: dict, on_line: Callable[[dict], None]) -> tuple[int, str]:
         """Runs one worker on ``request``, handing each JSON line it prints to ``on_line``;
         returns its exit status and the end of what it wrote to stderr. A worker silent for
         ``timeout`` seconds is killed."""
@@ -280,7 +280,7 @@ class Runner:
     def survey(self, cases: list[Case]) -> dict:
         """{"device", "arch", "max_shared", "cases": [{"entry": Entry fields or None, "variant": Variant fields}]}."""
         found: dict = {}
-        status, errors = self._run({"survey": [dataclasses.asdict(c) for c in cases], "seed": self.seed}, found.update)
+        status, errors = self.run_request({"survey": [dataclasses.asdict(c) for c in cases], "seed": self.seed}, found.update)
         if status != 0 or "cases" not in found:
             raise RuntimeError(f"the tuning worker failed while planning the passes (exit {status}):\n{errors}")
         return found
@@ -311,7 +311,7 @@ class Runner:
             request = {"entry": dataclasses.asdict(entry), "tiles": [list(t) for t in remaining],
                        "cases": [dataclasses.asdict(c) for c in cases], "calls": self.calls,
                        "batches": self.batches, "seed": self.seed, "check": check}
-            status, errors = self._run(request, on_line)
+            status, errors = self.run_request(request, on_line)
             if not remaining:
                 break
             if not current:

@@ -45,14 +45,19 @@ class SerializedLaunch:
     parameter block: ``launch(parameters_address)``, or ``driver(*arguments(address))`` with
     the arguments made once (a nonzero result is the CUresult of a failed launch)."""
 
-    __slots__ = ("attribute", "config", "function", "driver")
+    __slots__ = ("attribute", "config", "function")
 
     def __init__(self, function: int, grid: tuple, block: tuple, shared_bytes: int, stream: int):
         self.attribute = _Attribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION)
         self.attribute.value[0] = 1  # programmaticStreamSerializationAllowed
         self.config = _Config(*grid, *block, shared_bytes, stream, ctypes.pointer(self.attribute), 1)
         self.function = ctypes.c_void_p(function)
-        self.driver = _launch_ex()
+
+    @property
+    def driver(self):
+        """``cuLaunchKernelEx`` (the driver library is loaded on the first launch, not when a
+        configuration is made)."""
+        return _launch_ex()
 
     def arguments(self, parameters_address: int) -> tuple:
         """``cuLaunchKernelEx``'s arguments for the parameter block at that address, as ctypes objects."""
