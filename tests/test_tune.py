@@ -315,12 +315,12 @@ def test_worker_lines_are_read_as_they_come_and_a_silent_worker_is_killed(monkey
             "for tile in request['tiles']: print(json.dumps({'tile': tile, 'ratios': [0.5]}), flush=True)")
     monkeypatch.setattr(tune.Runner, "command", (sys.executable, "-c", echo))
     lines = []
-    assert tune.Runner()._run({"tiles": [[1], [2]]}, lines.append) == (0, "")
+    assert tune.Runner().run_request({"tiles": [[1], [2]]}, lines.append) == (0, "")
     assert lines == [{"tile": [1], "ratios": [0.5]}, {"tile": [2], "ratios": [0.5]}]
     silent = "import json, sys, time; print(json.dumps({'trying': [1]}), flush=True); time.sleep(60)"
     monkeypatch.setattr(tune.Runner, "command", (sys.executable, "-c", silent))
     lines.clear()
-    status, errors = tune.Runner(timeout=1)._run({}, lines.append)
+    status, errors = tune.Runner(timeout=1).run_request({}, lines.append)
     assert status != 0 and "no result for 1 s" in errors and lines == [{"trying": [1]}]
 
 
