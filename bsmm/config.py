@@ -97,7 +97,7 @@ _OVERRIDES: list[dict] = []
 def overriding(layer: dict) -> Iterator[None]:
     """Settings with ``layer`` merged over them for the duration (``bsmm tune`` tries launch tiles so).
 
-    Plans built inside keep what they were built with; :func:`bsmm.backends.cuda.backend.forget_plans`
+    Plans built inside keep what they were built with; :func:`bsmm.backends.cuda.plans.forget_plans`
     drops them.
 
     Examples

@@ -1,4 +1,4 @@
-"""Repeated GPU calls: the operator's per-shape fast path (``cuda_backend.FastCall``).
+"""Repeated GPU calls: the operator's per-shape fast path (``bsmm.backends.cuda.backend.FastCall``).
 
 After a pass has run once through the checked path, later calls with CuPy arrays of
 the same shape skip the full validation. These tests make sure a repeat computes the

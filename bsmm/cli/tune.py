@@ -111,7 +111,7 @@ class Entry:
 
 def used_entry(lookups: list, variant: Variant) -> Entry | None:
     """The entry a plan's ``variant`` took its tile from, given the lookups made while planning it
-    (:func:`bsmm.backends.cuda.backend.recording_table_lookups`): the last whose tile is the variant's
+    (:func:`bsmm.backends.cuda.planner.recording_table_lookups`): the last whose tile is the variant's
     (tiles of ``bsmm_matmul_tma`` come from the tma tables, the others from the rest)."""
     for entry, tile in reversed(lookups):
         same = tile[:6] == tuple(variant.tile) and (len(tile) == 6 or tile[6] == variant.cols)

@@ -28,7 +28,8 @@ on a GPU, XLA's stream:
   command buffers (CUDA graphs) after its first call and replay it without calling Python at
   all: XLA does so for programs of enough operations (``--xla_gpu_graph_min_graph_size``), as
   a model's training step is. ``[jax] command_buffers = false`` in the configuration turns the
-  recording off for passes traced afterwards; convolution passes are never recorded.
+  recording off for the passes of operators and shapes traced afterwards (JAX caches a pass's
+  trace per operator and shape); convolution passes are never recorded.
 
 Which backend runs is decided per call from the DLPack device type of the
 buffers XLA passes (``__dlpack_device__``), i.e. where XLA actually placed the

@@ -105,7 +105,7 @@ class _PassCallback:
 
 def _repeat_on_cuda(op, pass_name: str, stream: int, device_id: int, out, a, b) -> bool:
     """Launch the pass through the call ``op`` kept from an earlier checked call of this shape
-    (``cuda_backend.FastCall``) on the buffers' raw pointers: no CuPy views, no stream or device
+    (``bsmm.backends.cuda.backend.FastCall``) on the buffers' raw pointers: no CuPy views, no stream or device
     objects. False where there is none or anything differs from it (the checked path then runs).
 
     XLA's buffers are dense row-major, and their shapes and dtypes are fixed by the custom call.

@@ -40,8 +40,8 @@ import weakref
 import numpy as np
 
 # First, for its clear ImportError when PyTorch is missing.
-from bsmm.torch.conv_ops import conv_fprop, conv_spec
 from bsmm.torch.ops import SUPPORTED_DTYPES, Registration, check_dtype, lookup, product, register
+from bsmm.torch.conv_ops import conv_fprop, conv_spec  # noqa: I001  (after ops: see above)
 
 import torch  # noqa: E402  (after the guarded import above)
 

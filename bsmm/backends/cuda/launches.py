@@ -6,7 +6,7 @@ instruction until it has finished (``wait_for_prior_grid`` in ``cuda/bsmm_common
 only the launch and start-up overlap it; results are those of an ordinary launch. CuPy wraps
 ``cuLaunchKernel`` only, so ``cuLaunchKernelEx`` is reached through ctypes. A
 :class:`SerializedLaunch` holds one ready configuration (kernel, grid, block, shared bytes,
-stream), kept per kernel and stream by its launcher (``bsmm.backends.cuda.backend``), and makes the
+stream), kept per kernel and stream by its launcher (``bsmm.backends.cuda.plans.Launcher``), and makes the
 call's arguments as ctypes objects, so a repeated launch converts nothing.
 """
 
