@@ -95,10 +95,9 @@ _OVERRIDES: list[dict] = []
 
 @contextlib.contextmanager
 def overriding(layer: dict) -> Iterator[None]:
-    """Settings with ``layer`` merged over them for the duration (``bsmm tune`` tries launch tiles so).
-
-    Plans built inside keep what they were built with; :func:`bsmm.backends.cuda.plans.forget_plans`
-    drops them.
+    """Settings with ``layer`` merged over them for the duration. The GPU planner's policy follows
+    (:func:`bsmm.backends.cuda.policy.current_policy`); to force a kernel path, pass a policy to
+    :func:`bsmm.backends.cuda.policy.planning` instead.
 
     Examples
     --------

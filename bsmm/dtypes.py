@@ -2,7 +2,9 @@
 
 Every other list of dtypes in the package is built from :data:`ELEMENT_TYPES`: the NumPy dtypes
 accepted on every backend (:data:`SUPPORTED_DTYPES`) and on the CPU only (:data:`CPU_ONLY_DTYPES`),
-and the CUDA backend's ``C_TYPES`` and ``ELEMENT_BYTES`` (:mod:`bsmm.backends.cuda.kernels`).
+the CUDA backend's ``C_TYPES`` and ``ELEMENT_BYTES`` (:mod:`bsmm.backends.cuda.kernels`), and the
+kinds of arithmetic results are checked by, with their tolerances (:data:`KIND_DTYPES`,
+:data:`TOLERANCES`, :data:`GPU_KINDS`: the test suite, ``tools/gpu``, ``bsmm tune``).
 """
 
 from __future__ import annotations
@@ -12,7 +14,8 @@ import dataclasses
 import ml_dtypes
 import numpy as np
 
-__all__ = ["ElementType", "ELEMENT_TYPES", "SUPPORTED_DTYPES", "CPU_ONLY_DTYPES", "DTYPE_NAMES", "canonical_dtype"]
+__all__ = ["ElementType", "ELEMENT_TYPES", "SUPPORTED_DTYPES", "CPU_ONLY_DTYPES", "DTYPE_NAMES", "KIND_DTYPES",
+           "TOLERANCES", "GPU_KINDS", "canonical_dtype"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -24,6 +27,12 @@ class ElementType:
     >>> t = ELEMENT_TYPES["bfloat16"]
     >>> t.numpy, t.c_type, t.element_bytes, t.cpu_only
     (dtype(bfloat16), '__nv_bfloat16', 2, False)
+    >>> t.tolerance, t.tf32_tolerance
+    (0.02, None)
+    >>> t.uint, hex(t.nan_bits), hex(t.exponent_mask)
+    (dtype('uint16'), '0x7fc0', '0x7f80')
+    >>> ELEMENT_TYPES["float32"].tf32_tolerance
+    0.002
     >>> ELEMENT_TYPES["float64"].cpu_only
     True
     """
@@ -33,6 +42,13 @@ class ElementType:
     # The element type of the CUDA kernel templates (``Elem<...>`` in cuda/bsmm_common.cuh), or None
     # where no GPU kernel exists: the type then runs on the CPU backend only.
     c_type: str | None
+    # Norm-wise relative (Frobenius) error a pass's result in this type may have against the float64
+    # product of the same inputs: float32 arithmetic plus one rounding of the result to the type
+    # (float16 2**-11, bfloat16 2**-8); float64 is computed in float64 throughout.
+    tolerance: float
+    # The same where float32 data are multiplied on TF32 tensor cores (``tf32=True``: operands
+    # rounded to 2**-11), or None where the type has no TF32 mode.
+    tf32_tolerance: float | None = None
 
     @property
     def element_bytes(self) -> int:
@@ -44,16 +60,32 @@ class ElementType:
         """True where only the CPU backend computes in this type (no CUDA kernel exists for it)."""
         return self.c_type is None
 
+    @property
+    def uint(self) -> np.dtype:
+        """The unsigned integer dtype of the element's size, to view, copy or fill elements bitwise
+        (e.g. where an array library has no kernels for the type)."""
+        return np.dtype(f"uint{8 * self.element_bytes}")
+
+    @property
+    def nan_bits(self) -> int:
+        """The bits of a positive quiet NaN: what outputs are poisoned with before a pass writes them."""
+        return int(np.array(np.nan, self.numpy).view(self.uint))
+
+    @property
+    def exponent_mask(self) -> int:
+        """The bits of the exponent field (also +Inf's bits): an element is NaN or Inf where all are set."""
+        return int(np.array(np.inf, self.numpy).view(self.uint))
+
 
 #: name -> :class:`ElementType`, the one place a dtype's facts are written down. Order matters:
 #: error messages list the names in it. bfloat16 comes from ml_dtypes, the type NumPy-side code
 #: (JAX, TensorFlow) already uses for it. float64 is computed and accumulated in float64 on the
 #: CPU backend, for gradient checks by finite differences.
 ELEMENT_TYPES: dict[str, ElementType] = {t.name: t for t in (
-    ElementType("float32", np.dtype(np.float32), "float"),
-    ElementType("float16", np.dtype(np.float16), "__half"),
-    ElementType("bfloat16", np.dtype(ml_dtypes.bfloat16), "__nv_bfloat16"),
-    ElementType("float64", np.dtype(np.float64), None),
+    ElementType("float32", np.dtype(np.float32), "float", 1e-5, tf32_tolerance=2e-3),
+    ElementType("float16", np.dtype(np.float16), "__half", 1e-2),
+    ElementType("bfloat16", np.dtype(ml_dtypes.bfloat16), "__nv_bfloat16", 2e-2),
+    ElementType("float64", np.dtype(np.float64), None, 1e-12),
 )}
 
 #: name -> NumPy dtype, on every backend (the types of :data:`ELEMENT_TYPES` with a CUDA kernel).
@@ -64,6 +96,25 @@ CPU_ONLY_DTYPES: dict[str, np.dtype] = {name: t.numpy for name, t in ELEMENT_TYP
 
 #: dtype -> name of :data:`SUPPORTED_DTYPES`, for hot paths (``str(dtype)`` is slow in NumPy).
 DTYPE_NAMES: dict[np.dtype, str] = {dtype: name for name, dtype in SUPPORTED_DTYPES.items()}
+
+#: Kind of arithmetic -> name of the element type of its data: each type of :data:`ELEMENT_TYPES`
+#: by its own name, each followed by "tf32" where it has a TF32 mode (float32 data on TF32 tensor
+#: cores, ``tf32=True``). Order: the table's (seeds and draws of the GPU tools depend on it).
+KIND_DTYPES: dict[str, str] = {
+    kind: t.name
+    for t in ELEMENT_TYPES.values()
+    for kind in (t.name, *(("tf32",) if t.tf32_tolerance is not None else ()))
+}
+
+#: Kind of arithmetic (a key of :data:`KIND_DTYPES`) -> the norm-wise relative error its results may
+#: have against a float64 reference (:attr:`ElementType.tolerance`, :attr:`ElementType.tf32_tolerance`).
+TOLERANCES: dict[str, float] = {
+    kind: ELEMENT_TYPES[name].tolerance if kind == name else ELEMENT_TYPES[name].tf32_tolerance
+    for kind, name in KIND_DTYPES.items()
+}
+
+#: The kinds of :data:`KIND_DTYPES` that run on the GPU: float32, tf32, float16, bfloat16.
+GPU_KINDS: tuple[str, ...] = tuple(kind for kind, name in KIND_DTYPES.items() if not ELEMENT_TYPES[name].cpu_only)
 
 _ALL_DTYPES: dict[str, np.dtype] = {**SUPPORTED_DTYPES, **CPU_ONLY_DTYPES}
 _ALL_NAMES: dict[np.dtype, str] = {dtype: name for name, dtype in _ALL_DTYPES.items()}

@@ -10,13 +10,13 @@ namespace bsmm {
 template <class K, typename F>
 __device__ __forceinline__ void for_each_acc(F f) {
     const int tid = threadIdx.x;
-    if constexpr (K::MATH == SIMT) {
+    if constexpr (K::MATH == Math::Simt) {
         const int tx = tid % K::TX, ty = tid / K::TX;
 #pragma unroll
         for (int i = 0; i < K::TM; ++i)
 #pragma unroll
             for (int j = 0; j < K::TN; ++j) f(i * K::TN + j, K::simt_row(ty, i), K::simt_col(tx, j));
-    } else if constexpr (K::MATH == WGMMA) {
+    } else if constexpr (K::MATH == Math::Wgmma) {
         // Per 64 x WN instruction tile, warp w of the warpgroup holds rows 16w + lane/4 (+8) and,
         // for each 8-column group j, columns 8j + 2(lane % 4) (+1): the m16n8 layout along N.
         const int row0 = (tid / 128) * 64 + ((tid / 32) % 4) * 16 + (tid % 32) / 4, col0 = (tid % 4) * 2;
@@ -43,7 +43,7 @@ __device__ __forceinline__ void for_each_acc(F f) {
 // Writes (or adds, if accumulate) a thread block's BM x BN tile of one weight block's gradient.
 template <class K, typename T, int BS>
 __device__ __forceinline__ void store_block_tile(T* block_out, const float (&acc)[K::ACC], int m0, int n0, int accumulate) {
-    if constexpr (K::MATH == SIMT) {
+    if constexpr (K::MATH == Math::Simt) {
         for_each_acc<K>([&](int i, int m, int n) {
             T* dst = block_out + (m0 + m) * BS + n0 + n;
             *dst = Elem<T>::from_float(acc[i] + (accumulate ? Elem<T>::to_float(*dst) : 0.f));
@@ -152,7 +152,7 @@ __device__ __forceinline__ void store_sparse_tile(T* __restrict__ out, const flo
     // bprop otherwise) carries how many output blocks exist.
     // Tensor-core fragments hold column pairs (i, i + 1) = (n, n + 1): with features along rows
     // and aligned rows, each pair is one 4- or 8-byte access (and so is the read of accumulate).
-    constexpr bool PAIRS = K::OUT_AXIS1 && K::ALIGNED && K::MATH != SIMT;
+    constexpr bool PAIRS = K::OUT_AXIS1 && K::ALIGNED && K::MATH != Math::Simt;
     for_each_acc<K>([&](int i, int m, int n) {
         if (PAIRS && i % 2) return;
         const int row = m0 + m;

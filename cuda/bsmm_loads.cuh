@@ -43,7 +43,7 @@ struct Operands {
     // blocks of one block row, the storage order); its copy and its fragment loads are skipped
     // (main_loop keeps the fragments in registers).
     __device__ __forceinline__ bool same_a(int step) const {
-        return K::GROUPED && K::MATH == TENSOR16 && step > 0 && table[step].x == table[step - 1].x;
+        return K::GROUPED && K::MATH == Math::Tensor16 && step > 0 && table[step].x == table[step - 1].x;
     }
 
     // Sparse K: step s covers K positions [s*BK, s*BK + BK) of the concatenated blocks;
@@ -59,7 +59,7 @@ struct Operands {
     __device__ __forceinline__ const T* a_src(int step, int row, int col, int& valid) const {
         const int m = K::A_KMAJOR ? row : col, k = K::A_KMAJOR ? col : row;
         const int kg = step * K::BK + k;
-        if (K::PASS == UPDAT) {  // A(m, k) = x[n = kg, feature c·BS + m0 + m]
+        if (K::PASS == Pass::Updat) {  // A(m, k) = x[n = kg, feature c·BS + m0 + m]
             const int n = seg_begin + kg;
             const long long feature = (long long)block.x * BS + m0 + m;
             if (K::A_KMAJOR) {  // axis 0: x is (C, N); contiguous along n
@@ -84,7 +84,7 @@ struct Operands {
     __device__ __forceinline__ const T* b_src(int step, int row, int col, int& valid) const {
         const int n = K::B_KMAJOR ? row : col, k = K::B_KMAJOR ? col : row;
         const int kg = step * K::BK + k;
-        if (K::PASS == UPDAT) {  // B(k, n) = dy[batch kg, feature kb·BS + n0 + n]
+        if (K::PASS == Pass::Updat) {  // B(k, n) = dy[batch kg, feature kb·BS + n0 + n]
             const int nb = seg_begin + kg;
             const long long feature = (long long)block.y * BS + n0 + n;
             if (K::B_KMAJOR) {
@@ -162,11 +162,11 @@ struct FastLoader {
     __device__ __forceinline__ void init(const Operands<K, T, BS>& o, int tid, const int* group = nullptr) {
         ops = &o;
         ld_act = o.ld_act;
-        ld_other = K::PASS == UPDAT ? o.ld_other : BS;
-        const int rows_left = K::PASS == UPDAT ? K::BM : o.n_rows - o.m0;  // batch rows past N are absent
+        ld_other = K::PASS == Pass::Updat ? o.ld_other : BS;
+        const int rows_left = K::PASS == Pass::Updat ? K::BM : o.n_rows - o.m0;  // batch rows past N are absent
         a.init(tid, ld_act, K::A_KMAJOR, rows_left);
         b.init(tid, ld_other, K::B_KMAJOR, ChunkPlan<K, K::B_ROWS, K::B_COLS, K::B_PITCH>::ABSENT);
-        if constexpr (K::PASS == UPDAT && K::COLS > 1) {
+        if constexpr (K::PASS == Pass::Updat && K::COLS > 1) {
 #pragma unroll
             for (int i = 0; i < decltype(b)::PER_THREAD; ++i) {
                 const int c = tid + i * K::NT;
@@ -184,7 +184,7 @@ struct FastLoader {
         const T* a_base;
         const T* b_base;
         int k_limit;
-        if constexpr (K::PASS == UPDAT) {
+        if constexpr (K::PASS == Pass::Updat) {
             // Grouped: step = one weight block of the group, all batch rows; else: BK batch rows.
             const long long n = K::GROUPED ? 0 : o.seg_begin + step * K::BK;  // first batch row of the step
             const int2 block = K::GROUPED ? o.table[step] : o.block;
@@ -203,7 +203,7 @@ struct FastLoader {
             k_limit = present ? K::BK : 0;
         }
         // Weights are read once: they bypass L1 (see BSMM_ACT_L1 for the activations).
-        if (!o.same_a(step)) a.copy<BSMM_ACT_L1 && K::PASS != UPDAT>(sa, a_base, k_limit, tid);
+        if (!o.same_a(step)) a.copy<BSMM_ACT_L1 && K::PASS != Pass::Updat>(sa, a_base, k_limit, tid);
         b.copy<false>(sb, b_base, k_limit, tid);
     }
 };

@@ -126,7 +126,7 @@ __device__ __forceinline__ void main_loop(Load&& load, int n_steps, T* smem, flo
     // updat only: one BK-deep step, few registers); other kernels load them per 16-deep slice.
     // Grouped updat's loader skips the copy of a kept A tile, so its stage holds another step's
     // data (or nothing): the fragments must then be kept whatever BK is, one 16-deep slice too.
-    constexpr bool KEEPS_A = K::GROUPED && K::MATH == TENSOR16;
+    constexpr bool KEEPS_A = K::GROUPED && K::MATH == Math::Tensor16;
     constexpr int A_KEPT = KEEPS_A ? K::BK / 16 : 1;
     unsigned a_frags[A_KEPT][K::MI > 0 ? K::MI : 1][4];  // (SIMT tiles have no MI)
     for (int step = 0; step < n_steps; ++step) {
@@ -142,9 +142,9 @@ __device__ __forceinline__ void main_loop(Load&& load, int n_steps, T* smem, flo
 #endif
         T* a = stages.a(step);
         T* b = stages.b(step);
-        if constexpr (K::MATH == TENSOR16) {
+        if constexpr (K::MATH == Math::Tensor16) {
             mma16_step<K, T, A_KEPT>(acc, a, b, a_frags, !KEEPS_A || !keep_a(step));
-        } else if constexpr (K::MATH == TF32) {
+        } else if constexpr (K::MATH == Math::Tf32) {
 #pragma unroll
             for (int kk = 0; kk < K::BK; kk += 8) {
                 unsigned af[K::MI][4], bf[K::NJ][2];

@@ -30,27 +30,27 @@ namespace bsmm {
 // Segment table entry: (output unit, begin, end, part). For fprop/bprop a unit is an
 // output block column/row and [begin, end) indexes the step table; for updat a unit
 // is a weight block and [begin, end) are batch rows. units[u] = (first workspace slot, parts).
-template <typename T, int BS, int BM, int BN, int BK, int WARPS_M, int WARPS_N, int STAGES, int MATH, int PASS, int AXIS1,
-          int ALIGNED, int GROUPED, int COLS>
+template <typename T, int BS, int BM, int BN, int BK, int WARPS_M, int WARPS_N, int STAGES, Math MATH, Pass PASS,
+          FeatureAxis AXIS, int ALIGNED, int GROUPED, int COLS>
 __global__ void __launch_bounds__(WARPS_M* WARPS_N * 32)
     bsmm_matmul(const T* __restrict__ act, const T* __restrict__ other, T* __restrict__ out,
                 const int4* __restrict__ segments, const int2* __restrict__ units, const int2* __restrict__ table,
                 float* __restrict__ workspace, int* __restrict__ counters, int n_rows, int ld_act, int ld_other,
                 int ld_out, int accumulate, int band_rows) {
-    using K = Kernel<T, BS, BM, BN, BK, WARPS_M, WARPS_N, STAGES, MATH, PASS, AXIS1, ALIGNED, GROUPED, COLS>;
+    using K = Kernel<T, BS, BM, BN, BK, WARPS_M, WARPS_N, STAGES, MATH, PASS, AXIS, ALIGNED, GROUPED, COLS>;
     wait_for_prior_grid();
     extern __shared__ __align__(16) unsigned char smem_raw[];
     // wgmma reads swizzle atoms that must start on 1024-byte boundaries (SMEM_BYTES has the slack).
-    T* smem = reinterpret_cast<T*>(MATH == WGMMA ? (reinterpret_cast<size_t>(smem_raw) + 1023) & ~size_t(1023)
-                                                 : reinterpret_cast<size_t>(smem_raw));
+    T* smem = reinterpret_cast<T*>(MATH == Math::Wgmma ? (reinterpret_cast<size_t>(smem_raw) + 1023) & ~size_t(1023)
+                                                       : reinterpret_cast<size_t>(smem_raw));
     __shared__ int last_part;
     // A part's entries of the step table, read once: the loaders would otherwise wait on a
     // dependent global load before every copy they issue.
-    __shared__ int2 part_table[(PASS == UPDAT && !GROUPED) || COLS > 1 ? 1 : BSMM_MAX_PART];
-    __shared__ int group_steps[COLS > 1 ? (PASS == UPDAT ? 2 * COLS + 1 : BSMM_MAX_PART * (COLS + 1)) : 1];
+    __shared__ int2 part_table[(PASS == Pass::Updat && !GROUPED) || COLS > 1 ? 1 : BSMM_MAX_PART];
+    __shared__ int group_steps[COLS > 1 ? (PASS == Pass::Updat ? 2 * COLS + 1 : BSMM_MAX_PART * (COLS + 1)) : 1];
 
     // updat: y and z index sub-tiles of one weight block, nothing to reorder.
-    const int2 tile = PASS == UPDAT ? make_int2(blockIdx.x, blockIdx.y) : banded_tile(band_rows);
+    const int2 tile = PASS == Pass::Updat ? make_int2(blockIdx.x, blockIdx.y) : banded_tile(band_rows);
     const int4 seg = segments[tile.x];
     if constexpr (GROUPED) {
         // seg = (first weight block, end block, -, -); every block takes the whole batch in one step.
@@ -92,7 +92,7 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N * 32)
     Operands<K, T, BS> ops;
     ops.act = act;
     ops.other = other;
-    ops.table = PASS == UPDAT ? table : part_table;
+    ops.table = PASS == Pass::Updat ? table : part_table;
     ops.n_rows = n_rows;
     ops.ld_act = ld_act;
     ops.ld_other = ld_other;
@@ -101,14 +101,14 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N * 32)
     ops.m0 = tile.y * BM;
     ops.n0 = blockIdx.z * BN;
     int n_steps;
-    if constexpr (PASS == UPDAT && COLS > 1) {
+    if constexpr (PASS == Pass::Updat && COLS > 1) {
         // The group's entry: 2 COLS + 1 ints (see FastLoader::init).
         const int* entry = reinterpret_cast<const int*>(table) + (long long)unit * (2 * COLS + 1);
         for (int i = threadIdx.x; i < 2 * COLS + 1; i += K::NT) group_steps[i] = entry[i];
         __syncthreads();
         ops.block = make_int2(group_steps[0], 0);
         n_steps = (seg.z - seg.y + BK - 1) / BK;
-    } else if constexpr (PASS == UPDAT) {
+    } else if constexpr (PASS == Pass::Updat) {
         ops.block = table[unit];
         n_steps = (seg.z - seg.y + BK - 1) / BK;
     } else if constexpr (COLS > 1) {
@@ -126,7 +126,7 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N * 32)
     }
 
     float acc[K::ACC];
-    if constexpr (PASS == UPDAT && COLS > 1) {
+    if constexpr (PASS == Pass::Updat && COLS > 1) {
         FastLoader<K, T, BS> loader;
         loader.init(ops, threadIdx.x, group_steps);
         // Warps of an absent block (a row's last group may be short) only keep the pipeline going.
@@ -138,11 +138,11 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N * 32)
         const int warp_col = (threadIdx.x / 32) / K::WARPS_M;
         main_loop<K, T>(loader, n_steps, smem, acc, [](int, float (&)[K::ACC]) {},
                         [&](int step) { return group_steps[step * (COLS + 1) + 1 + warp_col] < 0; });
-    } else if constexpr (MATH == WGMMA) {
+    } else if constexpr (MATH == Math::Wgmma) {
         FastLoader<K, T, BS> loader;
         loader.init(ops, threadIdx.x);
         main_loop_wgmma<K, T>(loader, n_steps, smem, acc);
-    } else if constexpr (ALIGNED && (PASS == UPDAT || BK <= BS)) {
+    } else if constexpr (ALIGNED && (PASS == Pass::Updat || BK <= BS)) {
         FastLoader<K, T, BS> loader;
         loader.init(ops, threadIdx.x);
         main_loop<K, T>(loader, n_steps, smem, acc);
@@ -161,13 +161,13 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N * 32)
                                             last_part))
         return;
 
-    if constexpr (PASS == UPDAT && COLS > 1) {
+    if constexpr (PASS == Pass::Updat && COLS > 1) {
         for_each_acc<K>([&](int i, int m, int n) {
             const int id = group_steps[1 + COLS + n / BS];
             if (i % 2 == 0 && id >= 0) store_pair(out + (long long)id * BS * BS + m * BS + n % BS, acc[i], acc[i + 1], accumulate);
         });
         return;
-    } else if constexpr (PASS == UPDAT) {
+    } else if constexpr (PASS == Pass::Updat) {
         store_block_tile<K, T, BS>(out + (long long)unit * BS * BS, acc, ops.m0, ops.n0, accumulate);
         return;
     }
@@ -195,25 +195,25 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N * 32)
 // boxes of BS features x BM rows and of whole weight blocks; the table holds COLS + 1 ints a
 // step (see GroupLoader), the output tile spans COLS block columns (rows). Other parameters
 // as bsmm_matmul's.
-template <typename T, int BS, int BM, int BN, int BK, int WARPS_M, int WARPS_N, int STAGES, int MATH, int PASS, int AXIS1,
-          int ALIGNED, int GROUPED, int COLS>
+template <typename T, int BS, int BM, int BN, int BK, int WARPS_M, int WARPS_N, int STAGES, Math MATH, Pass PASS,
+          FeatureAxis AXIS, int ALIGNED, int GROUPED, int COLS>
 __global__ void __launch_bounds__(WARPS_M* WARPS_N * 32 + 32)
     bsmm_matmul_tma(const T* __restrict__ act, const T* __restrict__ other, T* __restrict__ out,
                     const int4* __restrict__ segments, const int2* __restrict__ units, const int2* __restrict__ table,
                     float* __restrict__ workspace, int* __restrict__ counters, int n_rows, int ld_act, int ld_other,
                     int ld_out, int accumulate, int band_rows, const __grid_constant__ TensorMap act_map,
                     const __grid_constant__ TensorMap other_map, const __grid_constant__ TensorMap out_map) {
-    using K = Kernel<T, BS, BM, BN, BK, WARPS_M, WARPS_N, STAGES, MATH, PASS, AXIS1, ALIGNED, GROUPED, COLS, 1>;
-    static_assert(!GROUPED && ALIGNED && (sizeof(T) == 2 || (MATH == WGMMA && PASS == BPROP && COLS == 1) ||
-                                          (K::ROWS_T && !AXIS1)) &&
-                      (K::ROWS_T || K::COLS_W || (COLS == 1 && AXIS1 &&
-                                     (MATH == WGMMA ? PASS == UPDAT || BS % BK == 0
-                                                    : MATH == TENSOR16 && PASS != UPDAT && BK == BS))),
+    using K = Kernel<T, BS, BM, BN, BK, WARPS_M, WARPS_N, STAGES, MATH, PASS, AXIS, ALIGNED, GROUPED, COLS, 1>;
+    static_assert(!GROUPED && ALIGNED && (sizeof(T) == 2 || (MATH == Math::Wgmma && PASS == Pass::Bprop && COLS == 1) ||
+                                          (K::ROWS_T && !K::AXIS1)) &&
+                      (K::ROWS_T || K::COLS_W || (COLS == 1 && K::AXIS1 &&
+                                     (MATH == Math::Wgmma ? PASS == Pass::Updat || BS % BK == 0
+                                                          : MATH == Math::Tensor16 && PASS != Pass::Updat && BK == BS))),
                   "TMA: wgmma passes, or mma.sync fprop/bprop one block a step; one block (column) a tile, or "
                   "wgmma groups");
     // Columns of a box: 128 (wgmma) or 64 (mma.sync, BK = BN = 32) bytes, the swizzle span.
-    constexpr int BOX = MATH == WGMMA ? 128 / (int)sizeof(T) : 32;
-    static_assert(MATH != WGMMA || BM * BN <= STAGES * (K::A_STAGE + K::B_STAGE), "the stored tile fits the stages");
+    constexpr int BOX = MATH == Math::Wgmma ? 128 / (int)sizeof(T) : 32;
+    static_assert(MATH != Math::Wgmma || BM * BN <= STAGES * (K::A_STAGE + K::B_STAGE), "the stored tile fits the stages");
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     wait_for_prior_grid();
     extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -223,7 +223,7 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N * 32 + 32)
     T* const sb = smem + STAGES * K::A_STAGE;
     __shared__ __align__(8) unsigned long long full[STAGES], empty[STAGES];
     __shared__ int last_part;
-    __shared__ int2 part_table[PASS == UPDAT || K::COLS_W ? 1 : BSMM_MAX_PART];
+    __shared__ int2 part_table[PASS == Pass::Updat || K::COLS_W ? 1 : BSMM_MAX_PART];
     // Row groups: (block row, block column of each of the COLS blocks or -1, storage index or -1).
     __shared__ int group[K::ROWS_T ? 2 * COLS + 1 : 1];
     // Column groups: the part's entries, (activation feature block, weight block of each column or
@@ -231,13 +231,13 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N * 32 + 32)
     __shared__ int group_steps[K::COLS_W ? (BSMM_MAX_PART + K::R) * (COLS + 1) : 1];
 
     // updat: y and z index sub-tiles of one weight block, nothing to reorder.
-    const int2 tile = PASS == UPDAT ? make_int2(blockIdx.x, blockIdx.y) : banded_tile(band_rows);
+    const int2 tile = PASS == Pass::Updat ? make_int2(blockIdx.x, blockIdx.y) : banded_tile(band_rows);
     const int4 seg = segments[tile.x];
     const int unit = seg.x, part = seg.w;
     const int m0 = tile.y * BM, n0 = blockIdx.z * BN;
     // fprop/bprop: the part's (weight block, activation feature block) entries, BS / BK steps
     // each; updat: the part's batch rows [seg.y, seg.z), BK a step, of block (row, column).
-    const int n_steps = PASS == UPDAT ? (seg.z - seg.y + BK - 1) / BK
+    const int n_steps = PASS == Pass::Updat ? (seg.z - seg.y + BK - 1) / BK
                         : K::COLS_W ? (seg.z - seg.y + K::R - 1) / K::R : (seg.z - seg.y) * (BS / BK);
     if constexpr (K::ROWS_T) {
         const int* entry = reinterpret_cast<const int*>(table) + (long long)unit * (2 * COLS + 1);
@@ -247,7 +247,7 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N * 32 + 32)
         const int present = (seg.z - seg.y) * (COLS + 1);
         for (int i = threadIdx.x; i < n_steps * K::R * (COLS + 1); i += K::NT + 32)
             group_steps[i] = i < present ? steps[i] : -1;
-    } else if constexpr (PASS != UPDAT) {
+    } else if constexpr (PASS != Pass::Updat) {
         for (int i = threadIdx.x; i < seg.z - seg.y; i += K::NT + 32) part_table[i] = table[seg.y + i];
     }
     if (threadIdx.x == K::NT) {
@@ -264,7 +264,7 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N * 32 + 32)
         if (threadIdx.x == K::NT) {
             tma_prefetch_map(&act_map);
             tma_prefetch_map(&other_map);
-            const int2 block = PASS == UPDAT && !K::ROWS_T ? table[unit] : make_int2(0, 0);
+            const int2 block = PASS == Pass::Updat && !K::ROWS_T ? table[unit] : make_int2(0, 0);
             // Row groups copy only their present blocks' rows (the others' accumulators are never stored).
             int present = COLS;
             if constexpr (K::ROWS_T)
@@ -314,10 +314,10 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N * 32 + 32)
 #pragma unroll
                     for (int j = 0; j < COLS; ++j)
                         if (group[1 + j] >= 0)
-                            tma_load_2d(a + j * BS * BK, &other_map, AXIS1 ? group[1 + j] * BS : n,
-                                        AXIS1 ? n : group[1 + j] * BS, &full[s]);
-                    tma_load_2d(b, &act_map, AXIS1 ? group[0] * BS : n, AXIS1 ? n : group[0] * BS, &full[s]);
-                } else if constexpr (PASS == UPDAT) {
+                            tma_load_2d(a + j * BS * BK, &other_map, K::AXIS1 ? group[1 + j] * BS : n,
+                                        K::AXIS1 ? n : group[1 + j] * BS, &full[s]);
+                    tma_load_2d(b, &act_map, K::AXIS1 ? group[0] * BS : n, K::AXIS1 ? n : group[0] * BS, &full[s]);
+                } else if constexpr (PASS == Pass::Updat) {
                     // A(m, k) = x[n, c·BS + m0 + m], B(k, n') = dy[n, k·BS + n0 + n']: 64-column
                     // panels BK batch rows deep; rows past N arrive as zeros (parts end on steps).
                     const int n = seg.y + step * BK;
@@ -329,7 +329,7 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N * 32 + 32)
                     const int2 entry = part_table[step / (BS / BK)];  // (weight block, activation feature block)
                     const int kin = (step % (BS / BK)) * BK, w_row = entry.x * BS;
                     tma_load_2d(a, &act_map, entry.y * BS + kin, m0, &full[s]);
-                    if constexpr (PASS == FPROP) {  // B(k, n) = W_b[kin + k][n0 + n]: BOX-column panels
+                    if constexpr (PASS == Pass::Fprop) {  // B(k, n) = W_b[kin + k][n0 + n]: BOX-column panels
 #pragma unroll
                         for (int p = 0; p < BN / BOX; ++p) tma_load_2d(b + p * BK * BOX, &other_map, n0 + p * BOX, w_row + kin, &full[s]);
                     } else {  // bprop: B(k, n) = W_b[n0 + n][kin + k], K-major rows
@@ -351,7 +351,7 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N * 32 + 32)
         if (threadIdx.x % 32 == 0) mbarrier_arrive(&empty[s]);
         continue;
 #endif
-        if constexpr (MATH == WGMMA) {
+        if constexpr (MATH == Math::Wgmma) {
             if constexpr (K::COLS_W)
                 wgmma_group_step<K, T, BS>(acc, sa + s * K::A_STAGE, sb + s * K::B_STAGE,
                                            group_steps + step * K::R * (COLS + 1));
@@ -367,7 +367,7 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N * 32 + 32)
             if (threadIdx.x % 32 == 0) mbarrier_arrive(&empty[s]);
         }
     }
-    if constexpr (MATH == WGMMA) {
+    if constexpr (MATH == Math::Wgmma) {
         wgmma_wait<0>();
         fence_registers(acc);
     }
@@ -381,7 +381,7 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N * 32 + 32)
     if constexpr (K::ROWS_T) {
         store_row_group_transposed<K, T, BS>(out, acc, group, accumulate, reinterpret_cast<float*>(smem));
         return;
-    } else if constexpr (MATH == WGMMA && sizeof(T) == 2) {  // (TF32 tiles: fragment stores)
+    } else if constexpr (MATH == Math::Wgmma && sizeof(T) == 2) {  // (TF32 tiles: fragment stores)
         if (!accumulate && unit_info.y == 1) {
             // The tile leaves through shared memory and TMA: the thread block may exit once the
             // copy has read it, while its writes drain and the next thread block starts on the
@@ -399,14 +399,14 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N * 32 + 32)
                 // fprop/bprop: out is (N rows, features), updat: (blocks x BS rows, BS columns).
 #pragma unroll
                 for (int p = 0; p < BN / 64; ++p)
-                    tma_store_2d(&out_map, PASS == UPDAT ? n0 + p * 64 : unit * (COLS > 1 ? BN : BS) + n0 + p * 64,
-                                 PASS == UPDAT ? unit * BS + m0 : m0, staging + p * BM * 64);
+                    tma_store_2d(&out_map, PASS == Pass::Updat ? n0 + p * 64 : unit * (COLS > 1 ? BN : BS) + n0 + p * 64,
+                                 PASS == Pass::Updat ? unit * BS + m0 : m0, staging + p * BM * 64);
                 tma_store_commit_and_wait_read();
             }
             return;
         }
     }
-    if constexpr (PASS == UPDAT)
+    if constexpr (PASS == Pass::Updat)
         store_block_tile<K, T, BS>(out + (long long)unit * BS * BS, acc, m0, n0, accumulate);
     else
         store_sparse_tile<K, T, BS>(out, acc, unit, m0, n0, n_rows, ld_other, ld_out, accumulate);

@@ -67,9 +67,15 @@ def to_numpy(array) -> np.ndarray:
 
 
 def poisoned(xp, shape, dtype):
-    """An ``out=`` buffer full of NaN, so any element a pass forgets to write shows up."""
+    """An ``out=`` buffer full of NaN, so any element a pass forgets to write shows up.
+
+    Filled through the bits (:attr:`bsmm.dtypes.ElementType.nan_bits`), the pattern the GPU tools
+    poison with too: no fill kernel of ``dtype`` is needed."""
+    from bsmm.dtypes import ELEMENT_TYPES
+
     require_dtype(xp, dtype)
-    return xp.full(shape, np.nan, dtype=dtype)
+    element = ELEMENT_TYPES[np.dtype(dtype).name]
+    return xp.full(shape, element.nan_bits, dtype=element.uint).view(element.numpy)
 
 
 def compile_or_skip(variant, arch: str) -> None:

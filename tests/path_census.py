@@ -25,9 +25,11 @@ import numpy as np
 
 import bsmm
 from bsmm.backends.cuda import planner
+from bsmm.backends.cuda.policy import Policy
+from bsmm.dtypes import ELEMENT_TYPES, GPU_KINDS
 from reference import kind_dtype
 
-KINDS = ("float32", "tf32", "float16", "bfloat16")
+KINDS = GPU_KINDS  # float32, tf32, float16, bfloat16
 BLOCK_SIZES = (8, 16, 32, 64, 128)
 PASSES = ("fprop", "bprop", "updat")
 #: Batches on both sides of the batch classes (16, 32, 64), of one updat step (BK 16 to 64), of
@@ -103,22 +105,24 @@ def layout(name: str, block_size: int) -> np.ndarray:
     return found
 
 
-def device(mode: str, occupancy=planner.estimated_occupancy) -> planner.Device:
-    """The model H100 of ``mode``."""
+@functools.cache
+def policy(mode: str) -> Policy:
+    """The policy of ``mode``: bsmm.toml's, with Hopper's wgmma and TMA kernels on or off."""
     on = mode == "hopper"
-    return planner.Device("sm90", 132, occupancy, wgmma=on, tma=on, programmatic=True)
+    return Policy.from_settings(environ={}).replace(wgmma=on, tma=on, programmatic=True)
 
 
 def path(shape: Shape, pass_name: str, occupancy=planner.estimated_occupancy) -> planner.Path:
+    """The path of ``pass_name`` on ``shape`` on a model H100 (``occupancy``: thread blocks of a variant an SM holds)."""
     return planner.path(shape.index(), pass_name, shape.n, shape.dtype, shape.feature_axis, shape.tf32,
-                        shape.aligned, device(shape.mode, occupancy))
+                        shape.aligned, planner.Device("sm90", 132, occupancy), policy(shape.mode))
 
 
 def grid():
     """Every shape the census considers."""
     for kind, bs, name, n, axis, aligned, mode in itertools.product(KINDS, BLOCK_SIZES, _LAYOUTS, BATCHES, (1, 0),
                                                                     (True, False), MODES):
-        if aligned and axis == 0 and (n * (4 if kind in ("float32", "tf32") else 2)) % 16:
+        if aligned and axis == 0 and (n * ELEMENT_TYPES[kind_dtype(kind)].element_bytes) % 16:
             continue  # rows of N elements that are not whole 16-byte chunks make a pass unaligned
         if name in ("big", "wide") and n > 1024 and bs <= 16:
             continue  # (the same decisions as at 1024, at a quarter of the cost)

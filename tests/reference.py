@@ -6,31 +6,30 @@ Everything here works on NumPy arrays only (tests move data back with
 
 Block order (the contract under test): block ``b`` of the block data is the
 ``b``-th pair of ``np.nonzero(layout)``, i.e. row-major over the layout.
+
+The dtype facts (names, NumPy dtypes, tolerances) come from bsmm's one table of them,
+:data:`bsmm.dtypes.ELEMENT_TYPES`: data only, no computation of bsmm's.
 """
 
 from __future__ import annotations
 
-import ml_dtypes
 import numpy as np
 
-#: The dtypes bsmm supports, by name.
-DTYPES: dict[str, np.dtype] = {
-    "float32": np.dtype(np.float32),
-    "float16": np.dtype(np.float16),
-    "bfloat16": np.dtype(ml_dtypes.bfloat16),
-}
+from bsmm.dtypes import KIND_DTYPES, SUPPORTED_DTYPES, TOLERANCES
 
-#: Norm-wise relative error allowed per dtype: float32 arithmetic vs float64,
-#: plus one rounding of the result to float16 (2**-11) or bfloat16 (2**-8);
-#: "tf32": float32 data multiplied on TF32 tensor cores (operands rounded to 2**-11).
-TOLERANCE: dict[str, float] = {"float32": 1e-5, "tf32": 2e-3, "float16": 1e-2, "bfloat16": 2e-2}
+#: The dtypes bsmm supports on every backend, by name (float64, CPU only, has its own tests).
+DTYPES: dict[str, np.dtype] = dict(SUPPORTED_DTYPES)
+
+#: Norm-wise relative error allowed per kind of arithmetic (a dtype's name, or "tf32": float32
+#: data multiplied on TF32 tensor cores): :data:`bsmm.dtypes.TOLERANCES`, which says why.
+TOLERANCE: dict[str, float] = dict(TOLERANCES)
 
 _TINY = np.finfo(np.float64).tiny
 
 
 def kind_dtype(kind: str) -> str:
     """The array dtype of a kind of TOLERANCE (TF32 runs on float32 data)."""
-    return "float32" if kind == "tf32" else kind
+    return KIND_DTYPES[kind]
 
 
 def tolerance(dtype) -> float:

@@ -15,22 +15,21 @@ import numpy as np
 import pytest
 
 import bsmm
-from bsmm.backends.cuda import planner, step_tables
+from bsmm.backends.cuda import planner, selection, step_tables
+from bsmm.backends.cuda.policy import planning, recording_table_lookups
 from bsmm.config import settings
 from reference import TOLERANCE
 
 import path_census
 
-#: Statements of bsmm/backends/cuda/planner.py the census need not reach, as (function, start of the line): the reason.
+#: Statements of the selection code the census need not reach, as (function, start of the line): the reason.
 UNREACHED = {
-    ("tile_for", 'raise NotImplementedError(f"no {math_mode} kernel tile'):
-        "every table has an entry for every block size",
-    ("tile_for", "_table_lookups.append("): "while bsmm tune records (test_census_reads_every_launch_table_entry runs it)",
-    ("_tf32_wgmma_tile", "return None  # no sm_90 tables:"): "the census models an H100 (see path_census)",
-    ("_tma_tile", "return None  # a pass this short is bound by the host"): "tma_min_macs is 0 in bsmm.toml",
+    ("tma_tile", "return None  # a pass this short is bound by the host"): "tma_min_macs is 0 in bsmm.toml",
+    ("select", 'raise ValueError(f"the launch tables give'):
+        "every tile of bsmm.toml builds (tools/ci/compile_kernels.py checks each with tiling_problem)",
     **{("launch_layout", line): "shifted passes (convolutions)" for line in (
-        'column = 0 if (pass_name == "updat" or groups) else 1', "table = np.array(table, dtype=np.int64)",
-        "table[:, column] = np.asarray(act_blocks, dtype=np.int64)[table[:, column]]", 'if pass_name == "updat":',
+        "column = 0 if (the_pass.updates_weights or groups) else 1", "table = np.array(table, dtype=np.int64)",
+        "table[:, column] = np.asarray(act_blocks, dtype=np.int64)[table[:, column]]", "if the_pass.updates_weights:",
         'raise NotImplementedError("weight_blocks reorders', "weights = table[:, 1:] if groups else table[:, :1]",
         "weights[weights >= 0] = weight_blocks.positions[weights[weights >= 0]]")},
 }
@@ -41,8 +40,8 @@ def entries():
     return path_census.census()
 
 
-#: Functions of bsmm/backends/cuda/planner.py that are no part of choosing a path.
-NOT_SELECTION = {"describe", "with_environment", "device_model", "recording_table_lookups"}
+#: Functions of the selection code that are no part of choosing a path.
+NOT_SELECTION = {"describe", "device_model"}
 
 
 def _statement_lines(module) -> dict[int, str]:
@@ -70,7 +69,7 @@ def _statement_lines(module) -> dict[int, str]:
 def test_census_reaches_every_line_of_the_selection_code():
     """A branch added to the planner (or to the step tables it builds) that no census shape takes
     fails here: add a shape to the census."""
-    modules = {module.__file__: module for module in (planner, step_tables)}
+    modules = {module.__file__: module for module in (selection, planner, step_tables)}
     reached: dict[str, set[int]] = {source: set() for source in modules}
 
     def trace(frame, event, arg):
@@ -126,7 +125,7 @@ def test_census_reads_every_launch_table_entry():
                 if isinstance(value, dict) and name in ("default", "sm90")}
     listed = set(_table_entries(sections))
     assert len(listed) > 50
-    with planner.recording_table_lookups() as lookups:
+    with recording_table_lookups() as lookups:
         path_census.census()
     read = {entry for entry, _ in lookups}
     unread = sorted(listed - read)
@@ -164,7 +163,7 @@ def test_census_holds_the_shapes_of_the_half_precision_updat_that_returned_nan(e
     for kind in ("float16", "bfloat16"):
         for bs in (16, 32):
             assert any(e.path.pass_name == "updat" and e.shape.kind == kind and e.shape.block_size == bs
-                       and e.path.streaming == "several" and e.path.variant.tile[2] == 16 for e in entries), (kind, bs)
+                       and e.path.streaming == "several" and e.path.variant.tile.bk == 16 for e in entries), (kind, bs)
 
 
 # -- on a GPU ---------------------------------------------------------------------------------------------
@@ -245,12 +244,6 @@ def test_census_path_on_the_gpu(cupy, census_entry, monkeypatch):
     entry = census_entry
     if cupy.cuda.Device().compute_capability != "90":
         pytest.skip("the census models an sm_90 device")
-    for name in ("BSMM_WGMMA", "BSMM_TMA"):
-        if entry.shape.mode == "hopper":
-            monkeypatch.delenv(name, raising=False)
-        else:
-            monkeypatch.setenv(name, "0")
-    monkeypatch.delenv("BSMM_PDL", raising=False)
     from bsmm.backends.cuda import backend as cuda_backend
     from bsmm.backends.cuda import plans as cuda_plans
 
@@ -259,7 +252,7 @@ def test_census_path_on_the_gpu(cupy, census_entry, monkeypatch):
     monkeypatch.setattr(cuda_plans, "occupancy", lambda kernel, variant: planner.estimated_occupancy(variant))
     cuda_plans.forget_plans()
     op, x, dy, w = _device_case(cupy, entry.shape, seed=zlib.crc32(entry.shape.describe().encode()))
-    with cuda_backend.recording_paths() as taken:
+    with cuda_backend.recording_paths() as taken, planning(path_census.policy(entry.shape.mode)):
         worst = run_all_ways(cupy, op, x, dy, w)
     kind = entry.shape.kind
     bad = {p: e for p, e in worst.items() if not e <= TOLERANCE[kind]}
@@ -303,4 +296,4 @@ def test_the_nan_shapes_take_the_path_that_returned_nan(kind, bs, C, K, n, axis,
     """On an H100 each of NAN_SHAPES streams several blocks a thread block in 16-deep steps."""
     layout = (np.random.default_rng([C, K, n]).random((C // bs, K // bs)) < density).astype(np.uint8)
     found = planner.path(bsmm.block_index(layout, bs), "updat", n, kind, axis, False, True, planner.device_model())
-    assert found.streaming == "several" and found.variant.tile[2] == 16, found.describe()
+    assert found.streaming == "several" and found.variant.tile.bk == 16, found.describe()

@@ -18,6 +18,7 @@ from hypothesis import given, settings, strategies as st
 
 import bsmm
 import bsmm.config
+from bsmm.backends.cuda.policy import Policy, current_policy, planning
 from conftest import poisoned, snapshot, to_numpy, to_xp
 from reference import (
     DTYPES,
@@ -170,6 +171,7 @@ def test_tf32_fprop_through_transposed_weights(cupy, bs):
     """On Hopper a TF32 fprop runs as the transposed layout's bprop over transposed weight blocks
     (TransposedWeightsFprop): calls with new weights (the kept workspace rewritten) and an
     accumulating call all match the float64 reference; a skewed layout, N off the tile."""
+    from bsmm.backends.cuda import copy_plans
     from bsmm.backends.cuda import plans as cuda_plans
 
     rng = np.random.default_rng([bs, 7])
@@ -178,7 +180,7 @@ def test_tf32_fprop_through_transposed_weights(cupy, bs):
     x_host = random_data(rng, (300, op.C), "float32")
     x = cupy.asarray(x_host)
     plan = cuda_plans.plan_for(op.index, "fprop", 300, "float32", 1, True, True)
-    assert isinstance(plan, cuda_plans.TransposedWeightsFprop) == (cupy.cuda.Device().compute_capability == "90")
+    assert isinstance(plan, copy_plans.TransposedWeightsFprop) == (cupy.cuda.Device().compute_capability == "90")
     for _ in range(3):
         w = random_data(rng, op.w_shape, "float32")
         assert_close(to_numpy(op(x, cupy.asarray(w))), ref_fprop(layout, w, bs, x_host, 1), "tf32")
@@ -478,7 +480,7 @@ def test_two_calls_are_bitwise_equal(xp, dtype, feature_axis, monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("min_part_blocks", [None, 1], ids=["default", "shortest"])
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
-def test_long_block_columns_cut_into_parts(xp, dtype, min_part_blocks, monkeypatch):
+def test_long_block_columns_cut_into_parts(xp, dtype, min_part_blocks):
     """GPU: block columns longer than a part meet in the ordered last-part reduction.
 
     A tall layout (70 block rows, one dense column) is cut into parts even with the default
@@ -487,23 +489,21 @@ def test_long_block_columns_cut_into_parts(xp, dtype, min_part_blocks, monkeypat
     """
     if xp is np:
         pytest.skip("the CPU backend has no parts")
-    from bsmm.backends.cuda import plans as cuda_plans
-
-    if min_part_blocks is not None:
-        monkeypatch.setitem(bsmm.config.settings()["kernels"], "min_part_blocks", min_part_blocks)
-    cuda_plans.forget_plans()
+    # (a policy of its own even unchanged: its plans are made here, not found made by another test)
+    policy = current_policy().replace(**({} if min_part_blocks is None else {"min_part_blocks": min_part_blocks}))
     rng = np.random.default_rng([70, min_part_blocks or 0])
     layout = random_layout(rng, 70, 3, 0.3)
     layout[:, 1] = 1
     layout[5:40, 2] = 1  # and a long run in one more column
-    for axis in (1, 0):
-        case = make_case(rng, layout, 8, 37, dtype, axis)
-        for pass_name in PASSES:
-            args = device_inputs(xp, case, pass_name)
-            first = to_numpy(call(case.op, pass_name, args))
-            assert_close(first, reference(case, pass_name), dtype, pass_name)
-            assert first.tobytes() == to_numpy(call(case.op, pass_name, args)).tobytes()
-    plans = cuda_plans.plans_of(case.op.index)
+    with planning(policy):
+        for axis in (1, 0):
+            case = make_case(rng, layout, 8, 37, dtype, axis)
+            for pass_name in PASSES:
+                args = device_inputs(xp, case, pass_name)
+                first = to_numpy(call(case.op, pass_name, args))
+                assert_close(first, reference(case, pass_name), dtype, pass_name)
+                assert first.tobytes() == to_numpy(call(case.op, pass_name, args)).tobytes()
+    plans = plans_under(policy, case.op.index)
     assert any(p.workspace_floats > 0 for key, p in plans.items() if key[0] in ("fprop", "bprop")), \
         "no column was cut into parts: the reduction path went untested"
 
@@ -513,7 +513,7 @@ def test_long_block_columns_cut_into_parts(xp, dtype, min_part_blocks, monkeypat
                                       (64, [64, 128, 64, 2, 2, 3, 2])])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("wgmma", ["listed", "deep", "off"])
-def test_column_groups(xp, bs, tile, dtype, wgmma, monkeypatch):
+def test_column_groups(xp, bs, tile, dtype, wgmma):
     """GPU: output tiles spanning several block columns (rows), forced for every batch size and
     density; partial last group, empty and dense columns, long columns cut into parts; bitwise
     repeat and accumulate. On Hopper, N past 64 on feature axis 1 runs as wgmma groups
@@ -521,31 +521,29 @@ def test_column_groups(xp, bs, tile, dtype, wgmma, monkeypatch):
     a wgmma tile whose steps take several block rows (a part's last step partly empty)."""
     if xp is np:
         pytest.skip("the CPU backend has no column groups")
-    from bsmm.backends.cuda import plans as cuda_plans
-    from bsmm.backends.cuda import planner as cuda_planner
-
-    kernels = bsmm.config.settings()["kernels"]
+    base = current_policy()
     if wgmma == "deep":
         deep = [128, 128, 2 * max(32, bs), 8, 1, 3, 128 // bs]
-        monkeypatch.setitem(kernels["sm90"]["tma16"], "columns", {str(bs): {"large": deep}})
-    listed = cuda_planner.tile_for("tma16", "fprop", bs, 4096, "sm90", columns=True) is not None
-    hopper = use_wgmma(xp, monkeypatch, wgmma != "off") and listed
-    monkeypatch.setitem(kernels, "group_min_blocks_per_step", 0)
-    monkeypatch.setitem(kernels, "wgmma_group_min_blocks_per_step", {})
-    monkeypatch.setitem(kernels, "min_part_blocks", 2)
-    monkeypatch.setitem(kernels["default"]["tensor16"], "columns", {str(bs): {"any": tile}})
-    cuda_plans.forget_plans()
+        base = (base.without_table("sm90", "tma16", "columns")
+                .with_tile("sm90", "tma16", "columns", bs, "large", deep))
+    listed = base.group_tile("tma16", "fprop", bs, 4096, "sm90") is not None
+    policy, hopper = wgmma_policy(xp, base, wgmma != "off")
+    hopper = hopper and listed
+    policy = (policy.replace(group_min_blocks_per_step=0, wgmma_group_min_blocks_per_step={}, min_part_blocks=2)
+              .without_table("default", "tensor16", "columns")
+              .with_tile("default", "tensor16", "columns", bs, "any", tile))
     rng = np.random.default_rng([bs, len(dtype)])
     layout = random_layout(rng, 11, tile[6] * 2 + 3, 0.3)  # the last group is partial
     layout[:, 1] = 0
     layout[:, 2] = 1
     layout[3, :] = 1
-    for axis in (1, 0):
-        for n in (1, 7, 70, 300):
-            case = make_case(rng, layout, bs, n, dtype, axis)
-            for pass_name in ("fprop", "bprop"):
-                check_pass_repeat_accumulate(xp, rng, case, pass_name, device_inputs(xp, case, pass_name))
-    plans = cuda_plans.plans_of(case.op.index)
+    with planning(policy):
+        for axis in (1, 0):
+            for n in (1, 7, 70, 300):
+                case = make_case(rng, layout, bs, n, dtype, axis)
+                for pass_name in ("fprop", "bprop"):
+                    check_pass_repeat_accumulate(xp, rng, case, pass_name, device_inputs(xp, case, pass_name))
+    plans = plans_under(policy, case.op.index)
     aligned_plans = [p for p in plans.values() if p.variant.aligned]
     assert aligned_plans and all(p.variant.cols == tile[6] for p in aligned_plans), \
         "an aligned plan did not use column groups"
@@ -556,19 +554,14 @@ def test_column_groups(xp, bs, tile, dtype, wgmma, monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("bs, dtype", [(16, "float16"), (32, "bfloat16"), (64, "float16"), (128, "bfloat16"),
                                        (32, "float32")])
-def test_banded_order_matches_launch_order(xp, bs, dtype, monkeypatch):
+def test_banded_order_matches_launch_order(xp, bs, dtype):
     """GPU: fprop/bprop visiting their tiles in bands of row tiles (forced; 3 rows a band over
     8 row tiles leaves a short last band), with columns cut into parts: the reference, and
     bitwise the result of launch order."""
     if xp is np:
         pytest.skip("the visiting order is a GPU launch detail")
-    from bsmm.backends.cuda import plans as cuda_plans
-
-    kernels = bsmm.config.settings()["kernels"]
-    monkeypatch.setitem(kernels, "min_part_blocks", 2)
-    monkeypatch.setitem(kernels, "band_block_sizes", [bs])
-    monkeypatch.setitem(kernels, "band_min_weight_bytes", 0)
-    monkeypatch.setitem(kernels, "tma_min_macs", 0)  # blocks 64/128 in bands through TMA as well
+    base = current_policy().replace(min_part_blocks=2, band_block_sizes=[bs], band_min_weight_bytes=0,
+                                    tma_min_macs=0)  # blocks 64/128 in bands through TMA as well
     rng = np.random.default_rng([bs, len(dtype), 3])
     layout = random_layout(rng, 7, 5, 0.6)
     layout[:, 1] = 1
@@ -577,16 +570,25 @@ def test_banded_order_matches_launch_order(xp, bs, dtype, monkeypatch):
         args = device_inputs(xp, case, pass_name)
         results = []
         for band_rows in (3, 1):
-            monkeypatch.setitem(kernels, "band_rows", band_rows)
-            cuda_plans.forget_plans()
+            policy = base.replace(band_rows=band_rows)
             case.op._gpu_calls.clear()  # the repeat-call path would keep the first plan
             out = poisoned(xp, reference(case, pass_name).shape, case.x.dtype)
-            call(case.op, pass_name, args, out=out)
-            plan = next(p for key, p in cuda_plans.plans_of(case.op.index).items() if key[0] == pass_name)
-            assert plan.band_rows == band_rows and plan.launcher.grid[1] == -(-1000 // plan.variant.tile[0])
+            with planning(policy):
+                call(case.op, pass_name, args, out=out)
+            plan = next(p for key, p in plans_under(policy, case.op.index).items() if key[0] == pass_name)
+            assert plan.band_rows == band_rows and plan.launcher.grid[1] == -(-1000 // plan.variant.tile.bm)
             results.append(to_numpy(out))
         assert_close(results[0], reference(case, pass_name), dtype, f"{pass_name} in bands")
         assert results[0].tobytes() == results[1].tobytes(), f"{pass_name}: bands changed the result"
+
+
+def plans_under(policy: Policy, index) -> dict:
+    """The plans cached for ``index`` that were made under ``policy`` (a plan-cache key's last
+    element): a layout's index, and with it its plans, is shared by every operator of that
+    layout, other tests' included."""
+    from bsmm.backends.cuda import plans as cuda_plans
+
+    return {key: plan for key, plan in cuda_plans.plans_of(index).items() if key[10] is policy}
 
 
 def check_pass_repeat_accumulate(xp, rng, case: Case, pass_name: str, args: tuple) -> None:
@@ -620,17 +622,14 @@ def check_updat_repeat_accumulate(xp, rng, case: Case, args: tuple) -> None:
     assert_close(to_numpy(summed), as_float64(start) + reference(case, "updat"), dtype, f"updat += N={n}")
 
 
-def use_wgmma(xp, monkeypatch, wgmma: bool) -> bool:
-    """Lets the sm_90a wgmma/TMA kernels take even short passes (``wgmma``), or turns them off;
-    returns whether they can run on this GPU."""
+def wgmma_policy(xp, base: Policy, wgmma: bool) -> tuple[Policy, bool]:
+    """``base`` letting the sm_90a wgmma/TMA kernels take even short passes (``wgmma``), or with
+    them turned off; and whether they can run on this GPU."""
     if wgmma:
-        monkeypatch.delenv("BSMM_WGMMA", raising=False)
-        monkeypatch.delenv("BSMM_TMA", raising=False)
-        monkeypatch.setitem(bsmm.config.settings()["kernels"], "tma_min_macs", 0)
-        monkeypatch.setitem(bsmm.config.settings()["kernels"], "wgmma_columns_min_rows", 0)
+        policy = base.replace(wgmma=True, tma=True, tma_min_macs=0, wgmma_columns_min_rows=0)
     else:
-        monkeypatch.setenv("BSMM_WGMMA", "0")
-    return wgmma and xp.cuda.Device().compute_capability == "90"
+        policy = base.replace(wgmma=False)
+    return policy, wgmma and xp.cuda.Device().compute_capability == "90"
 
 
 @pytest.mark.gpu
@@ -639,7 +638,7 @@ def use_wgmma(xp, monkeypatch, wgmma: bool) -> bool:
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("batch_parts", [False, True])
 @pytest.mark.parametrize("feature_axis", [1, 0])
-def test_updat_row_groups(xp, bs, cols, dtype, batch_parts, feature_axis, wgmma, monkeypatch):
+def test_updat_row_groups(xp, bs, cols, dtype, batch_parts, feature_axis, wgmma):
     """GPU: updat tiles of several blocks of one block row sharing their x tile, forced for
     every layout: partial last groups, empty and full block rows, N off the tile depth, batches
     cut into parts (ordered reduction); NaN-poisoned output, bitwise repeat, accumulate. On
@@ -647,27 +646,25 @@ def test_updat_row_groups(xp, bs, cols, dtype, batch_parts, feature_axis, wgmma,
     boxes of x and dy as they are), whose absent group members are never copied."""
     if xp is np:
         pytest.skip("the CPU backend has no row groups")
-    from bsmm.backends.cuda import plans as cuda_plans
-
-    hopper = use_wgmma(xp, monkeypatch, wgmma)
+    policy, hopper = wgmma_policy(xp, current_policy(), wgmma)
     if bs == 64 and not hopper:
         pytest.skip("block 64 has row groups on Hopper's wgmma only")
-    kernels = bsmm.config.settings()["kernels"]
-    monkeypatch.setitem(kernels, "group_min_blocks_per_step", 0)
-    monkeypatch.setitem(kernels, "updat_transpose", [])  # test_updat_through_transposed_copies
-    # Few groups and a long batch: the batch is cut so that every SM has work (0 waves: never).
-    monkeypatch.setitem(kernels, "waves", 64 if batch_parts else 0)
-    monkeypatch.setitem(kernels, "updat_cut_gain", 0)
-    cuda_plans.forget_plans()
+    policy = policy.replace(
+        group_min_blocks_per_step=0,
+        updat_transpose=[],  # test_updat_through_transposed_copies
+        # Few groups and a long batch: the batch is cut so that every SM has work (0 waves: never).
+        waves=64 if batch_parts else 0,
+        updat_cut_gain=0)
     rng = np.random.default_rng([bs, cols, len(dtype), batch_parts, feature_axis])
     layout = random_layout(rng, 6, 2 * cols + 3, 0.5)
     layout[1, :] = 0
     layout[2, :] = 1
-    # Feature axis 0 takes aligned copies only where a batch row is whole 16-byte chunks.
-    for n in (65, 130, 1000) if feature_axis == 1 else (72, 136, 1000):
-        case = make_case(rng, layout, bs, n, dtype, feature_axis)
-        check_updat_repeat_accumulate(xp, rng, case, device_inputs(xp, case, "updat"))
-    plans = [p for key, p in cuda_plans.plans_of(case.op.index).items() if key[0] == "updat"]
+    with planning(policy):
+        # Feature axis 0 takes aligned copies only where a batch row is whole 16-byte chunks.
+        for n in (65, 130, 1000) if feature_axis == 1 else (72, 136, 1000):
+            case = make_case(rng, layout, bs, n, dtype, feature_axis)
+            check_updat_repeat_accumulate(xp, rng, case, device_inputs(xp, case, "updat"))
+    plans = [p for key, p in plans_under(policy, case.op.index).items() if key[0] == "updat"]
     assert plans and all(p.variant.cols == cols for p in plans), "updat did not run on row groups"
     assert any(p.workspace_floats > 0 for p in plans) == batch_parts
     on_wgmma = hopper
@@ -679,21 +676,19 @@ def test_updat_row_groups(xp, bs, cols, dtype, batch_parts, feature_axis, wgmma,
 @pytest.mark.parametrize("wgmma", [True, False], ids=["wgmma", "mma_sync"])
 @pytest.mark.parametrize("bs", [16, 32])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-def test_updat_through_transposed_copies(xp, bs, dtype, wgmma, monkeypatch):
+def test_updat_through_transposed_copies(xp, bs, dtype, wgmma):
     """GPU: updat on feature axis 1 through transposed copies of x and dy (forced here for
     blocks 16 and 32): the copies equal x and dy transposed with zero-padded batch columns
     (N off 8 included), the result the reference; NaN-poisoned output, bitwise repeat,
     accumulate, inputs unchanged; refused past the workspace limit. On Hopper the copies
-    feed transposed wgmma row groups, or (BSMM_WGMMA=0) mma.sync."""
+    feed transposed wgmma row groups, or (wgmma off) mma.sync."""
     if xp is np:
         pytest.skip("transposed copies are a GPU path")
+    from bsmm.backends.cuda import copy_plans, selection
     from bsmm.backends.cuda import plans as cuda_plans
 
-    hopper = use_wgmma(xp, monkeypatch, wgmma)
-    kernels = bsmm.config.settings()["kernels"]
-    monkeypatch.setitem(kernels, "updat_transpose", [bs])
-    monkeypatch.setitem(kernels, "updat_transpose_min_rows", 65)
-    cuda_plans.forget_plans()
+    policy, hopper = wgmma_policy(xp, current_policy(), wgmma)
+    policy = policy.replace(updat_transpose=[bs], updat_transpose_min_rows=65)
     rng = np.random.default_rng([bs, len(dtype), 7])
     layout = random_layout(rng, 5, 19, 0.4)
     layout[1, :] = 0
@@ -703,10 +698,11 @@ def test_updat_through_transposed_copies(xp, bs, dtype, wgmma, monkeypatch):
         case = make_case(rng, layout, bs, n, dtype, 1)
         args = device_inputs(xp, case, "updat")
         before = [to_numpy(a).copy() for a in args]
-        check_updat_repeat_accumulate(xp, rng, case, args)
+        with planning(policy):
+            check_updat_repeat_accumulate(xp, rng, case, args)
         assert all(to_numpy(a).tobytes() == b.tobytes() for a, b in zip(args, before)), "input modified"
-        plan = next(p for key, p in cuda_plans.plans_of(case.op.index).items() if key[0] == "updat" and key[1] == n)
-        assert isinstance(plan, cuda_plans.TransposedUpdat), "updat did not take the transposed copies"
+        plan = next(p for key, p in plans_under(policy, case.op.index).items() if key[0] == "updat" and key[1] == n)
+        assert isinstance(plan, copy_plans.TransposedUpdat), "updat did not take the transposed copies"
         assert plan.variant.tma == hopper and plan.variant.cols > 1, f"{plan.variant} under the copies"
         ((_, x_t), (_, dy_t)), = plan.workspaces.values()  # (pointer, CuPy memory) of each copy
         for memory, source in ((x_t, args[0]), (dy_t, args[1])):
@@ -714,16 +710,16 @@ def test_updat_through_transposed_copies(xp, bs, dtype, wgmma, monkeypatch):
             copy = xp.ndarray(padded.shape, padded.dtype, memptr=memory)
             padded[:, :n] = to_numpy(source).T
             assert to_numpy(copy).tobytes() == padded.tobytes(), f"transposed copy N={n}"
-    monkeypatch.setitem(kernels, "updat_transpose_max_bytes", 0)
-    assert not bsmm.backends.cuda.planner.transposes_updat(case.op.index, 1001, dtype, 1, True,
-                                             cuda_plans.device_traits(xp.cuda.Device()))
+    assert not selection.transposes_updat(case.op.index, 1001, dtype, 1, True,
+                                          cuda_plans.device_traits(xp.cuda.Device()),
+                                          policy.replace(updat_transpose_max_bytes=0))
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("groups", [True, False], ids=["column_groups", "one_block"])
 @pytest.mark.parametrize("bs", [16, 32])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-def test_passes_through_transposed_activations(xp, bs, dtype, groups, monkeypatch):
+def test_passes_through_transposed_activations(xp, bs, dtype, groups):
     """GPU: fprop and bprop on feature axis 1 through a transposed copy of x (dy), forced here
     for blocks 16 and 32 and any batch: the copy equals the activations transposed with
     zero-padded batch columns (N off 8 included), the output (written on axis 1) the reference;
@@ -731,13 +727,10 @@ def test_passes_through_transposed_activations(xp, bs, dtype, groups, monkeypatc
     bitwise repeat, accumulate, inputs unchanged; refused past the workspace limit."""
     if xp is np:
         pytest.skip("transposed copies are a GPU path")
-    from bsmm.backends.cuda import plans as cuda_plans
+    from bsmm.backends.cuda import copy_plans, selection
 
-    cuda_plans.forget_plans()
-    overrides = {"act_transpose": [bs], "act_transpose_min_rows": 1, "min_part_blocks": 2,
-                "act_transpose_group_min_blocks_per_step": 0 if groups else 1e9}
-    for key, value in overrides.items():
-        monkeypatch.setitem(bsmm.config.settings()["kernels"], key, value)
+    policy = current_policy().replace(act_transpose=[bs], act_transpose_min_rows=1, min_part_blocks=2,
+                                      act_transpose_group_min_blocks_per_step=0 if groups else 1e9)
     rng = np.random.default_rng([bs, len(dtype), 11])
     layout = random_layout(rng, 13, 21, 0.35)
     layout[1, :] = 0
@@ -749,11 +742,12 @@ def test_passes_through_transposed_activations(xp, bs, dtype, groups, monkeypatc
         for pass_name in ("fprop", "bprop"):
             args = device_inputs(xp, case, pass_name)
             before = [to_numpy(a).copy() for a in args]
-            check_pass_repeat_accumulate(xp, rng, case, pass_name, args)
+            with planning(policy):
+                check_pass_repeat_accumulate(xp, rng, case, pass_name, args)
             assert all(to_numpy(a).tobytes() == b.tobytes() for a, b in zip(args, before)), "input modified"
-            plan = next(p for key, p in cuda_plans.plans_of(case.op.index).items()
+            plan = next(p for key, p in plans_under(policy, case.op.index).items()
                         if key[0] == pass_name and key[1] == n)
-            assert isinstance(plan, cuda_plans.TransposedActivations), f"{pass_name} did not take the copy"
+            assert isinstance(plan, copy_plans.TransposedActivations), f"{pass_name} did not take the copy"
             # (bsmm.toml lists column-group tiles for large batches only)
             assert plan.variant.act_transposed and (plan.variant.cols > 1) == (groups and n > 64), f"{plan.variant}"
             (_, memory), = plan.workspaces.values()  # (pointer, CuPy memory) of the copy
@@ -761,12 +755,12 @@ def test_passes_through_transposed_activations(xp, bs, dtype, groups, monkeypatc
             copy = xp.ndarray(padded.shape, padded.dtype, memptr=memory)
             padded[:, :n] = to_numpy(args[0]).T
             assert to_numpy(copy).tobytes() == padded.tobytes(), f"transposed copy N={n}"
-    parted = [p.plan for p in cuda_plans.plans_of(case.op.index).values()
-              if isinstance(p, cuda_plans.TransposedActivations)]
+    parted = [p.plan for p in plans_under(policy, case.op.index).values()
+              if isinstance(p, copy_plans.TransposedActivations)]
     assert any(p.workspace_floats > 0 for p in parted), "no column was cut into parts"
-    assert bsmm.backends.cuda.planner.transposes_activations(case.op.index, "bprop", 1001, dtype, 1, True)
-    monkeypatch.setitem(bsmm.config.settings()["kernels"], "act_transpose_max_bytes", 0)
-    assert not bsmm.backends.cuda.planner.transposes_activations(case.op.index, "bprop", 1001, dtype, 1, True)
+    assert selection.transposes_activations(case.op.index, "bprop", 1001, dtype, 1, True, policy)
+    assert not selection.transposes_activations(case.op.index, "bprop", 1001, dtype, 1, True,
+                                                policy.replace(act_transpose_max_bytes=0))
 
 
 @pytest.mark.gpu
@@ -774,42 +768,39 @@ def test_passes_through_transposed_activations(xp, bs, dtype, groups, monkeypatc
 @pytest.mark.parametrize("min_part_blocks", [None, 1], ids=["default", "shortest"])
 @pytest.mark.parametrize("bs", [64, 128])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-def test_wgmma_passes(xp, dtype, bs, min_part_blocks, tma, monkeypatch):
+def test_wgmma_passes(xp, dtype, bs, min_part_blocks, tma):
     """GPU, Hopper: the three passes on warpgroup MMA (sm_90a) for N past one tile, N not a
     multiple of the tile, empty and dense block columns/rows, columns (batches) cut into parts;
     NaN-poisoned outputs, reference, bitwise repeat, accumulate. Checks that wgmma ran, and
-    that the passes took the TMA kernel (bsmm_matmul_tma) or, with BSMM_TMA=0, did not."""
+    that the passes took the TMA kernel (bsmm_matmul_tma) or, with the policy's TMA off, did not."""
     if xp is np:
         pytest.skip("wgmma is a GPU kernel")
-    from bsmm.backends.cuda import plans as cuda_plans
-
     if xp.cuda.Device().compute_capability != "90":
         pytest.skip("wgmma kernels run on compute capability 9.0 only")
-    monkeypatch.delenv("BSMM_WGMMA", raising=False)
-    monkeypatch.setenv("BSMM_TMA", "1" if tma else "0")
-    monkeypatch.setitem(bsmm.config.settings()["kernels"], "tma_min_macs", 0)  # these passes are short
+    policy = current_policy().replace(wgmma=True, tma=tma, tma_min_macs=0)  # these passes are short
     if min_part_blocks is not None:
-        monkeypatch.setitem(bsmm.config.settings()["kernels"], "min_part_blocks", min_part_blocks)
-    cuda_plans.forget_plans()
+        policy = policy.replace(min_part_blocks=min_part_blocks)
     rng = np.random.default_rng([bs, len(dtype), min_part_blocks or 0])
     layout = random_layout(rng, 9, 7, 0.4)
     layout[:, 1] = 0
     layout[:, 2] = 1
     layout[4, :] = 0
-    for n in (65, 129, 1000):
-        case = make_case(rng, layout, bs, n, dtype, 1)
-        for pass_name in PASSES:
-            args = device_inputs(xp, case, pass_name)
-            out = poisoned(xp, reference(case, pass_name).shape, case.x.dtype)
-            call(case.op, pass_name, args, out=out)
-            assert_close(to_numpy(out), reference(case, pass_name), dtype, f"{pass_name} N={n}")
-            again = to_numpy(call(case.op, pass_name, args))
-            assert again.tobytes() == to_numpy(out).tobytes(), f"{pass_name} N={n} not bitwise repeatable"
-            start = random_data(rng, again.shape, dtype)
-            summed = to_xp(xp, start)
-            call(case.op, pass_name, args, out=summed, accumulate=True)
-            assert_close(to_numpy(summed), as_float64(start) + reference(case, pass_name), dtype, f"{pass_name} +=")
-    plans = cuda_plans.plans_of(case.op.index)
+    with planning(policy):
+        for n in (65, 129, 1000):
+            case = make_case(rng, layout, bs, n, dtype, 1)
+            for pass_name in PASSES:
+                args = device_inputs(xp, case, pass_name)
+                out = poisoned(xp, reference(case, pass_name).shape, case.x.dtype)
+                call(case.op, pass_name, args, out=out)
+                assert_close(to_numpy(out), reference(case, pass_name), dtype, f"{pass_name} N={n}")
+                again = to_numpy(call(case.op, pass_name, args))
+                assert again.tobytes() == to_numpy(out).tobytes(), f"{pass_name} N={n} not bitwise repeatable"
+                start = random_data(rng, again.shape, dtype)
+                summed = to_xp(xp, start)
+                call(case.op, pass_name, args, out=summed, accumulate=True)
+                assert_close(to_numpy(summed), as_float64(start) + reference(case, pass_name), dtype,
+                             f"{pass_name} +=")
+    plans = plans_under(policy, case.op.index)
     used = {key[0] for key, p in plans.items() if p.variant.math == "wgmma16"}
     assert used == set(PASSES), f"wgmma ran for {used or 'no pass'}"
     with_tma = {key[0] for key, p in plans.items() if p.variant.tma}
@@ -818,18 +809,14 @@ def test_wgmma_passes(xp, dtype, bs, min_part_blocks, tma, monkeypatch):
         assert any(p.workspace_floats > 0 for p in plans.values()), "no column was cut into parts"
 
 
-def tma_for_any_layout(xp, monkeypatch) -> dict:
-    """Skips unless on Hopper; lets every layout take the small-batch TMA kernel and cuts block
-    columns into parts of 2 blocks; returns the patched ``[kernels]`` settings."""
+def tma_for_any_layout(xp, base: Policy) -> Policy:
+    """Skips unless on Hopper; ``base`` letting every layout take the small-batch TMA kernel and
+    cutting block columns into parts of 2 blocks."""
     if xp is np:
         pytest.skip("TMA is a GPU kernel")
     if xp.cuda.Device().compute_capability != "90":
         pytest.skip("TMA kernels run on compute capability 9.0 only")
-    kernels = bsmm.config.settings()["kernels"]
-    monkeypatch.setitem(kernels, "min_part_blocks", 2)
-    monkeypatch.setitem(kernels, "tma_mma_min_column_blocks", 0)
-    monkeypatch.setitem(kernels, "tma_mma_max_column_blocks", 1 << 30)
-    return kernels
+    return base.replace(min_part_blocks=2, tma_mma_min_column_blocks=0, tma_mma_max_column_blocks=1 << 30)
 
 
 @pytest.mark.gpu
@@ -842,12 +829,12 @@ def test_tma_matches_cp_async_bitwise(xp, dtype, bs, n, monkeypatch):
     for small batches; columns (batches) cut into parts."""
     from bsmm.backends.cuda import plans as cuda_plans
 
-    kernels = tma_for_any_layout(xp, monkeypatch)
-    monkeypatch.delenv("BSMM_WGMMA", raising=False)
-    monkeypatch.setitem(kernels, "tma_mma_min_part_blocks", 0)  # the same parts as cp.async
-    monkeypatch.setitem(kernels, "tma_min_macs", 0)
-    # wgmma groups (TMA only) visit other steps and parts: not the tile compared here.
-    monkeypatch.setitem(kernels, "wgmma_group_min_blocks_per_step", {str(bs): float("inf")})
+    base = tma_for_any_layout(xp, current_policy()).replace(
+        wgmma=True,
+        tma_mma_min_part_blocks=0,  # the same parts as cp.async
+        tma_min_macs=0,
+        # wgmma groups (TMA only) visit other steps and parts: not the tile compared here.
+        wgmma_group_min_blocks_per_step={bs: float("inf")})
     # updat's cut of the batch depends on the kernel's occupancy, which differs between the two.
     monkeypatch.setattr(cuda_plans, "occupancy", lambda kernel, variant: 2)
     rng = np.random.default_rng([bs, len(dtype), 7])
@@ -860,12 +847,12 @@ def test_tma_matches_cp_async_bitwise(xp, dtype, bs, n, monkeypatch):
         args = device_inputs(xp, case, pass_name)
         results = {}
         for tma in ("1", "0"):
-            monkeypatch.setenv("BSMM_TMA", tma)
-            cuda_plans.forget_plans()
+            policy = base.replace(tma=tma == "1")
             case.op._gpu_calls.clear()  # the repeat-call path would keep the first plan
             out = poisoned(xp, reference(case, pass_name).shape, case.x.dtype)
-            call(case.op, pass_name, args, out=out)
-            plan = next(p for key, p in cuda_plans.plans_of(case.op.index).items() if key[0] == pass_name)
+            with planning(policy):
+                call(case.op, pass_name, args, out=out)
+            plan = next(p for key, p in plans_under(policy, case.op.index).items() if key[0] == pass_name)
             assert plan.variant.tma == (tma == "1") and plan.variant.math == ("wgmma16" if bs > 32 else "tensor16")
             assert pass_name != "updat" or plan.workspace_floats > 0, "updat's batch was not cut into parts"
             results[tma] = to_numpy(out)
@@ -875,14 +862,11 @@ def test_tma_matches_cp_async_bitwise(xp, dtype, bs, n, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("pass_name", ["fprop", "bprop"])
-def test_small_batch_tma_walks_whole_columns(xp, pass_name, monkeypatch):
+def test_small_batch_tma_walks_whole_columns(xp, pass_name):
     """GPU, Hopper: small-batch fprop/bprop through TMA cut no block column (row) of up to
     tma_mma_min_part_blocks blocks into parts, and cut longer ones; exact either way. The
     layout has more block columns (rows) than the H100 has SMs: fewer are cut to fill it."""
-    from bsmm.backends.cuda import plans as cuda_plans
-
-    kernels = tma_for_any_layout(xp, monkeypatch)
-    monkeypatch.delenv("BSMM_TMA", raising=False)
+    base = tma_for_any_layout(xp, current_policy()).replace(tma=True)
     rng = np.random.default_rng([len(pass_name), 32])
     layout = random_layout(rng, 140, 140, 0.02)  # about 3 blocks a column (row), rarely over 10
     layout[:, 4] = 0
@@ -893,13 +877,13 @@ def test_small_batch_tma_walks_whole_columns(xp, pass_name, monkeypatch):
     case = make_case(rng, layout, 32, 32, "float16", 1)
     args = device_inputs(xp, case, pass_name)
     for least, cut in ((16, False), (8, True)):
-        monkeypatch.setitem(kernels, "tma_mma_min_part_blocks", least)
-        cuda_plans.forget_plans()
+        policy = base.replace(tma_mma_min_part_blocks=least)
         case.op._gpu_calls.clear()
         out = poisoned(xp, reference(case, pass_name).shape, case.x.dtype)
-        call(case.op, pass_name, args, out=out)
+        with planning(policy):
+            call(case.op, pass_name, args, out=out)
         assert_close(to_numpy(out), reference(case, pass_name), "float16", f"{pass_name} parts of {least}")
-        plan = next(p for key, p in cuda_plans.plans_of(case.op.index).items() if key[0] == pass_name)
+        plan = next(p for key, p in plans_under(policy, case.op.index).items() if key[0] == pass_name)
         assert plan.variant.tma and plan.variant.math == "tensor16", plan.variant
         assert (plan.workspace_floats > 0) == cut, f"parts of at least {least}: cut={plan.workspace_floats > 0}"
 

@@ -7,9 +7,12 @@ import pytest
 
 import bsmm
 
-from bsmm.backends.cuda import planner
-from bsmm.backends.cuda import step_tables
+from bsmm.backends.cuda import planner, selection, step_tables
 from bsmm.backends.cuda.planner import device_model
+from bsmm.backends.cuda.policy import GroupTile, Policy, Tile
+
+#: bsmm.toml's policy, whatever the environment says (each test states what it changes).
+POLICY = Policy.from_settings(environ={})
 
 
 def brute_force_group_steps(layout, by_column: bool, cols: int):
@@ -45,10 +48,10 @@ def test_group_steps_are_the_union_of_rows_in_order(cb, kb, cols, density, by_co
 def test_column_groups_only_where_steps_feed_several_blocks(density, expected_cols):
     layout = (np.random.default_rng(3).random((64, 64)) < density).astype(np.uint8)
     index = bsmm.block_index(layout, 32)
-    groups = planner._column_groups(index, "fprop", "tensor16", 4096, True, "sm90")
-    assert (groups[1] if groups else 1) == expected_cols
-    assert planner._column_groups(index, "fprop", "tensor16", 4096, False, "sm90") is None  # unaligned
-    assert planner._column_groups(index, "fprop", "tensor16", 32, True, "sm90") is None  # no n32 tile
+    groups = selection.column_groups(index, "fprop", "tensor16", 4096, True, "sm90", POLICY)
+    assert (groups.size if groups else 1) == expected_cols
+    assert selection.column_groups(index, "fprop", "tensor16", 4096, False, "sm90", POLICY) is None  # unaligned
+    assert selection.column_groups(index, "fprop", "tensor16", 32, True, "sm90", POLICY) is None  # no n32 tile
 
 
 @pytest.mark.parametrize("cb, kb, cols, density", [(7, 10, 4, 0.3), (12, 19, 8, 0.5), (5, 5, 4, 0.0), (3, 16, 4, 1.0)])
@@ -90,39 +93,44 @@ def test_row_groups_in_column_windows(window):
 def test_row_groups_only_for_long_batches_and_full_groups():
     layout = (np.random.default_rng(4).random((64, 64)) < 0.25).astype(np.uint8)
     index = bsmm.block_index(layout, 32)
-    tile, cols, table, counts = planner._column_groups(index, "updat", "tensor16", 4096, True, "sm90")
-    assert (cols, tile[1], counts) == (4, 4 * 32, None) and table.shape[1] == 1 + 2 * cols
-    assert planner._column_groups(index, "updat", "tensor16", 64, True, "sm90") is None  # one step
-    assert planner._column_groups(index, "updat", "tensor16", 4096, False, "sm90") is None
-    assert planner._column_groups(index, "updat", "simt", 4096, True, "sm90") is None  # float32
+
+    def groups(n, aligned=True, mode="tensor16", where=index):
+        return selection.column_groups(where, "updat", mode, n, aligned, "sm90", POLICY)
+
+    found = groups(4096)
+    assert (found.size, found.tile.bn, found.counts) == (4, 4 * 32, None) and found.table.shape[1] == 1 + 2 * 4
+    assert groups(64) is None  # one step
+    assert groups(4096, aligned=False) is None
+    assert groups(4096, mode="simt") is None  # float32
     diagonal = bsmm.block_index(np.eye(64, dtype=np.uint8), 32)  # one block a row: nothing shared
-    assert planner._column_groups(diagonal, "updat", "tensor16", 4096, True, "sm90") is None
+    assert groups(4096, where=diagonal) is None
 
 
-def test_updat_transposes_only_listed_half_precision_axis_1_long_batches(monkeypatch):
-    kernels = bsmm.config.settings()["kernels"]
-    monkeypatch.setitem(kernels, "updat_transpose", [16])
-    monkeypatch.setitem(kernels, "updat_transpose_max_bytes", 2 * (512 + 256) * 4096)
-    monkeypatch.setitem(kernels, "updat_transpose_min_rows", 128)
+def test_updat_transposes_only_listed_half_precision_axis_1_long_batches():
+    policy = POLICY.replace(updat_transpose=[16], updat_transpose_max_bytes=2 * (512 + 256) * 4096,
+                            updat_transpose_min_rows=128)
     index = bsmm.block_index(np.ones((32, 16), dtype=np.uint8), 16)  # C = 512, K = 256
-    assert planner.transposes_updat(index, 4096, "float16", 1, True, device_model())
-    assert planner.transposes_updat(index, 4090, "bfloat16", 1, True, device_model())  # N padded to 4096
-    assert not planner.transposes_updat(index, 4097, "float16", 1, True, device_model())  # past the workspace limit
-    assert not planner.transposes_updat(index, 127, "float16", 1, True, device_model())  # a short batch
-    assert not planner.transposes_updat(index, 4096, "float16", 0, True, device_model())  # already transposed
-    assert not planner.transposes_updat(index, 4096, "float16", 1, False, device_model())  # unaligned operands
-    assert not planner.transposes_updat(index, 4096, "float32", 1, True, device_model())
-    assert not planner.transposes_updat(bsmm.block_index(np.ones((16, 8), dtype=np.uint8), 32), 4096, "float16",
-                                        1, True, device_model())  # block 32 is not listed
+
+    def wanted(n, dtype="float16", axis=1, aligned=True, where=index):
+        return selection.transposes_updat(where, n, dtype, axis, aligned, device_model(), policy)
+
+    assert wanted(4096) and wanted(4090, "bfloat16")  # N padded to 4096
+    assert not wanted(4097)  # past the workspace limit
+    assert not wanted(127)  # a short batch
+    assert not wanted(4096, axis=0)  # already transposed
+    assert not wanted(4096, aligned=False)  # unaligned operands
+    assert not wanted(4096, "float32")
+    assert not wanted(4096, where=bsmm.block_index(np.ones((16, 8), dtype=np.uint8), 32))  # block 32 is not listed
 
 
-def test_fprop_bprop_transpose_activations_only_listed_half_precision_axis_1_long_batches(monkeypatch):
-    kernels = bsmm.config.settings()["kernels"]
-    monkeypatch.setitem(kernels, "act_transpose", [16])
-    monkeypatch.setitem(kernels, "act_transpose_max_bytes", 2 * 256 * 4096)  # K x N, not C x N
-    monkeypatch.setitem(kernels, "act_transpose_min_rows", 128)
-    wanted = planner.transposes_activations
+def test_fprop_bprop_transpose_activations_only_listed_half_precision_axis_1_long_batches():
+    policy = POLICY.replace(act_transpose=[16], act_transpose_max_bytes=2 * 256 * 4096,  # K x N, not C x N
+                            act_transpose_min_rows=128)
     index = bsmm.block_index(np.ones((32, 16), dtype=np.uint8), 16)  # C = 512, K = 256
+
+    def wanted(where, pass_name, n, dtype, axis, aligned):
+        return selection.transposes_activations(where, pass_name, n, dtype, axis, aligned, policy)
+
     assert wanted(index, "bprop", 4096, "float16", 1, True)  # dy: K x N
     assert wanted(index, "bprop", 4090, "bfloat16", 1, True)  # N padded to 4096
     assert not wanted(index, "fprop", 4096, "float16", 1, True)  # x (C x N) is past the limit
@@ -134,9 +142,10 @@ def test_fprop_bprop_transpose_activations_only_listed_half_precision_axis_1_lon
     assert not wanted(bsmm.block_index(np.ones((16, 8), dtype=np.uint8), 32), "bprop", 4096, "float16", 1, True)
 
 
-def test_updat_batch_parts_fill_idle_waves_only_where_that_pays(monkeypatch):
-    monkeypatch.setitem(bsmm.config.settings()["kernels"], "updat_cut_gain", 0.25)
-    parts = planner._batch_parts
+def test_updat_batch_parts_fill_idle_waves_only_where_that_pays():
+    def parts(ctas, resident, most):
+        return selection.batch_parts(ctas, resident, most, cut_gain=0.25)
+
     assert parts(410, 132, 3) == 1  # 3.1 waves: cutting saves under a quarter
     assert parts(819, 132, 2) == 1
     assert parts(288, 264, 8) == 5  # 1.09 waves: 2 -> 1.2 waves of full length
@@ -145,93 +154,90 @@ def test_updat_batch_parts_fill_idle_waves_only_where_that_pays(monkeypatch):
     assert 120 <= parts(1, 132, 200) <= 132
 
 
-def test_fprop_bprop_bands_only_for_large_blocks_whose_weights_outgrow_the_l2(monkeypatch):
-    kernels = bsmm.config.settings()["kernels"]
-    monkeypatch.setitem(kernels, "band_rows", 8)
-    monkeypatch.setitem(kernels, "band_block_sizes", [64, 128])
-    monkeypatch.setitem(kernels, "band_min_weight_bytes", 2**20)
+def test_fprop_bprop_bands_only_for_large_blocks_whose_weights_outgrow_the_l2():
+    policy = POLICY.replace(band_rows=8, band_block_sizes=[64, 128], band_min_weight_bytes=2**20)
+
+    def bands(where, pass_name, dtype="float16"):
+        return selection.band_rows(where, pass_name, dtype, policy)
+
     full = bsmm.block_index(np.ones((16, 16), dtype=np.uint8), 64)  # 2 MiB of float16 weights
-    assert planner._band_rows(full, "fprop", "float16") == 8
-    assert planner._band_rows(full, "bprop", "bfloat16") == 8
-    assert planner._band_rows(full, "updat", "float16") == 1
+    assert bands(full, "fprop") == 8 and bands(full, "bprop", "bfloat16") == 8
+    assert bands(full, "updat") == 1
     sparse = bsmm.block_index(np.eye(16, dtype=np.uint8), 64)  # 128 KiB: stays in L2
-    assert planner._band_rows(sparse, "fprop", "float16") == 1
+    assert bands(sparse, "fprop") == 1
     small_blocks = bsmm.block_index(np.ones((64, 64), dtype=np.uint8), 16)  # 2 MiB, block 16
-    assert planner._band_rows(small_blocks, "fprop", "float16") == 1
+    assert bands(small_blocks, "fprop") == 1
 
 
-def test_tma_only_for_plain_passes_long_enough_and_listed(monkeypatch):
-    kernels = bsmm.config.settings()["kernels"]
-    monkeypatch.setitem(kernels, "tma_min_macs", 10**9)
-    monkeypatch.delenv("BSMM_TMA", raising=False)
+def _listed(table: str, group: str, block_size: int, batch: str) -> Tile:
+    return Tile.of(POLICY.tables["sm90"][table][group][str(block_size)][batch][:6])
+
+
+def test_tma_only_for_plain_passes_long_enough_and_listed():
+    policy = POLICY.replace(tma_min_macs=10**9)
     index = bsmm.block_index(np.ones((8, 8), dtype=np.uint8), 128)  # 64 blocks of 128 x 128
 
-    def tma(table, where, pass_name, n, arch, act_blocks, weight_blocks):
-        device = planner.Device.with_environment(arch, 132, planner.estimated_occupancy)
-        return planner._tma_tile(table, where, pass_name, n, device, act_blocks, weight_blocks)
+    def tma(table, where, pass_name, n, arch="sm90", act_blocks=None, policy=policy):
+        return selection.tma_tile(table, where, pass_name, n, device_model(arch), policy, act_blocks, None)
 
-    assert tma("tma16", index, "fprop", 1024, "sm90", None, None) is not None  # 1.07e9 multiply-adds
-    assert tma("tma16", index, "updat", 1024, "sm90", None, None) is not None
-    assert tma("tma16", index, "fprop", 512, "sm90", None, None) is None  # short: bound by the host
-    assert tma("tma16", index, "fprop", 1024, "sm80", None, None) is None  # no sm80 table
-    assert tma("tma16", index, "fprop", 1024, "sm90", (0,) * 8, None) is None  # a shifted pass
+    assert tma("tma16", index, "fprop", 1024) is not None  # 1.07e9 multiply-adds
+    assert tma("tma16", index, "updat", 1024) is not None
+    assert tma("tma16", index, "fprop", 512) is None  # short: bound by the host
+    assert tma("tma16", index, "fprop", 1024, "sm80") is None  # no sm80 table
+    assert tma("tma16", index, "fprop", 1024, act_blocks=(0,) * 8) is None  # a shifted pass
     empty = bsmm.block_index(np.zeros((8, 8), dtype=np.uint8), 128)
-    assert tma("tma16", empty, "fprop", 10**6, "sm90", None, None) is None
-    monkeypatch.setenv("BSMM_TMA", "0")
-    assert tma("tma16", index, "fprop", 1024, "sm90", None, None) is None
-    monkeypatch.delenv("BSMM_TMA")
+    assert tma("tma16", empty, "fprop", 10**6) is None
+    assert tma("tma16", index, "fprop", 1024, policy=policy.replace(tma=False)) is None
     small = bsmm.block_index(np.ones((32, 8), dtype=np.uint8), 32)  # the mma.sync table: block 32, N <= 64
-    assert tma("tma_mma16", small, "fprop", 32, "sm90", None, None) == tuple(
-        kernels["sm90"]["tma_mma16"]["sparse"]["32"]["n32"])  # 32 blocks per block column
-    assert tma("tma_mma16", small, "fprop", 4096, "sm90", None, None) is None
-    assert tma("tma_mma16", small, "updat", 32, "sm90", None, None) is None
-    monkeypatch.setitem(kernels, "tma_mma_max_column_blocks", 16)  # above the window: L1 sharing wins
-    assert tma("tma_mma16", small, "fprop", 32, "sm90", None, None) is None
-    monkeypatch.setitem(kernels, "tma_mma_max_column_blocks", 64)
-    monkeypatch.setitem(kernels, "tma_mma_min_column_blocks", 33)  # below it: the host's call wins
-    assert tma("tma_mma16", small, "fprop", 32, "sm90", None, None) is None
+    assert tma("tma_mma16", small, "fprop", 32) == _listed("tma_mma16", "sparse", 32, "n32")  # 32 blocks a column
+    assert tma("tma_mma16", small, "fprop", 4096) is None
+    assert tma("tma_mma16", small, "updat", 32) is None
+    above = policy.replace(tma_mma_max_column_blocks=16)  # above the window: L1 sharing wins
+    assert tma("tma_mma16", small, "fprop", 32, policy=above) is None
+    below = policy.replace(tma_mma_max_column_blocks=64, tma_mma_min_column_blocks=33)  # the host's call wins
+    assert tma("tma_mma16", small, "fprop", 32, policy=below) is None
 
 
-def test_wgmma_groups_only_for_half_precision_aligned_long_passes_on_hopper(monkeypatch):
-    kernels = bsmm.config.settings()["kernels"]
-    monkeypatch.setitem(kernels, "tma_min_macs", 10**9)
-    monkeypatch.delenv("BSMM_TMA", raising=False)
-    monkeypatch.delenv("BSMM_WGMMA", raising=False)
+def test_wgmma_groups_only_for_half_precision_aligned_long_passes_on_hopper():
+    policy = POLICY.replace(tma_min_macs=10**9)
     index = bsmm.block_index(np.ones((64, 64), dtype=np.uint8), 32)  # 4096 blocks of 32 x 32
 
-    def tile(pass_name, n=256, axis=1, aligned=True, mode="tensor16", arch="sm90", where=index):
-        device = planner.Device.with_environment(arch, 132, planner.estimated_occupancy)
-        return planner._group_tma_tile(where, pass_name, mode, n, axis, aligned, device, None, None)
+    def tile(pass_name, n=256, axis=1, aligned=True, mode="tensor16", arch="sm90", where=index, policy=policy):
+        return selection.group_tma_tile(where, pass_name, mode, n, axis, aligned, device_model(arch), policy,
+                                        None, None)
 
-    rows = tuple(kernels["sm90"]["tma16"]["updat_rows"]["32"]["any"])
-    columns = tuple(kernels["sm90"]["tma16"]["columns"]["32"]["large"])
+    rows = GroupTile(_listed("tma16", "updat_rows", 32, "any"), POLICY.tables["sm90"]["tma16"]["updat_rows"]["32"]["any"][6])
+    columns_entry = POLICY.tables["sm90"]["tma16"]["columns"]["32"]["large"]
+    columns = GroupTile(Tile.of(columns_entry[:6]), columns_entry[6])
     assert tile("updat") == rows and tile("updat", axis=0) == rows  # 1.07e9 multiply-adds
-    assert rows[0] == rows[6] * 32 and rows[1] == 32, "M holds the row group's blocks, N one block"
+    assert rows.tile.bm == rows.size * 32 and rows.tile.bn == 32, "M holds the row group's blocks, N one block"
     assert tile("fprop") is None  # column groups only from wgmma_columns_min_rows
-    monkeypatch.setitem(kernels, "wgmma_columns_min_rows", 256)
-    assert tile("fprop") == tile("bprop") == columns
-    assert columns[1] == columns[6] * 32 and columns[2] % 32 == 0, "N holds the column group's blocks, whole blocks a step"
-    assert tile("fprop", axis=0) is None  # column groups read (N, features) activations only
-    assert tile("fprop", n=64) is None  # no tile for N <= 64
+    from_256 = policy.replace(wgmma_columns_min_rows=256)
+    assert tile("fprop", policy=from_256) == tile("bprop", policy=from_256) == columns
+    assert columns.tile.bn == columns.size * 32 and columns.tile.bk % 32 == 0, \
+        "N holds the column group's blocks, whole blocks a step"
+    assert tile("fprop", axis=0, policy=from_256) is None  # column groups read (N, features) activations only
+    assert tile("fprop", n=64, policy=from_256) is None  # no tile for N <= 64
     assert tile("updat", n=128) is None  # short: bound by the host
     assert tile("updat", aligned=False) is None
     assert tile("updat", mode="simt") is None  # float32
     assert tile("updat", arch="sm80") is None
-    for off in ("BSMM_TMA", "BSMM_WGMMA"):
-        monkeypatch.setenv(off, "0")
-        assert tile("updat") is None and tile("fprop") is None
-        monkeypatch.delenv(off)
-    assert planner._group_tma_tile(index, "fprop", "tensor16", 256, 1, True, device_model(), (0,) * 64, None) is None
-    monkeypatch.setitem(kernels, "updat_rows_tma_axes", [0])
-    assert tile("updat") is None and tile("updat", axis=0) == rows
-    tile64 = tuple(kernels["sm90"]["tma16"]["columns"]["64"]["large"])
-    monkeypatch.setitem(kernels, "wgmma_group_min_blocks_per_step", {"64": 1.25})
+    for off in (policy.replace(tma=False), policy.replace(wgmma=False)):
+        assert tile("updat", policy=off) is None and tile("fprop", policy=off.replace(wgmma_columns_min_rows=256)) is None
+    assert selection.group_tma_tile(index, "fprop", "tensor16", 256, 1, True, device_model(), from_256, (0,) * 64,
+                                    None) is None
+    axis_0 = policy.replace(updat_rows_tma_axes=[0])
+    assert tile("updat", policy=axis_0) is None and tile("updat", axis=0, policy=axis_0) == rows
+    entry64 = POLICY.tables["sm90"]["tma16"]["columns"]["64"]["large"]
+    group64 = GroupTile(Tile.of(entry64[:6]), 2)
+    grouping = POLICY.replace(wgmma_group_min_blocks_per_step={64: 1.25})
     diagonal = bsmm.block_index(np.eye(8, dtype=np.uint8), 64)  # one block a step: not grouped
-    assert planner._column_groups(diagonal, "fprop", "tensor16", 4096, True, "sm90", 2, tile64) is None
+    assert selection.column_groups(diagonal, "fprop", "tensor16", 4096, True, "sm90", grouping, 2, group64) is None
     dense = bsmm.block_index(np.ones((8, 8), dtype=np.uint8), 64)  # two blocks a step
-    assert planner._column_groups(dense, "fprop", "tensor16", 4096, True, "sm90", 2, tile64)[:2] == (tile64[:6], 2)
+    found = selection.column_groups(dense, "fprop", "tensor16", 4096, True, "sm90", grouping, 2, group64)
+    assert (found.tile, found.size) == (group64.tile, 2)
     wide = bsmm.block_index(np.ones((8, 8), dtype=np.uint8), 128)  # no group tables at block 128
-    assert tile("updat", n=10**5, where=wide) is None and tile("fprop", n=10**5, where=wide) is None
+    assert tile("updat", n=10**5, where=wide) is None and tile("fprop", n=10**5, where=wide, policy=from_256) is None
 
 
 def test_tma_maps_describe_what_each_kernel_copies(monkeypatch):

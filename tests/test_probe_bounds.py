@@ -94,7 +94,7 @@ def fake_plan(variant, segments, grid, table=None, workspace_floats=0):
 
 def copied_tile_by_tile(variant, segments, grid, table, n):
     """Elements the copies bring in, counted tile by tile and step by step as the kernel walks them."""
-    bm, bn, bk = variant.tile[:3]
+    bm, bn, bk = variant.tile.bm, variant.tile.bn, variant.tile.bk
     bs, total = variant.block_size, 0
     for unit, begin, end, _ in segments:
         for y in range(grid[1]):
@@ -131,7 +131,7 @@ def test_moved_bytes_counts_what_the_kernels_copy(n):
     updat = Variant("bfloat16", 64, (64, 64, 64, 4, 1, 4), "wgmma16", "updat", 1, True, tma=True)
     cases = []
     for variant in (plain, split_n):
-        bm, bn = variant.tile[:2]
+        bm, bn = variant.tile.bm, variant.tile.bn
         cases.append((variant, random_segments(rng, 9, 12), (9, -(-n // bm), variant.block_size // bn), None))
     cases.append((updat, [(u, b, b + int(rng.integers(1, n + 1)), 0) for u, b in enumerate(rng.integers(0, n, 6))],
                   (6, 1, 1), None))

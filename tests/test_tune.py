@@ -15,12 +15,12 @@ import pytest
 
 import bsmm
 import bsmm.config
-from bsmm.cli import tune
+from bsmm.cli import tune, tuned_file
 from bsmm.backends.cuda.kernels import Variant
 from conftest import compile_or_skip
 
 cuda_plans = pytest.importorskip("bsmm.backends.cuda.plans", reason="CuPy is not installed")
-from bsmm.backends.cuda import planner as cuda_planner  # noqa: E402
+from bsmm.backends.cuda.policy import Policy, Tile, recording_table_lookups  # noqa: E402
 
 
 @pytest.fixture
@@ -54,7 +54,7 @@ def test_settings_read_tuned_architecture_tables_under_bsmm_config_and_overrides
     assert shipped(*fprop64) == [256, 64, 64, 16, 1, 3]
     assert shipped("sm90", "tma16", "sparse", "128", "large") != [256, 64, 64, 16, 1, 3]  # the rest stays
     assert shipped("waves") == waves and shipped("default", "tensor16", "sparse", "64", "large") != [1, 2, 3, 4, 5, 6]
-    assert tune.in_effect() == 1
+    assert tuned_file.in_effect() == 1
     user = tmp_path / "user.toml"
     user.write_text("[kernels.sm90.tma16.sparse.64]\nlarge = [128, 64, 64, 8, 1, 6]\n")
     monkeypatch.setenv("BSMM_CONFIG", str(user))
@@ -67,7 +67,7 @@ def test_settings_read_tuned_architecture_tables_under_bsmm_config_and_overrides
     monkeypatch.delenv("BSMM_CONFIG")
     monkeypatch.setenv("BSMM_TUNED", "0")
     bsmm.config.settings.cache_clear()
-    assert shipped(*fprop64) == before and tune.in_effect() == 0
+    assert shipped(*fprop64) == before and tuned_file.in_effect() == 0
 
 
 def test_an_unreadable_tuned_file_names_itself_and_the_way_out(cache):
@@ -82,7 +82,7 @@ def test_toml_text_round_trips():
             "tuned": {"sm90.tma16.sparse.64.large": {"device": 'NVIDIA "H100" ü', "time_ratio": 0.9312, "ok": True,
                                                       "cases": ["fprop float16 N=4096", "bprop"]}},
             "top": 3}
-    assert tomllib.loads(tune.toml_text(data)) == data
+    assert tomllib.loads(tuned_file.toml_text(data)) == data
 
 
 def _entry_variants():
@@ -115,9 +115,9 @@ def test_candidates_are_fitting_moves_that_keep_the_tile_width():
         assert tune.tile_fits(variant, H100_SHARED), f"{entry.name}: the shipped tile fits"
         candidates = tune.candidate_tiles(variant, H100_SHARED)
         assert candidates, f"{entry.name}: something to try"
-        assert len(set(candidates)) == len(candidates) and variant.tile not in candidates
+        assert len(set(candidates)) == len(candidates) and tuple(variant.tile.as_list()) not in candidates
         for tile in candidates:
-            assert tile[1] == variant.tile[1], f"{entry.name} {tile}: the block columns a tile spans stay"
+            assert tile[1] == variant.tile.bn, f"{entry.name} {tile}: the block columns a tile spans stay"
             assert tune.tile_fits(dataclasses.replace(variant, tile=tile), H100_SHARED)
     small = Variant("float16", 128, (128, 128, 64, 8, 1, 4), "wgmma16", "fprop", 1, True, tma=True)
     assert all(dataclasses.replace(small, tile=t).shared_bytes <= 100_000
@@ -157,17 +157,27 @@ def test_the_used_entry_is_the_last_lookup_of_the_variants_tile_and_kind():
 
 
 def test_tile_lookups_are_recorded_only_while_asked():
-    with cuda_planner.recording_table_lookups() as found:
-        tile = cuda_planner.tile_for("tensor16", "fprop", 64, 4096, "sm90")
-        cuda_planner.tile_for("tma16", "updat", 128, 4096, "sm90", optional=True)
-        assert cuda_planner.tile_for("tma16", "fprop", 16, 4096, "sm90", optional=True) is None  # none: not recorded
+    policy = Policy.from_settings(environ={})
+    with recording_table_lookups() as found:
+        tile = policy.tile("tensor16", "fprop", 64, 4096, "sm90")
+        policy.tile("tma16", "updat", 128, 4096, "sm90", optional=True)
+        assert policy.tile("tma16", "fprop", 16, 4096, "sm90", optional=True) is None  # none: not recorded
         with pytest.raises(RuntimeError, match="already"):
-            with cuda_planner.recording_table_lookups():
+            with recording_table_lookups():
                 pass
-    assert found == [(("default", "tensor16", "sparse", "64", "large"), tile),
+    assert found == [(("default", "tensor16", "sparse", "64", "large"), tuple(tile.as_list())),
                      (("sm90", "tma16", "updat", "128", "any"), tuple(shipped("sm90", "tma16", "updat", "128", "any")))]
-    cuda_planner.tile_for("tensor16", "fprop", 64, 4096, "sm90")
+    policy.tile("tensor16", "fprop", 64, 4096, "sm90")
     assert len(found) == 2
+
+
+def test_an_entry_sets_its_tile_in_a_policy_and_nowhere_else():
+    base = Policy.from_settings(environ={})
+    entry = tune.Entry("sm90", "tma16", "sparse", "64", "large")
+    tuned = entry.policy(base, (64, 64, 64, 4, 1, 4))
+    assert tuned.tile("tma16", "fprop", 64, 4096, "sm90") == Tile(64, 64, 64, 4, 1, 4)
+    assert base.tile("tma16", "fprop", 64, 4096, "sm90") == Tile.of(shipped("sm90", "tma16", "sparse", "64", "large"))
+    assert tuned.tile("tma16", "fprop", 128, 4096, "sm90") == base.tile("tma16", "fprop", 128, 4096, "sm90")
 
 
 class StandIn:
@@ -191,7 +201,7 @@ class StandIn:
 
     def cost(self, tile):
         return 1.0 - 0.05 * sum(a == b for a, b in zip(tile, self.best)) + 0.05 * sum(
-            a == b for a, b in zip(tile, self.variant.tile))
+            a == b for a, b in zip(tile, self.variant.tile.as_list()))
 
     def measure(self, entry, tiles, cases, progress=None):
         assert entry == self.entry
@@ -203,7 +213,7 @@ class StandIn:
                 trial = tune.Trial(tile, error="CompileException: no")
             else:
                 factor = self.confirm_factor if confirming else 1.0
-                trial = tune.Trial(tile, [factor * self.cost(tile) / self.cost(self.variant.tile)] * len(cases))
+                trial = tune.Trial(tile, [factor * self.cost(tile) / self.cost(tuple(self.variant.tile.as_list()))] * len(cases))
             trials.append(trial)
             if progress:
                 progress(trial)
@@ -221,7 +231,7 @@ def test_tune_moves_towards_the_fastest_tile_and_writes_what_it_kept(cache):
     (result,) = tune.tune(CASES, rounds=3, runner=runner, progress=lines.append)
     assert result.entry == ENTRY64 and result.cases == CASES[:2]  # updat had no table entry
     assert result.kept == (256, 64, 64, 16, 1, 5)
-    assert math.isclose(result.confirmed, runner.cost(result.kept) / runner.cost(TMA64.tile))
+    assert math.isclose(result.confirmed, runner.cost(result.kept) / runner.cost(tuple(TMA64.tile.as_list())))
     assert runner.checked == [(result.kept, tune.checking_cases(CASES[:2], "large"))]
     assert runner.measured[0] == tune.candidate_tiles(TMA64, H100_SHARED)
     assert all(set(later).isdisjoint(runner.measured[0]) for later in runner.measured[1:-1]), "no tile twice"
@@ -229,12 +239,12 @@ def test_tune_moves_towards_the_fastest_tile_and_writes_what_it_kept(cache):
     assert any("[####################]" in line for line in lines)
     bsmm.config.settings.cache_clear()
     assert shipped("sm90", "tma16", "sparse", "64", "large") == [256, 64, 64, 16, 1, 5]
-    record = tune.tuned_entries()["sm90.tma16.sparse.64.large"]
-    assert record["replaced"] == list(TMA64.tile) and record["device"] == "Stand-in GPU"
+    record = tuned_file.tuned_entries()["sm90.tma16.sparse.64.large"]
+    assert record["replaced"] == TMA64.tile.as_list() and record["device"] == "Stand-in GPU"
     assert record["cases"] == [str(c) for c in CASES[:2]]
-    assert "sm90.tma16.sparse.64.large" in tune.current_tuned_table()
+    assert "sm90.tma16.sparse.64.large" in tuned_file.current_tuned_table()
     assert "| sm90.tma16.sparse.64.large | 2 | [128, 64, 64, 8, 1, 4] | [256, 64, 64, 16, 1, 5] | 0.739 | 7 (1) |" in (
-        tune.format_report([result]))
+        tuned_file.format_report([result]))
     # A second entry tuned later joins the first in the file.
     bf = tune.Entry("default", "tensor16", "sparse", "32", "large")
     mma = Variant("bfloat16", 32, (128, 32, 32, 4, 1, 4), "tensor16", "fprop", 1, True)
@@ -333,7 +343,7 @@ def test_command_line_without_a_gpu(cache, monkeypatch, capsys):
     assert cli.main(["tune", "--dtype", "float64"]) == 2
     assert "--dtype float64: expected some of" in capsys.readouterr().err
     assert cli.main(["tune", "--show"]) == 0 and "no tuned launch tiles" in capsys.readouterr().out
-    tune.write_tuned([tune.EntryResult(ENTRY64, [TMA64], CASES[:1], TMA64.tile, kept=(256, 64, 64, 16, 1, 4),
+    tuned_file.write_tuned([tune.EntryResult(ENTRY64, [TMA64], CASES[:1], tuple(TMA64.tile.as_list()), kept=(256, 64, 64, 16, 1, 4),
                                        confirmed=0.9)], "Stand-in GPU", "sm90")
     assert cli.main(["tune", "--show"]) == 0 and "[256, 64, 64, 16, 1, 4]" in capsys.readouterr().out
     assert cli.main(["tune", "--reset"]) == 0 and not (cache / "tuned.toml").exists()
@@ -368,9 +378,9 @@ def test_tune_on_the_gpu(cupy, cache):
     found = survey["cases"][0]
     assert found["entry"] is not None, "a block-32 fprop takes its tile from the launch tables"
     entry = tune.Entry(**found["entry"])
-    assert tuple(found["variant"]["tile"]) == tuple(shipped(entry.section, entry.table, entry.group, entry.block_size,
-                                                            entry.batch))[:6]
-    wrong = tuple(found["variant"]["tile"][:1]) + (7,) + tuple(found["variant"]["tile"][2:])  # 7 columns: no kernel
+    tile = Tile.of(found["variant"]["tile"])
+    assert tile.as_list() == shipped(entry.section, entry.table, entry.group, entry.block_size, entry.batch)[:6]
+    wrong = (tile.bm, 7, *tile.as_list()[2:])  # 7 columns: no kernel
     (bad,) = runner.measure(entry, [wrong + tuple(shipped(entry.section, entry.table, entry.group,
                                                           entry.block_size, entry.batch))[6:]], [case])
     assert bad.ratios is None and bad.error

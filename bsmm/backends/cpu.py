@@ -25,6 +25,7 @@ import numpy as np
 import scipy.sparse
 
 from bsmm.block_index import BlockIndex
+from bsmm.passes import PASSES
 from bsmm.arrays import empty_aligned
 from bsmm.config import settings
 from bsmm.backends.strided import check_strided_operands, row_widths, virtual_width
@@ -211,7 +212,7 @@ def shifted_pass(pass_name: str, index: BlockIndex, act: np.ndarray, other: np.n
     else:  # gather each block from its own place in the row
         a = _rows_view(act, rows, span, row_strides[0]).reshape(rows, span // bs, bs)
         a = np.ascontiguousarray(a[:, np.asarray(act_blocks, dtype=np.int64), :]).reshape(rows, width_a)
-    if pass_name == "updat":
+    if PASSES[pass_name].updates_weights:
         b = np.ascontiguousarray(_rows_view(other, rows, width_b, row_strides[1]))
         updat(index, a, b, out.reshape(index.nnzb, bs, bs), 1, accumulate)
         return
@@ -222,7 +223,7 @@ def shifted_pass(pass_name: str, index: BlockIndex, act: np.ndarray, other: np.n
     result = empty_aligned((rows, width_b), out.dtype)
     if accumulate:
         result[...] = target
-    (fprop if pass_name == "fprop" else bprop)(index, a, w, result, 1, accumulate=accumulate)
+    (bprop if PASSES[pass_name].reads_weights_transposed else fprop)(index, a, w, result, 1, accumulate=accumulate)
     target[...] = result
 
 

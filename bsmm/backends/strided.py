@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from bsmm.block_index import BlockIndex
+from bsmm.passes import PASSES
 
 __all__ = ["BlockOrder", "check_strided_operands", "row_widths", "virtual_width"]
 
@@ -69,7 +70,7 @@ def virtual_width(pass_name: str, index: BlockIndex, act_blocks) -> int:
     convolution's kernel offsets become block rows of one stacked layout whose blocks read
     the input shifted by that offset, so every offset is summed inside one launch.
     """
-    count = index.n_block_cols if pass_name == "bprop" else index.n_block_rows
+    count = index.n_block_cols if PASSES[pass_name].reads_weights_transposed else index.n_block_rows
     if len(act_blocks) != count:
         raise ValueError(f"act_blocks must have one entry per activation block ({count}); got {len(act_blocks)}")
     if count and min(act_blocks) < 0:
@@ -86,7 +87,7 @@ def check_strided_operands(pass_name: str, index: BlockIndex, act, other, out, r
     ``weight_blocks``: the weights' storage order (fprop and bprop only).
     """
     if weight_blocks is not None:
-        if pass_name == "updat":
+        if PASSES[pass_name].updates_weights:
             raise NotImplementedError("weight_blocks reorders the weights read by fprop and bprop, not updat's output")
         if len(weight_blocks.positions) != index.nnzb:
             raise ValueError(f"weight_blocks must have one position per block ({index.nnzb}); "
@@ -94,9 +95,10 @@ def check_strided_operands(pass_name: str, index: BlockIndex, act, other, out, r
     widths = row_widths(pass_name, index)
     if act_width is not None:
         widths = (act_width, widths[1])
-    row_major = {"act": act, "out": out} if pass_name != "updat" else {"act": act, "other": other}
-    weights_name = "other" if pass_name != "updat" else "out"
-    weights = other if pass_name != "updat" else out
+    updates_weights = PASSES[pass_name].updates_weights
+    row_major = {"act": act, "other": other} if updates_weights else {"act": act, "out": out}
+    weights_name = "out" if updates_weights else "other"
+    weights = out if updates_weights else other
     for name, array in {"act": act, "other": other, "out": out}.items():
         if array.ndim != 1:
             raise ValueError(f"strided_pass: {name} must be a flat 1-D array; got shape {tuple(array.shape)}")

@@ -22,10 +22,10 @@ import numpy as np
 from bsmm.dtypes import canonical_dtype
 from bsmm.layouts import random_layout
 from bsmm.matmul import BlocksparseMatMul
+from bsmm.passes import PASS_NAMES
 
 __all__ = ["BenchRow", "bench_cpu", "format_table"]
 
-PASSES = ("fprop", "bprop", "updat")
 
 
 @dataclasses.dataclass
@@ -94,7 +94,7 @@ def bench_cpu(N=32, C=12288, K=12288, block_size=32, densities=(0.5, 0.25, 0.1, 
         op = BlocksparseMatMul(layout, block_size=block_size)
         w = rng.standard_normal(op.w_shape, dtype=np.float32).astype(dtype)
         runs = {"fprop": lambda: op.fprop(x, w), "bprop": lambda: op.bprop(dy, w), "updat": lambda: op.updat(x, dy)}
-        for pass_name in PASSES:
+        for pass_name in PASS_NAMES:
             sparse = _median_seconds(runs[pass_name], repeats)
             rows.append(BenchRow("cpu", str(dtype), N, C, K, block_size, op.density, pass_name, sparse, dense[pass_name]))
             if progress:

@@ -59,7 +59,7 @@ def _bench(args) -> int:
     if args.backend == "gpu" or (args.backend == "auto" and gpu_available()):
         import cupy
 
-        from bsmm.cli.tune import in_effect
+        from bsmm.cli.tuned_file import in_effect
 
         meta["gpu"] = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["name"].decode()
         # Tiles `bsmm tune` kept on this machine change what is measured: say so in the results.
@@ -121,7 +121,8 @@ def _bench_framework(args, log, meta) -> int:
 
 def _tune_cases(args) -> list:
     from bsmm.cli.bench import WORKLOADS
-    from bsmm.cli.tune import PASSES, Case
+    from bsmm.cli.tune import Case
+    from bsmm.passes import PASS_NAMES
 
     spec = dict(WORKLOADS[args.workload]) if args.workload else dict(
         N=4096, C=8192, block_sizes=(32,), densities=(0.1,), dtypes=("float16",))
@@ -131,9 +132,9 @@ def _tune_cases(args) -> list:
     block_sizes = [int(b) for b in args.block_size.split(",")] if args.block_size else spec["block_sizes"]
     densities = [float(d) / 100 for d in args.densities.split(",")] if args.densities else spec["densities"]
     dtypes = args.dtype.split(",") if args.dtype else spec["dtypes"]
-    passes = args.passes.split(",") if args.passes else PASSES
+    passes = args.passes.split(",") if args.passes else PASS_NAMES
     kinds = ("float32", "tf32", "float16", "bfloat16")
-    for name, given, allowed in (("--passes", passes, PASSES), ("--dtype", dtypes, kinds)):
+    for name, given, allowed in (("--passes", passes, PASS_NAMES), ("--dtype", dtypes, kinds)):
         unknown = sorted(set(given) - set(allowed))
         if unknown:
             raise ValueError(f"{name} {','.join(unknown)}: expected some of {','.join(allowed)}")
@@ -158,15 +159,15 @@ class _Progress:
 
 
 def _tune(args) -> int:
-    from bsmm.cli import tune
+    from bsmm.cli import tune, tuned_file
 
     if args.reset:
-        path = tune.tuned_path()
+        path = tuned_file.tuned_path()
         print(f"removed {path}: bsmm.toml's launch tiles are in effect" if path.is_file() else f"no {path} to remove")
         path.unlink(missing_ok=True)
         return 0
     if args.show:
-        print(tune.current_tuned_table())
+        print(tuned_file.current_tuned_table())
         return 0
     try:
         cases = _tune_cases(args)
@@ -179,12 +180,12 @@ def _tune(args) -> int:
     results = tune.tune(cases, rounds=args.rounds, margin=args.margin / 100,
                         runner=tune.Runner(calls=args.calls, batches=args.batches), write=not args.dry_run,
                         progress=_Progress())
-    print(tune.format_report(results))
+    print(tuned_file.format_report(results))
     kept = sum(r.kept is not None for r in results)
     if args.dry_run:
         print(f"\n--dry-run: {kept} kept tiles not written")
     else:
-        print(f"\n{kept} kept tiles written to {tune.tuned_path()}" if kept else "\nno tile beat the current ones")
+        print(f"\n{kept} kept tiles written to {tuned_file.tuned_path()}" if kept else "\nno tile beat the current ones")
     return 0
 
 

@@ -20,26 +20,22 @@ medians of back-to-back calls on random data, each candidate beside the current 
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import json
 import math
 import os
-import re
 import select
 import subprocess
 import sys
 import tempfile
-import tomllib
-from pathlib import Path
 from typing import Callable, Iterable
 
-from bsmm.config import settings, tuned_path
-from bsmm.backends.cuda.kernels import ELEMENT_BYTES, MAX_PART_BLOCKS, Variant
+from bsmm.backends.cuda.kernels import Variant, tiling_problem
+from bsmm.backends.cuda.policy import Policy
+from bsmm.passes import PASSES
+from bsmm.cli.tuned_file import write_tuned
 
-__all__ = ["Case", "Entry", "candidate_tiles", "checking_cases", "tune", "tuned_entries", "format_report"]
-
-PASSES = ("fprop", "bprop", "updat")
-
+__all__ = ["Case", "Entry", "EntryResult", "Runner", "Trial", "candidate_tiles", "checking_cases", "tile_fits", "tune",
+           "used_entry"]
 
 @dataclasses.dataclass(frozen=True)
 class Case:
@@ -104,70 +100,27 @@ class Entry:
         """The same entry in the section of ``arch``, where a tuned tile goes."""
         return dataclasses.replace(self, section=arch)
 
-    def layer(self, tile: tuple) -> dict:
-        """A settings layer (:func:`bsmm.config.overriding`) that sets this entry to ``tile``."""
-        return {"kernels": {self.section: {self.table: {self.group: {self.block_size: {self.batch: list(tile)}}}}}}
+    def policy(self, base: Policy, tile: tuple) -> Policy:
+        """``base`` with this entry set to ``tile`` (plans made in ``planning(...)`` of it use it)."""
+        return base.with_tile(self.section, self.table, self.group, int(self.block_size), self.batch, tile)
 
 
 def used_entry(lookups: list, variant: Variant) -> Entry | None:
     """The entry a plan's ``variant`` took its tile from, given the lookups made while planning it
-    (:func:`bsmm.backends.cuda.planner.recording_table_lookups`): the last whose tile is the variant's
+    (:func:`bsmm.backends.cuda.policy.recording_table_lookups`): the last whose tile is the variant's
     (tiles of ``bsmm_matmul_tma`` come from the tma tables, the others from the rest)."""
     for entry, tile in reversed(lookups):
-        same = tile[:6] == tuple(variant.tile) and (len(tile) == 6 or tile[6] == variant.cols)
+        same = list(tile[:6]) == variant.tile.as_list() and (len(tile) == 6 or tile[6] == variant.cols)
         if same and entry[1].startswith("tma") == variant.tma:
             return Entry(*entry)
     return None
 
 
 # ---- candidate tiles ------------------------------------------------------------------------
-#: Static shared memory beside the stages: the staged step table and the groups' entries (bytes).
-def _static_shared(variant: Variant) -> int:
-    steps = (MAX_PART_BLOCKS + 8) * (variant.cols + 1) * 4 if variant.cols > 1 else 0
-    return MAX_PART_BLOCKS * 8 + steps + 256
-
-
 def tile_fits(variant: Variant, max_shared: int) -> bool:
-    """Whether ``variant``'s tile meets the kernel template's tiling rules (``Kernel`` in
-    ``cuda/bsmm_kernel_traits.cuh``; NVRTC checks them all, this skips the hopeless compiles) and the
-    device's ``max_shared`` bytes of shared memory a thread block."""
-    bm, bn, bk, wm, wn, stages = variant.tile
-    item = ELEMENT_BYTES[variant.dtype]
-    vec = 16 // item
-    wgmma = variant.math.startswith("wgmma")
-    if min(variant.tile) < 1 or not 2 <= stages <= 8 or variant.threads > 1024:
-        return False
-    if bk % vec or bm % vec or bn % vec:
-        return False
-    if variant.shared_bytes + _static_shared(variant) > max_shared:
-        return False
-    groups, updat = variant.cols > 1, variant.pass_name == "updat"
-    if wgmma and groups and updat and (bm != variant.cols * variant.block_size or bn != variant.block_size):
-        return False  # transposed row groups: M holds the group's blocks
-    whole_blocks = bm == variant.block_size if updat else bk == variant.block_size
-    if groups and not wgmma and (wn != variant.cols or not whole_blocks):
-        return False  # a warp column a block; updat row groups take whole blocks, column groups a block row a step
-    if wgmma:
-        column_groups = groups and not updat
-        depth_ok = bk % variant.block_size == 0 if column_groups else bk * item == 128
-        three_stages = stages >= 3 or variant.tma  # cp.async wgmma: one in flight, one read, one filling
-        stored_fits = not variant.tma or bm * bn <= stages * (bm * bk + bk * bn)
-        return bm % 64 == 0 and wn == 1 and wm * 16 == bm and depth_ok and three_stages and stored_fits
-    if bm % wm or bn % wn:
-        return False
-    if variant.math == "simt":
-        nt = wm * wn * 32
-        tx0 = min(bn // 4, 16)
-        tx = nt // bm if tx0 * bm < nt else tx0
-        if tx == 0 or nt % tx:
-            return False
-        ty = nt // tx
-        return bk % 4 == 0 and tx <= bn and bm % ty == 0 and bn % tx == 0
-    wtm, wtn = bm // wm, bn // wn
-    depth = 16 if variant.math == "tensor16" else 8
-    if variant.tma:  # mma.sync on TMA's 64-byte swizzled rows
-        return wtm % 16 == 0 and wtn % 8 == 0 and bk * item == 64 and bn * item == 64
-    return wtm % 16 == 0 and wtn % 8 == 0 and bk % depth == 0
+    """Whether ``variant``'s tile builds (:func:`bsmm.backends.cuda.kernels.tiling_problem`) and
+    fits the device's ``max_shared`` bytes of shared memory a thread block."""
+    return not tiling_problem(variant, max_shared)
 
 
 def candidate_tiles(variant: Variant, max_shared: int) -> list[tuple]:
@@ -187,11 +140,11 @@ def candidate_tiles(variant: Variant, max_shared: int) -> list[tuple]:
     (64, 64, 64, 4, 1, 4)
     (256, 64, 64, 16, 1, 4)
     """
-    bm, bn, bk, wm, wn, stages = variant.tile
+    bm, bn, bk, wm, wn, stages = variant.tile.as_list()
     moves = [(bm, bk, wm, wn, s) for s in (stages - 1, stages + 1, stages + 2)]
     if variant.math.startswith("wgmma"):  # 64-row warpgroups: rows and warps move together
         moves += [(m, bk, m // 16, 1, stages) for m in (bm // 2, bm * 2)]
-        if variant.cols > 1 and variant.pass_name != "updat":  # column groups: whole block rows a step
+        if variant.cols > 1 and not PASSES[variant.pass_name].updates_weights:  # column groups: whole block rows a step
             moves += [(bm, k, wm, wn, stages) for k in (bk // 2, bk * 2)]
     else:
         for m in (bm // 2, bm * 2):
@@ -204,7 +157,7 @@ def candidate_tiles(variant: Variant, max_shared: int) -> list[tuple]:
     for m, k, a, b, s in moves:
         tile = (m, bn, k, a, b, s)
         fits = tile_fits(dataclasses.replace(variant, tile=tile), max_shared)
-        if fits and tile != variant.tile and tile not in found:
+        if fits and list(tile) != variant.tile.as_list() and tile not in found:
             found.append(tile)
     return found
 
@@ -330,10 +283,6 @@ class Runner:
         return self.measure(entry, [tile], cases, check=True)[0].error
 
 
-def _variant(fields: dict) -> Variant:
-    return Variant(**{**fields, "tile": tuple(fields["tile"])})
-
-
 def tune(cases: Iterable[Case], rounds: int = 2, margin: float = 0.03, runner: Runner | None = None,
          write: bool = True, progress: Callable[[str], None] | None = None) -> list[EntryResult]:
     """Refine the launch-table entries that ``cases`` run with on the current GPU (see the module).
@@ -368,8 +317,8 @@ def tune(cases: Iterable[Case], rounds: int = 2, margin: float = 0.03, runner: R
         if found["entry"] is None:
             say(f"  {case}: no launch-table tile (not tunable)")
             continue
-        entry, variant = Entry(**found["entry"]), _variant(found["variant"])
-        result = results.setdefault(entry, EntryResult(entry, [], [], variant.tile + (
+        entry, variant = Entry(**found["entry"]), Variant(**found["variant"])
+        result = results.setdefault(entry, EntryResult(entry, [], [], tuple(variant.tile.as_list()) + (
             (variant.cols,) if variant.cols > 1 else ())))
         result.variants.append(variant)
         result.cases.append(case)
@@ -429,113 +378,3 @@ def _tune_entry(result: EntryResult, runner, rounds: int, margin: float, max_sha
 def _bar(done: int, total: int, width: int = 20) -> str:
     filled = round(width * done / max(total, 1))
     return f"[{'#' * filled}{'.' * (width - filled)}] {done}/{total}"
-
-
-# ---- the tuned file -------------------------------------------------------------------------
-def tuned_entries(path: Path | None = None) -> dict:
-    """The ``[tuned]`` records of the tuned file, by entry name ({} without a file)."""
-    path = path or tuned_path()
-    if not path.is_file():
-        return {}
-    with open(path, "rb") as f:
-        return tomllib.load(f).get("tuned", {})
-
-
-def write_tuned(results: list[EntryResult], device: str, arch: str, path: Path | None = None) -> Path:
-    """Merges the kept tiles of ``results`` into the tuned file (set in ``arch``'s section, with a
-    ``[tuned."<entry>"]`` record of what was measured) and returns its path."""
-    path = path or tuned_path()
-    data: dict = {}
-    if path.is_file():
-        with open(path, "rb") as f:
-            data = tomllib.load(f)
-    today = datetime.date.today().isoformat()
-    for result in results:
-        if result.kept is None:
-            continue
-        entry = result.entry.on(arch)
-        tables = data.setdefault("kernels", {}).setdefault(arch, {}).setdefault(entry.table, {})
-        tables.setdefault(entry.group, {}).setdefault(entry.block_size, {})[entry.batch] = list(result.kept)
-        data.setdefault("tuned", {})[entry.name] = {
-            "device": device, "date": today, "replaced": list(result.current), "tile": list(result.kept),
-            "time_ratio": round(result.confirmed, 4), "cases": [str(c) for c in result.cases]}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    scratch = path.with_suffix(f".tmp{os.getpid()}")
-    scratch.write_text("# Launch tiles measured by `python -m bsmm tune` on this machine; read over bsmm.toml.\n"
-                       "# BSMM_TUNED=0 ignores this file; `python -m bsmm tune --reset` removes it.\n\n"
-                       + toml_text(data))
-    os.replace(scratch, path)  # readers never see half a file
-    return path
-
-
-_BARE_KEY = re.compile(r"[A-Za-z0-9_-]+")
-
-
-def toml_text(data: dict) -> str:
-    """``data`` (tables of numbers, strings, booleans and lists of them) written as TOML.
-
-    Examples
-    --------
-    >>> print(toml_text({"kernels": {"sm90": {"tma16": {"sparse": {"64": {"large": [256, 64]}}}}}}).strip())
-    [kernels.sm90.tma16.sparse.64]
-    large = [256, 64]
-    """
-    lines: list[str] = []
-
-    def key(k: str) -> str:
-        return k if _BARE_KEY.fullmatch(k) else json.dumps(k)
-
-    def value(v) -> str:
-        if isinstance(v, bool):
-            return "true" if v else "false"
-        if isinstance(v, (int, float)):
-            return repr(v)
-        if isinstance(v, str):
-            return json.dumps(v, ensure_ascii=False)
-        if isinstance(v, (list, tuple)):
-            return "[" + ", ".join(value(x) for x in v) + "]"
-        raise TypeError(f"cannot write {type(v).__name__} to TOML")
-
-    def table(path: list[str], d: dict) -> None:
-        leaves = [(k, v) for k, v in d.items() if not isinstance(v, dict)]
-        if leaves and path:
-            lines.append(f"[{'.'.join(key(p) for p in path)}]")
-        lines.extend(f"{key(k)} = {value(v)}" for k, v in leaves)
-        if leaves:
-            lines.append("")
-        for k, v in d.items():
-            if isinstance(v, dict):
-                table(path + [k], v)
-
-    table([], data)
-    return "\n".join(lines)
-
-
-def format_report(results: list[EntryResult]) -> str:
-    """Markdown table: one line per entry, its current and kept tile and the time ratio."""
-    lines = ["| entry | passes | current tile | kept tile | time ratio | tried (skipped) |",
-             "| --- | --- | --- | --- | --- | --- |"]
-    for r in results:
-        skipped = sum(t.error is not None for t in r.trials)
-        kept = str(list(r.kept)) if r.kept else "(current)"
-        ratio = f"{r.confirmed:.3f}" if r.confirmed is not None else "-"
-        lines.append(f"| {r.entry.name} | {len(r.cases)} | {list(r.current)} | {kept} | {ratio} | "
-                     f"{len(r.trials)} ({skipped}) |")
-    return "\n".join(lines)
-
-
-def current_tuned_table() -> str:
-    """The tuned file's records as a Markdown table (for ``--show``)."""
-    records = tuned_entries()
-    if not records:
-        return f"no tuned launch tiles ({tuned_path()} does not exist or holds none)"
-    lines = [f"{tuned_path()}" + ("" if os.environ.get("BSMM_TUNED", "1") != "0" else " (ignored: BSMM_TUNED=0)"),
-             "", "| entry | device | date | replaced | tile | time ratio |", "| --- | --- | --- | --- | --- | --- |"]
-    for name, r in records.items():
-        lines.append(f"| {name} | {r['device']} | {r['date']} | {r['replaced']} | {r['tile']} | {r['time_ratio']} |")
-    return "\n".join(lines)
-
-
-def in_effect() -> int:
-    """How many tuned entries the current settings read (0 where none or ``BSMM_TUNED=0``)."""
-    return len(settings().get("tuned", {}))

@@ -25,16 +25,13 @@ import cupy
 import numpy as np
 
 from bsmm.backends.cuda import plans as cuda_plans
-from bsmm.backends.cuda import planner as cuda_planner
+from bsmm.backends.cuda.policy import Policy, current_policy, planning, recording_table_lookups
 from bsmm.cli.bench import _gpu_seconds, pass_calls, weight_sets
-from bsmm.config import overriding
-from bsmm.dtypes import canonical_dtype
+from bsmm.dtypes import TOLERANCES, canonical_dtype
 from bsmm.layouts import random_layout
 from bsmm.matmul import BlocksparseMatMul
 from bsmm.cli.tune import Case, Entry, used_entry
 
-#: Largest relative (Frobenius) difference from the current tile's output a candidate may give.
-TOLERANCE = {"float32": 1e-5, "tf32": 1e-3, "float16": 1e-2, "bfloat16": 1e-2}
 _CUDA_ERRORS = (cupy.cuda.driver.CUDADriverError, cupy.cuda.runtime.CUDARuntimeError)
 
 
@@ -92,7 +89,7 @@ def _survey(request: dict) -> dict:
         case = Case(**fields)
         op = operands.op(case)
         cuda_plans.forget_plans()
-        with cuda_planner.recording_table_lookups() as lookups:
+        with recording_table_lookups() as lookups:
             operands.run(case, op)[0]()
         # The operator keeps the call it just made (BlocksparseMatMul._gpu_calls), and the call its plan.
         variant = next(iter(op._gpu_calls.values())).plan.variant
@@ -112,9 +109,8 @@ def _measure(request: dict) -> None:
     entry = Entry(**request["entry"]).on(f"sm{cupy.cuda.Device().compute_capability}")
     calls, batches = request["calls"], request["batches"]
 
-    def outputs_and_times(layer: dict) -> tuple[list, list]:
-        with overriding(layer):
-            cuda_plans.forget_plans()
+    def outputs_and_times(policy: Policy) -> tuple[list, list]:
+        with planning(policy):
             found, times = [], []
             for case in cases:
                 run, out = operands.run(case, operands.op(case))
@@ -123,17 +119,20 @@ def _measure(request: dict) -> None:
                 found.append(out.astype(np.float64))
                 if not request["check"]:
                     times.append(_gpu_seconds(run, calls, batches))
-        cuda_plans.forget_plans()  # nothing planned with ``layer`` outlives it
+        cuda_plans.forget_plans()  # nothing planned with a candidate outlives it
         return found, times
 
     for tile in request["tiles"]:
         print(json.dumps({"trying": tile}), flush=True)
         try:
-            reference, base = outputs_and_times({})
-            found, times = outputs_and_times(entry.layer(tuple(tile)))
+            current = current_policy()
+            reference, base = outputs_and_times(current)
+            found, times = outputs_and_times(entry.policy(current, tuple(tile)))
             for case, expected, got in zip(cases, reference, found):
                 error = float(cupy.linalg.norm(got - expected) / max(float(cupy.linalg.norm(expected)), 1e-30))
-                if not error <= TOLERANCE[case.dtype]:  # NaN fails too
+                # At most the kind's tolerance against float64 (Case.dtype: float32, tf32, float16,
+                # bfloat16) from the current tile's output. NaN fails too.
+                if not error <= TOLERANCES[case.dtype]:
                     raise ValueError(f"{case}: relative difference {error:.1e} from the current tile's output")
             result = {"tile": tile}
             if not request["check"]:

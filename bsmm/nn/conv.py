@@ -1,12 +1,9 @@
 """``BlocksparseConv``: a convolution whose channel connectivity is block-sparse.
 
 Every kernel offset has its own block-sparse ``C × K`` matrix, all of one layout;
-the spatial kernel is dense. The three passes are implicit GEMMs over shifted rows
-of one padded copy of the input (the *canvas*, :mod:`bsmm.nn.conv_geometry`): the
-offsets are blocks of one stacked layout whose blocks read their own shift
-(``shifted_pass``, :mod:`bsmm.backends.strided`), never an im2col. Everything but those
-calls is the same code for NumPy (CPU backend) and CuPy (GPU kernels), so the CPU
-tests cover the index arithmetic.
+the spatial kernel is dense. This module holds the operator: its arguments, shapes,
+weights and the checks of its three passes; :mod:`bsmm.nn.conv_passes` runs the
+passes on the canvas of :mod:`bsmm.nn.conv_geometry`.
 """
 
 from __future__ import annotations
@@ -16,73 +13,18 @@ import math
 import numpy as np
 
 from bsmm import initializers
-from bsmm.nn import row_maps
 from bsmm.arrays import Operand, array_module, as_operand, check_same_place, output_array
 from bsmm.backends import for_operand
-from bsmm.block_index import BlockIndex, block_index
-from bsmm.nn.conv_geometry import ConvGeometry, conv_geometry
+from bsmm.block_index import BlockIndex
 from bsmm.dtypes import canonical_dtype
 from bsmm.layouts.checks import as_generator
 from bsmm.matmul import BlocksparseMatMul, blocks_to_dense, dense_to_blocks
-from bsmm.backends.strided import BlockOrder
+from bsmm.nn.conv_geometry import ConvGeometry, conv_geometry, padding_tuple, spatial_tuple
+from bsmm.nn.conv_passes import ConvPasses
 
 __all__ = ["BlocksparseConv"]
 
-# Copies and zero fills move bits: one code path for every dtype, bfloat16 on CuPy included.
-_BITS = {2: np.uint16, 4: np.uint32, 8: np.uint64}
 _AXIS_NAMES = {1: ("L",), 2: ("H", "W"), 3: ("D", "H", "W")}
-
-
-def _bits(array):
-    return array.view(_BITS[array.dtype.itemsize])
-
-
-def _rows(array, width: int):
-    """The bits of a C-contiguous array as rows of ``width`` elements (what gather_rows moves)."""
-    return _bits(array).reshape(-1, width)
-
-
-def _zeros(xp, shape: tuple, dtype):
-    return xp.zeros(shape, dtype=_BITS[np.dtype(dtype).itemsize]).view(dtype)
-
-
-def _empty(xp, shape: tuple, dtype):
-    return xp.empty(shape, dtype=_BITS[np.dtype(dtype).itemsize]).view(dtype)
-
-
-def _spatial_tuple(value, name: str, dims: int, minimum: int) -> tuple:
-    """``value`` (int or sequence of ints) as a tuple of ``dims`` ints >= ``minimum``, or raise naming it."""
-    values = (value,) * dims if isinstance(value, (int, np.integer)) else value
-    try:
-        values = tuple(values)
-    except TypeError:
-        raise TypeError(f"{name} must be an int or a tuple of {dims} ints; got {value!r}") from None
-    if any(isinstance(v, bool) or not isinstance(v, (int, np.integer)) for v in values):
-        raise TypeError(f"{name} must be an int or a tuple of {dims} ints; got {value!r}")
-    if len(values) != dims:
-        raise ValueError(f"{name} must have {dims} entries, one per spatial dimension of kernel_size; got {value!r}")
-    if any(v < minimum for v in values):
-        raise ValueError(f"{name} must be >= {minimum}; got {value!r}")
-    return tuple(int(v) for v in values)
-
-
-def _padding(padding, kernel: tuple, stride: tuple, dilation: tuple) -> tuple:
-    if isinstance(padding, str):
-        if padding == "valid":
-            return (0,) * len(kernel)
-        if padding != "same":
-            raise ValueError(f"padding must be an int, a tuple, 'valid' or 'same'; got {padding!r}")
-        if any(s != 1 for s in stride):
-            raise ValueError(f"padding='same' needs stride 1; got stride {stride}")
-        reach = [d * (k - 1) for k, d in zip(kernel, dilation)]
-        if any(r % 2 for r in reach):
-            raise NotImplementedError(
-                f"padding='same' with an even dilated kernel ({reach} beyond one element) needs asymmetric "
-                f"padding; pad the input yourself or pick an odd kernel"
-            )
-        return tuple(r // 2 for r in reach)
-    return _spatial_tuple(padding, "padding", len(kernel), 0)
-
 
 class BlocksparseConv:
     """A convolution ``y = conv(x, W)`` whose ``C × K`` channel matrix is block-sparse.
@@ -109,6 +51,8 @@ class BlocksparseConv:
 
     Weights ``w`` have shape :attr:`w_shape` = ``(*kernel_size, nnzb, bs, bs)``: per kernel
     offset, the present blocks in the layout's storage order (as :class:`bsmm.BlocksparseMatMul`).
+    :attr:`passes` (:class:`~bsmm.nn.conv_passes.ConvPasses`) runs the passes and keeps
+    what they reuse between calls.
 
     Notes
     -----
@@ -177,13 +121,14 @@ class BlocksparseConv:
         dims = len(kernel_size) if isinstance(kernel_size, (tuple, list)) else 0
         if dims not in (1, 2, 3):
             raise ValueError(f"kernel_size must be an int or a tuple of 1, 2 or 3 ints; got {kernel_size!r}")
-        self.kernel_size = _spatial_tuple(kernel_size, "kernel_size", dims, 1)
-        self.stride = _spatial_tuple(stride, "stride", dims, 1)
-        self.dilation = _spatial_tuple(dilation, "dilation", dims, 1)
-        self.padding = _padding(padding, self.kernel_size, self.stride, self.dilation)
+        self.kernel_size = spatial_tuple(kernel_size, "kernel_size", dims, 1)
+        self.stride = spatial_tuple(stride, "stride", dims, 1)
+        self.dilation = spatial_tuple(dilation, "dilation", dims, 1)
+        self.padding = padding_tuple(padding, self.kernel_size, self.stride, self.dilation)
         if not isinstance(channels_last, (bool, np.bool_)):
             raise TypeError(f"channels_last must be True or False; got {channels_last!r}")
         self.channels_last = bool(channels_last)
+        self.passes = ConvPasses(self.matmul, self.kernel_size, self.stride, self.channels_last)
 
     # -- the layout and shapes -------------------------------------------------------------
     @property
@@ -320,23 +265,7 @@ class BlocksparseConv:
         geometry = self._geometry(tuple(x_op.array.shape), "x")
         dtype = self._check_operands({"x": x_op, "w": w_op})
         y = output_array(out, x_op, self._shape(geometry.batch, geometry.out, self.K), dtype, (x_op, w_op))
-        xp, backend = array_module(y), for_operand(x_op)
-        if geometry.rows == 0 or self.blocks == 0:
-            _bits(y)[...] = 0
-            return out if out is not None else x_op.wrap(y)
-        canvas = self._canvas(xp, backend, x_op.array, geometry)
-        direct = geometry.grid_is_output and self.channels_last
-        grid = y if direct else _empty(xp, (geometry.batch, *geometry.grid, self.K), dtype)
-        # One launch for every kernel offset: the offsets are block rows of one stacked layout
-        # whose blocks read the canvas at their offset's shift (no output re-read per offset).
-        backend.shifted_pass("fprop", self._stacked_index, canvas, w_op.array.reshape(-1), grid.reshape(-1),
-                             geometry.rows, (geometry.row_stride, self.K), self._shifted_blocks(geometry),
-                             tf32=self.tf32)
-        if not direct and self.channels_last:
-            backend.gather_rows(_rows(y, self.K), _rows(grid, self.K),
-                                self._row_map("crop", geometry, row_maps.crop_rows))
-        elif not direct:
-            _bits(self._channels_last(y))[...] = _bits(grid)[geometry.crop]
+        self.passes.fprop(for_operand(x_op), x_op.array, w_op.array, y, geometry)
         return out if out is not None else x_op.wrap(y)
 
     def bprop(self, dy, w, x_shape, out=None):
@@ -360,34 +289,7 @@ class BlocksparseConv:
         self._check_output_gradient(dy_op, geometry, f"x_shape {x_shape}")
         dtype = self._check_operands({"dy": dy_op, "w": w_op})
         dx = output_array(out, dy_op, x_shape, dtype, (dy_op, w_op))
-        xp, backend = array_module(dx), for_operand(dy_op)
-        if geometry.rows == 0 or self.blocks == 0:
-            _bits(dx)[...] = 0
-            return out if out is not None else dy_op.wrap(dx)
-        direct = not geometry.copies_input and self.channels_last
-        # Offset k adds dy grid row r times W_kᵀ into canvas row shift_k / C + r·s (s: the last
-        # stride). Canvas rows of one residue φ mod s are then a stride-1 bprop over the
-        # offsets of that residue, side by side: row φ + q·s sums dy row q - e_k, e_k =
-        # (shift_k / C) // s. dy sits ``lead`` = max e_k zero rows into its buffer so every
-        # read lands inside it; each residue is one launch writing all its rows.
-        step, canvas_rows = self.stride[-1], math.prod(geometry.canvas_shape[:-1])
-        lead, launches = self._bprop_launches(geometry)
-        dy_rows = self._on_grid(xp, backend, dy_op.array, geometry, lead, lead + -(-canvas_rows // step))
-        canvas = dx if direct else _empty(xp, geometry.canvas_shape, dtype)
-        if len(launches) < step:  # rows no offset reaches (a kernel narrower than the stride)
-            _bits(canvas)[...] = 0
-        flat = canvas.reshape(-1)
-        for residue, index, order, blocks in launches:
-            backend.shifted_pass("bprop", index, dy_rows, w_op.array.reshape(-1), flat[residue * self.C:],
-                                 -(-(canvas_rows - residue) // step), (self.K, step * self.C), blocks,
-                                 tf32=self.tf32, weight_blocks=order)
-        if not direct and self.channels_last:
-            backend.gather_rows(_rows(dx, self.C), _rows(canvas, self.C),
-                                self._row_map("input", geometry, row_maps.input_rows))
-        elif not direct:
-            target, source = _bits(self._channels_last(dx)), _bits(canvas)
-            for dst, src in geometry.slices:
-                target[src] = source[dst]
+        self.passes.bprop(for_operand(dy_op), dy_op.array, w_op.array, dx, geometry)
         return out if out is not None else dy_op.wrap(dx)
 
     def updat(self, x, dy, out=None, accumulate: bool = False):
@@ -413,118 +315,8 @@ class BlocksparseConv:
         if accumulate and out is None:
             raise ValueError("accumulate=True needs out=, the buffer to add the gradient to")
         dw = output_array(out, x_op, self.w_shape, dtype, (x_op, dy_op))
-        xp, backend = array_module(dw), for_operand(x_op)
-        if geometry.rows == 0 or self.blocks == 0:
-            if not accumulate:
-                _bits(dw)[...] = 0
-            return out if out is not None else x_op.wrap(dw)
-        canvas = self._canvas(xp, backend, x_op.array, geometry)
-        dy_rows = self._on_grid(xp, backend, dy_op.array, geometry)
-        # Every offset's gradient in one launch over the stacked layout (see fprop).
-        backend.shifted_pass("updat", self._stacked_index, canvas, dy_rows, dw.reshape(-1), geometry.rows,
-                             (geometry.row_stride, self.K), self._shifted_blocks(geometry),
-                             accumulate=bool(accumulate), tf32=self.tf32)
+        self.passes.updat(for_operand(x_op), x_op.array, dy_op.array, dw, geometry, accumulate)
         return out if out is not None else x_op.wrap(dw)
-
-    # -- layout changes shared by the passes -----------------------------------------------------
-    def _channels_last(self, array):
-        """A channels-last view of an activation array of this convolution's layout."""
-        if self.channels_last:
-            return array
-        return array.transpose(0, *range(2, array.ndim), 1)
-
-    @property
-    def _stacked_index(self) -> BlockIndex:
-        """The layout repeated once per kernel offset along C: its blocks in storage order are
-        exactly ``w``'s (offset-major, then the layout's row-major order)."""
-        stacked = self.__dict__.get("_stacked")
-        if stacked is None:
-            stacked = self.__dict__["_stacked"] = block_index(
-                np.tile(self.layout, (math.prod(self.kernel_size), 1)), self.block_size)
-        return stacked
-
-    def _shifted_blocks(self, geometry: ConvGeometry) -> tuple:
-        """Where block row (offset k, c) of the stacked layout reads the canvas: block
-        shift_k / bs + c of a row (every shift is a whole number of channel vectors)."""
-        cached = self.__dict__.setdefault("_shifted", {})
-        blocks = cached.get(geometry.shifts)
-        if blocks is None:
-            per_row = self.C // self.block_size
-            blocks = cached[geometry.shifts] = tuple(
-                shift // self.block_size + c for shift in geometry.shifts for c in range(per_row))
-        return blocks
-
-    def _bprop_launches(self, geometry: ConvGeometry) -> tuple[int, list]:
-        """(lead, one (residue, side-by-side index, its BlockOrder, act_blocks) per residue of
-        the offsets' canvas row shifts modulo the last stride), kept per set of shifts."""
-        cached = self.__dict__.setdefault("_bprop", {})
-        entry = cached.get(geometry.shifts)
-        if entry is None:
-            step, per_row = self.stride[-1], self.K // self.block_size
-            rows = [shift // self.C for shift in geometry.shifts]
-            lead = max(rows) // step
-            by_residue = {}
-            for k, row in enumerate(rows):
-                by_residue.setdefault(row % step, []).append(k)
-            launches = []
-            for residue, offsets in sorted(by_residue.items()):
-                blocks = tuple((lead - rows[k] // step) * per_row + kb for k in offsets for kb in range(per_row))
-                launches.append((residue, *self._side_by_side(tuple(offsets)), blocks))
-            entry = cached[geometry.shifts] = (lead, launches)
-        return entry
-
-    def _side_by_side(self, offsets: tuple) -> tuple[BlockIndex, BlockOrder]:
-        """The layout repeated once per offset in ``offsets`` along K (block column (j, kb):
-        offset ``offsets[j]``'s column kb), and where each of its blocks is in ``w``: offset
-        k's block (c, kb) is block ``k · nnzb`` + its place in the layout's storage order."""
-        index = self.index
-        side = block_index(np.tile(self.layout, (1, len(offsets))), self.block_size)
-        place = np.full(self.layout.shape, -1, dtype=np.int64)
-        place[index.rows, index.indices] = np.arange(index.nnzb)
-        j, column = np.divmod(side.indices, index.n_block_cols)
-        positions = np.asarray(offsets, dtype=np.int64)[j] * index.nnzb + place[side.rows, column]
-        return side, BlockOrder(positions, stored=math.prod(self.kernel_size) * index.nnzb)
-
-    def _row_map(self, name: str, geometry: ConvGeometry, build) -> row_maps.RowMap:
-        """``build(geometry)``, kept per (name, input shape): a training loop asks for the same few."""
-        maps = self.__dict__.setdefault("_row_maps", {})
-        key = (name, geometry.batch, geometry.spatial)
-        row_map = maps.get(key)
-        if row_map is None:
-            row_map = maps[key] = build(geometry)
-        return row_map
-
-    def _canvas(self, xp, backend, x, geometry: ConvGeometry):
-        """The flat canvas of ``x``: ``x`` itself where it already is one, else a zero-padded copy."""
-        if not geometry.copies_input and self.channels_last:
-            return x.reshape(-1)
-        if self.channels_last:  # padding and phases in one gather
-            canvas = _empty(xp, geometry.canvas_shape, x.dtype)
-            backend.gather_rows(_rows(canvas, self.C), _rows(x, self.C),
-                                self._row_map("canvas", geometry, row_maps.canvas_rows))
-            return canvas.reshape(-1)
-        canvas = _zeros(xp, geometry.canvas_shape, x.dtype)
-        target, source = _bits(canvas), _bits(self._channels_last(x))
-        for dst, src in geometry.slices:
-            target[dst] = source[src]
-        return canvas.reshape(-1)
-
-    def _on_grid(self, xp, backend, dy, geometry: ConvGeometry, lead: int = 0, total: int | None = None):
-        """Flat ``dy`` on the grid, zero in the over-computed rows (so they add nothing),
-        after ``lead`` rows of zeros and followed by zero rows up to ``total`` rows."""
-        n_grid = geometry.batch * math.prod(geometry.grid)
-        total = lead + n_grid if total is None else total
-        if not lead and total == n_grid and geometry.grid_is_output and self.channels_last:
-            return dy.reshape(-1)
-        if self.channels_last:
-            row_map = self._row_map(f"grid+{lead}:{total}", geometry, lambda g: row_maps.grid_rows(g, lead, total))
-            grid = _empty(xp, (total, self.K), dy.dtype)
-            backend.gather_rows(_bits(grid), _rows(dy, self.K), row_map)
-            return grid.reshape(-1)
-        grid = _zeros(xp, (total, self.K), dy.dtype)
-        _bits(grid[lead:lead + n_grid]).reshape(geometry.batch, *geometry.grid, self.K)[geometry.crop] = \
-            _bits(self._channels_last(dy))
-        return grid.reshape(-1)
 
     # -- checks -----------------------------------------------------------------------------
     def _check_operands(self, operands: dict[str, Operand]) -> np.dtype:

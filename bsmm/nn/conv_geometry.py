@@ -1,4 +1,5 @@
-"""Index arithmetic of :class:`bsmm.nn.conv.BlocksparseConv`: an implicit GEMM over kernel offsets.
+"""Geometry of :class:`bsmm.nn.conv.BlocksparseConv`: its spatial arguments and the index
+arithmetic of an implicit GEMM over kernel offsets.
 
 Pure Python on shapes, shared by the CPU and GPU paths (so the CPU tests check it).
 
@@ -23,7 +24,7 @@ and column ``o_D s_D + k_D d_D``, i.e. canvas element
     shift(k) + r · s_D · C
 
 so every kernel offset reads rows of one flat canvas an affine step apart (the passes
-of :mod:`bsmm.nn.conv` read each offset's rows at its shift), and no im2col. Rows past the last output
+of :mod:`bsmm.nn.conv_passes` read each offset's rows at its shift), and no im2col. Rows past the last output
 ``(N-1, O_1-1, ..., O_D-1)`` are never run, so the last row of every offset reads
 an input element of the last image and no row leaves the canvas; rows of
 cropped outputs read real (finite) input or zeros.
@@ -41,7 +42,60 @@ import functools
 import itertools
 import math
 
-__all__ = ["ConvGeometry", "conv_geometry", "output_size"]
+import numpy as np
+
+__all__ = ["ConvGeometry", "conv_geometry", "output_size", "padding_tuple", "spatial_tuple"]
+
+
+def spatial_tuple(value, name: str, dims: int, minimum: int) -> tuple:
+    """``value`` (int or sequence of ints) as a tuple of ``dims`` ints >= ``minimum``, or raise naming it.
+
+    Examples
+    --------
+    >>> spatial_tuple(2, "stride", 3, 1)
+    (2, 2, 2)
+    >>> spatial_tuple((1, 0), "padding", 2, 0)
+    (1, 0)
+    """
+    values = (value,) * dims if isinstance(value, (int, np.integer)) else value
+    try:
+        values = tuple(values)
+    except TypeError:
+        raise TypeError(f"{name} must be an int or a tuple of {dims} ints; got {value!r}") from None
+    if any(isinstance(v, bool) or not isinstance(v, (int, np.integer)) for v in values):
+        raise TypeError(f"{name} must be an int or a tuple of {dims} ints; got {value!r}")
+    if len(values) != dims:
+        raise ValueError(f"{name} must have {dims} entries, one per spatial dimension of kernel_size; got {value!r}")
+    if any(v < minimum for v in values):
+        raise ValueError(f"{name} must be >= {minimum}; got {value!r}")
+    return tuple(int(v) for v in values)
+
+
+def padding_tuple(padding, kernel: tuple, stride: tuple, dilation: tuple) -> tuple:
+    """Zeros on both sides of each spatial dimension for ``padding``: an int, a tuple, "valid" or "same".
+
+    Examples
+    --------
+    >>> padding_tuple("same", kernel=(3, 5), stride=(1, 1), dilation=(1, 2))
+    (1, 4)
+    >>> padding_tuple("valid", kernel=(3, 3), stride=(2, 2), dilation=(1, 1))
+    (0, 0)
+    """
+    if isinstance(padding, str):
+        if padding == "valid":
+            return (0,) * len(kernel)
+        if padding != "same":
+            raise ValueError(f"padding must be an int, a tuple, 'valid' or 'same'; got {padding!r}")
+        if any(s != 1 for s in stride):
+            raise ValueError(f"padding='same' needs stride 1; got stride {stride}")
+        reach = [d * (k - 1) for k, d in zip(kernel, dilation)]
+        if any(r % 2 for r in reach):
+            raise NotImplementedError(
+                f"padding='same' with an even dilated kernel ({reach} beyond one element) needs asymmetric "
+                f"padding; pad the input yourself or pick an odd kernel"
+            )
+        return tuple(r // 2 for r in reach)
+    return spatial_tuple(padding, "padding", len(kernel), 0)
 
 
 def output_size(size: int, kernel: int, stride: int, padding: int, dilation: int) -> int:

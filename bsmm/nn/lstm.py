@@ -1,21 +1,7 @@
 """A block-sparse LSTM layer: forward over a sequence and backpropagation through time.
 
-Gates
------
-The four gates of a step are one product of width ``4H``,
-``z = x_t·Wx + h_{t-1}·Wh + b``, in the order input ``i``, forget ``f``,
-output ``o``, candidate ``g``: columns ``[q*H, (q+1)*H)`` hold gate ``q``
-(the three sigmoid gates first, so one call squashes them all). Then
-``c_t = f*c_{t-1} + i*g`` and ``h_t = o*tanh(c_t)``.
-
-``Wx`` (I, 4H) and ``Wh`` (H, 4H) are each one :class:`~bsmm.BlocksparseMatMul`
-whose layout has ``4 * H // bs`` block columns. A square layout ``L`` (H/bs,
-H/bs), e.g. a small-world graph among hidden blocks, is tiled once per gate,
-``[L | L | L | L]``: hidden block ``k`` hears block ``c`` through all four
-gates exactly when ``L[c, k]``. A layout that is already 4 times as wide gives
-each gate its own. A layout of None makes the matrix dense (an ordinary matrix
-product of the array library: BLAS or cuBLAS), which is how the dense baseline
-runs through the same code with any sizes.
+Its gate matrices are laid out as :mod:`bsmm.nn.lstm_gates` says, and each step's
+elementwise math is :mod:`bsmm.nn.lstm_cell`.
 
 Steps
 -----
@@ -49,13 +35,16 @@ from typing import NamedTuple
 import numpy as np
 
 from bsmm import initializers
+from bsmm.arrays import array_module
 from bsmm.block_index import check_block_size, check_layout
 from bsmm.config import settings
 from bsmm.dtypes import canonical_dtype
 from bsmm.layouts.checks import as_generator, check_int
 from bsmm.layouts.small_world import small_world_layout
-from bsmm.arrays import array_module
 from bsmm.matmul import BlocksparseMatMul
+from bsmm.nn.dense_matmul import DenseMatMul
+from bsmm.nn.lstm_cell import cell_backward, cell_forward
+from bsmm.nn.lstm_gates import GATES, gate_layout
 
 __all__ = [
     "BlocksparseLSTM",
@@ -66,62 +55,8 @@ __all__ = [
     "GATES",
 ]
 
-#: Gate order along the 4H columns of the gate matrices.
-GATES = ("input", "forget", "output", "candidate")
 _F64 = np.dtype(np.float64)
 _F32 = np.dtype(np.float32)
-
-
-class DenseMatMul:
-    """A dense ``W`` (C, K) with the passes and signatures of :class:`~bsmm.BlocksparseMatMul`.
-
-    Half-precision operands are multiplied in float32 and rounded once (also
-    after ``accumulate``), as the block-sparse passes do.
-
-    Examples
-    --------
-    >>> import numpy as np
-    >>> op = DenseMatMul(3, 2)
-    >>> out = np.ones((1, 2))
-    >>> op.fprop(np.ones((1, 3)), np.ones(op.w_shape), out=out, accumulate=True).tolist()
-    [[4.0, 4.0]]
-    """
-
-    density = 1.0
-
-    def __init__(self, C: int, K: int):
-        self.C, self.K = int(C), int(K)
-        self.w_shape = (self.C, self.K)
-
-    def fprop(self, x, w, out=None, accumulate: bool = False):
-        """y = x·W, x (N, C) -> (N, K)."""
-        return _gemm(x, w, out, accumulate)
-
-    def bprop(self, dy, w, out=None, accumulate: bool = False):
-        """dx = dy·Wᵀ, dy (N, K) -> (N, C)."""
-        return _gemm(dy, w.T, out, accumulate)
-
-    def updat(self, x, dy, out=None, accumulate: bool = False):
-        """dW = xᵀ·dy, (C, K)."""
-        return _gemm(x.T, dy, out, accumulate)
-
-    def __repr__(self) -> str:
-        return f"DenseMatMul(C={self.C}, K={self.K})"
-
-
-def _gemm(a, b, out, accumulate: bool):
-    dtype = a.dtype
-    if dtype not in (_F32, _F64):
-        a, b = a.astype(_F32), b.astype(_F32)
-    product = a @ b
-    if accumulate:
-        if out is None:
-            raise ValueError("accumulate=True needs out=, the buffer to add the product to")
-        product += out
-    if out is None:
-        return product.astype(dtype, copy=False)
-    out[...] = product
-    return out
 
 
 class LSTMCache(NamedTuple):
@@ -132,7 +67,7 @@ class LSTMCache(NamedTuple):
     x : (T, N, I), compute dtype
     h : (T + 1, N, H), master dtype; ``h[0]`` is the initial state
     c : (T + 1, N, H), master dtype
-    gates : (T, N, 4H), master dtype: the gate activations, order :data:`GATES`
+    gates : (T, N, 4H), master dtype: the gate activations, order :data:`~bsmm.nn.lstm_gates.GATES`
     wx, wh : the weights in the compute dtype
     """
 
@@ -144,28 +79,6 @@ class LSTMCache(NamedTuple):
     wh: object
 
 
-def gate_layout(layout, columns: int) -> np.ndarray:
-    """The (rows, 4·columns) layout of a gate matrix from a per-gate or full layout.
-
-    A layout ``columns`` block columns wide is tiled once per gate; one
-    ``4 * columns`` wide is returned as it is.
-
-    Examples
-    --------
-    >>> gate_layout(np.eye(2), 2).astype(int).tolist()
-    [[1, 0, 1, 0, 1, 0, 1, 0], [0, 1, 0, 1, 0, 1, 0, 1]]
-    """
-    checked = check_layout(layout)
-    if checked.shape[1] == columns:
-        return np.tile(checked, (1, len(GATES)))
-    if checked.shape[1] == len(GATES) * columns:
-        return np.array(checked)
-    raise ValueError(
-        f"layout must have {columns} block columns (one gate, tiled) or {len(GATES) * columns} (all gates); "
-        f"got shape {checked.shape}"
-    )
-
-
 class BlocksparseLSTM:
     """An LSTM layer whose input and recurrent gate matrices are block-sparse.
 
@@ -175,7 +88,7 @@ class BlocksparseLSTM:
         ``I`` and ``H``; multiples of ``block_size`` where the matrix has a layout.
     block_size : int, default from ``bsmm.toml``
     input_layout : (I/bs, H/bs) or (I/bs, 4H/bs) array of 0/1, or None
-        Layout of ``Wx`` (see the module docstring); None: dense.
+        Layout of ``Wx`` (see :mod:`bsmm.nn.lstm_gates`); None: dense.
     recurrent_layout : (H/bs, H/bs) or (H/bs, 4H/bs) array of 0/1, or None
         Layout of ``Wh``; None: dense.
     dtype : float32, float16, bfloat16, or float64 (CPU backend only)
@@ -308,7 +221,7 @@ class BlocksparseLSTM:
         gates = xp.empty((steps, n, 4 * hidden), dtype=self.master_dtype)
         for t in range(steps):
             self.recurrent_op.fprop(h_compute[t], wh, out=z[t], accumulate=True)
-            _cell_forward(z[t], b, c[t], gates[t], h[t + 1], c[t + 1])
+            cell_forward(z[t], b, c[t], gates[t], h[t + 1], c[t + 1])
             if h_compute is not h:
                 h_compute[t + 1] = h[t + 1]
         cache = LSTMCache(x, h, c, gates, wx, wh)
@@ -369,7 +282,7 @@ class BlocksparseLSTM:
         for t in reversed(range(steps)):
             if dh is not None:
                 dh_next += dh[t]
-            dc_next = _cell_backward(dh_next, dc_next, cache.gates[t], cache.c[t], cache.c[t + 1], dz[t])
+            dc_next = cell_backward(dh_next, dc_next, cache.gates[t], cache.c[t], cache.c[t + 1], dz[t])
             if dz_compute is not dz:
                 dz_compute[t] = dz[t]
             self.recurrent_op.bprop(dz_compute[t], cache.wh, out=dh_recurrent)
@@ -412,49 +325,6 @@ def _initial_weights(op, kind: str, rng) -> np.ndarray:
         q *= np.sign(np.diagonal(r))
         parts.append(q)
     return np.concatenate(parts, axis=1)
-
-
-def _sigmoid(x, out):
-    # 1/2 + tanh(x/2)/2 overflows nowhere, unlike 1 / (1 + exp(-x)).
-    array_module(x).tanh(x * 0.5, out=out)
-    out *= 0.5
-    out += 0.5
-    return out
-
-
-def _cell_forward(z, b, c_prev, gates, h_out, c_out):
-    """Gate activations into ``gates`` (master dtype) and the new ``h``, ``c`` from pre-activations ``z``."""
-    xp = array_module(gates)
-    hidden = c_prev.shape[1]
-    gates[...] = z
-    gates += b
-    sig = gates[:, :3 * hidden]
-    _sigmoid(sig, sig)
-    xp.tanh(gates[:, 3 * hidden:], out=gates[:, 3 * hidden:])
-    i, f, o, g = (gates[:, q * hidden:(q + 1) * hidden] for q in range(4))
-    xp.multiply(f, c_prev, out=c_out)
-    c_out += i * g
-    xp.multiply(o, xp.tanh(c_out), out=h_out)
-
-
-def _cell_backward(dh, dc_next, gates, c_prev, c, dz_out):
-    """Pre-activation gradients into ``dz_out``; returns the gradient for ``c_prev``."""
-    xp = array_module(gates)
-    hidden = c.shape[1]
-    i, f, o, g = (gates[:, q * hidden:(q + 1) * hidden] for q in range(4))
-    tanh_c = xp.tanh(c)
-    dc = dh * o
-    dc *= 1 - tanh_c * tanh_c
-    dc += dc_next
-    d_i, d_f, d_o, d_g = (dz_out[:, q * hidden:(q + 1) * hidden] for q in range(4))
-    xp.multiply(dc, g, out=d_i)
-    xp.multiply(dc, c_prev, out=d_f)
-    xp.multiply(dh, tanh_c, out=d_o)
-    sig = gates[:, :3 * hidden]
-    dz_out[:, :3 * hidden] *= sig * (1 - sig)
-    xp.multiply(dc, i, out=d_g)
-    d_g *= 1 - g * g
-    return dc * f
 
 
 # -- small-world models -------------------------------------------------------------------------

@@ -14,67 +14,74 @@ import sys
 import time
 
 from bsmm.config import settings
+from bsmm.dtypes import SUPPORTED_DTYPES
 from bsmm.backends.cuda.kernels import (ARCH_ONLY_MODES, GATHER_UNITS, BlockTransposeVariant, GatherVariant, TransposeVariant, Variant,
-                          _cached_cubin, compile_variant)
-from bsmm.backends.cuda.planner import math_mode, tile_for
+                          _cached_cubin, compile_variant, tiling_problem)
+from bsmm.backends.cuda.policy import current_policy
+from bsmm.backends.cuda.selection import math_mode
+from bsmm.passes import PASS_NAMES, PASSES
 
 
 def all_variants() -> list[Variant | GatherVariant | TransposeVariant | BlockTransposeVariant]:
+    """Every kernel the launch tables of the current policy can select, on any device."""
+    policy = current_policy()
     variants = {GatherVariant(unit) for unit in GATHER_UNITS}  # the convolution's row gathers
     variants.add(TransposeVariant(2))  # updat's transposed operands (half precision at blocks 16, 32)
     variants.add(TransposeVariant(4))  # (TF32 on Hopper)
     block_sizes = settings()["limits"]["block_sizes"]
-    for dtype, tf32_modes in (("float32", (False, True)), ("float16", (False,)), ("bfloat16", (False,))):
-        for tf32 in tf32_modes:
-            for pass_name in ("fprop", "bprop", "updat"):
+    # Every GPU dtype with tf32 off and on: math_mode maps both to what that dtype runs (tf32 only
+    # changes float32's), and the set keeps each variant once.
+    for dtype in SUPPORTED_DTYPES:
+        for tf32 in (False, True):
+            for pass_name in PASS_NAMES:
+                updat = PASSES[pass_name].updates_weights
                 for bs in block_sizes:
                     mode = math_mode(dtype, pass_name, bs, tf32)
                     for n in (16, 32, 64, 4096):
-                        tile = tile_for(mode, pass_name, bs, n)
-                        columns = tile_for(mode, pass_name, bs, n, columns=True)
-                        wgmma = tile_for("wgmma16", pass_name, bs, n, "sm90", optional=True)
+                        tile = policy.tile(mode, pass_name, bs, n)
+                        columns = policy.group_tile(mode, pass_name, bs, n)
+                        wgmma = policy.tile("wgmma16", pass_name, bs, n, "sm90", optional=True)
                         if mode == "tensor16" and wgmma and n > 64:
                             variants.add(Variant(dtype, bs, wgmma, "wgmma16", pass_name, 1, True))
-                            tma = tile_for("tma16", pass_name, bs, n, "sm90", optional=True)
-                            if tma:  # bsmm_matmul_tma (planner._tma_tile)
+                            tma = policy.tile("tma16", pass_name, bs, n, "sm90", optional=True)
+                            if tma:  # bsmm_matmul_tma (selection.tma_tile)
                                 variants.add(Variant(dtype, bs, tma, "wgmma16", pass_name, 1, True, tma=True))
-                        group_tma = tile_for("tma16", pass_name, bs, n, "sm90", columns=True)
-                        if mode == "tensor16" and group_tma and pass_name != "updat":
-                            # wgmma column groups (planner._group_tma_tile)
-                            variants.add(Variant(dtype, bs, group_tma[:6], "wgmma16", pass_name, 1, True, False,
-                                                 group_tma[6], tma=True))
-                        if mode == "tensor16" and group_tma and pass_name == "updat" and n > 64:
-                            # transposed wgmma row groups (planner._group_tma_tile)
+                        group_tma = policy.group_tile("tma16", pass_name, bs, n, "sm90")
+                        if mode == "tensor16" and group_tma and not updat:
+                            # wgmma column groups (selection.group_tma_tile)
+                            variants.add(Variant(dtype, bs, group_tma.tile, "wgmma16", pass_name, 1, True, False,
+                                                 group_tma.size, tma=True))
+                        if mode == "tensor16" and group_tma and updat and n > 64:
+                            # transposed wgmma row groups (selection.group_tma_tile)
                             for axis in (0, 1):
-                                variants.add(Variant(dtype, bs, group_tma[:6], "wgmma16", pass_name, axis, True, False,
-                                                     group_tma[6], tma=True))
-                        tma_mma = tile_for("tma_mma16", pass_name, bs, n, "sm90", optional=True)
-                        if mode == "tensor16" and tma_mma and pass_name != "updat":  # mma.sync fed by TMA
+                                variants.add(Variant(dtype, bs, group_tma.tile, "wgmma16", pass_name, axis, True,
+                                                     False, group_tma.size, tma=True))
+                        tma_mma = policy.tile("tma_mma16", pass_name, bs, n, "sm90", optional=True)
+                        if mode == "tensor16" and tma_mma and not updat:  # mma.sync fed by TMA
                             variants.add(Variant(dtype, bs, tma_mma, mode, pass_name, 1, True, tma=True))
-                        tma_tf32 = tile_for("tma_tf32", pass_name, bs, n, "sm90", optional=True)
-                        if mode == "tf32" and tma_tf32 and pass_name == "bprop":  # TF32 wgmma (plans.build_plan)
+                        tma_tf32 = policy.tile("tma_tf32", pass_name, bs, n, "sm90", optional=True)
+                        if mode == "tf32" and tma_tf32 and pass_name == "bprop":  # TF32 wgmma (selection.select)
                             variants.add(Variant(dtype, bs, tma_tf32, "wgmma_tf32", pass_name, 1, True, tma=True))
                             variants.add(BlockTransposeVariant(bs))  # its fprop (TransposedWeightsFprop)
-                        tf32_rows = tile_for("tma_tf32", pass_name, bs, n, "sm90", columns=True)
-                        if mode == "tf32" and tf32_rows and pass_name == "updat" and n > 64:  # on x and dy transposed
-                            variants.add(Variant(dtype, bs, tf32_rows[:6], "wgmma_tf32", pass_name, 0, True, False,
-                                                 tf32_rows[6], tma=True))
-                        if (mode == "tensor16" and pass_name != "updat" and n > 64
-                                and bs in settings()["kernels"]["act_transpose"]):
-                            # on transposed activations, output on axis 1 (plans.TransposedActivations)
+                        tf32_rows = policy.group_tile("tma_tf32", pass_name, bs, n, "sm90")
+                        if mode == "tf32" and tf32_rows and updat and n > 64:  # on x and dy transposed
+                            variants.add(Variant(dtype, bs, tf32_rows.tile, "wgmma_tf32", pass_name, 0, True, False,
+                                                 tf32_rows.size, tma=True))
+                        if mode == "tensor16" and not updat and n > 64 and bs in policy.act_transpose:
+                            # on transposed activations, output on axis 1 (copy_plans.TransposedActivations)
                             variants.add(Variant(dtype, bs, tile, mode, pass_name, 0, True, act_transposed=True))
                             if columns:
-                                variants.add(Variant(dtype, bs, columns[:6], mode, pass_name, 0, True, False,
-                                                     columns[6], act_transposed=True))
+                                variants.add(Variant(dtype, bs, columns.tile, mode, pass_name, 0, True, False,
+                                                     columns.size, act_transposed=True))
                         for axis in (0, 1):
                             for aligned in (True, False):
                                 variants.add(Variant(dtype, bs, tile, mode, pass_name, axis, aligned))
-                            if pass_name == "updat":  # small batches stream blocks (aligned copies only)
+                            if updat:  # small batches stream blocks (aligned copies only)
                                 variants.add(Variant(dtype, bs, tile, mode, pass_name, axis, True, True))
                             # Column groups (fprop/bprop) and row groups (updat): aligned only.
                             if columns:
-                                variants.add(Variant(dtype, bs, columns[:6], mode, pass_name, axis, True, False,
-                                                     columns[6]))
+                                variants.add(Variant(dtype, bs, columns.tile, mode, pass_name, axis, True, False,
+                                                     columns.size))
     return sorted(variants, key=repr)
 
 
@@ -120,6 +127,13 @@ def main() -> int:
     jobs = [(v, a, args.populate_cache) for v in variants for a in archs
             if ARCH_ONLY_MODES.get(v.math, "sm_90a" if getattr(v, "tma", False) else a) == a]
     failures, spills = 0, 0
+    # The planner refuses a tile that tiling_problem rejects: every tile the tables hold must pass
+    # it, and NVRTC's static_asserts below check the same rules from the kernel's side.
+    for variant in variants:
+        problem = isinstance(variant, Variant) and tiling_problem(variant)
+        if problem:
+            failures += 1
+            print(f"FAIL {variant.name_expression}: {problem}", flush=True)
     start = time.perf_counter()
     with concurrent.futures.ProcessPoolExecutor(args.jobs) as pool:
         for variant, arch, log, error, seconds in pool.map(_compile, jobs, chunksize=4):
@@ -135,7 +149,7 @@ def main() -> int:
             spilled = "spill stores" in log and not re.search(r" 0 bytes spill stores", log)
             spills += spilled
             if not args.quiet or spilled:
-                print(f"{arch:7s} {variant.name_expression:110s} {line} ({seconds:.1f}s)", flush=True)
+                print(f"{arch:7s} {variant.name_expression:151s} {line} ({seconds:.1f}s)", flush=True)
     print(f"compiled {len(jobs) - failures}/{len(jobs)} variant x arch in {time.perf_counter() - start:.0f}s; "
           f"{failures} failed; {spills} with spills")
     return 1 if failures else 0

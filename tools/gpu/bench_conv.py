@@ -34,7 +34,8 @@ import sys
 
 import numpy as np
 
-from bsmm.cli.bench import PASSES, BenchRow, _fmt_time, _gpu_seconds, _median_seconds, write_json
+from bsmm.passes import PASS_NAMES as PASSES
+from bsmm.cli.bench import BenchRow, _fmt_time, _gpu_seconds, _median_seconds, write_json
 from bsmm.nn.conv import BlocksparseConv
 from bsmm.layouts import random_layout
 
@@ -158,7 +159,7 @@ def bench_torch(shapes: dict, dtypes, densities, block_size: int, seed: int, tf3
     import torch
     import torch.nn.functional as F
 
-    from bsmm.torch.ops import _shared_as
+    from bsmm.torch.passes import _shared_as
 
     if device == "cuda":
         import cupy as xp
@@ -218,7 +219,7 @@ def _torch_errors(xp, conv, runs, x_nchw, dy_nchw, w, geometry) -> dict:
     import torch
     import torch.nn.functional as F
 
-    from bsmm.torch.ops import _shared_as
+    from bsmm.torch.passes import _shared_as
 
     allow = torch.backends.cudnn.allow_tf32
     torch.backends.cudnn.allow_tf32 = False

@@ -38,8 +38,10 @@ from pathlib import Path
 
 import numpy as np
 
+from bsmm.dtypes import ELEMENT_TYPES, KIND_DTYPES
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_sweep import TOLERANCE, _BITS, _NAN_BITS, as_float32, as_float64, normal  # noqa: E402
+from gpu_sweep import KINDS, TOLERANCE, as_float32, as_float64, normal  # noqa: E402
 
 PASSES = ("fprop", "bprop", "updat")
 BOUNDARY = 2**31
@@ -59,7 +61,7 @@ class EdgeCheck:
 
     @property
     def dtype(self) -> str:
-        return "float32" if self.kind == "tf32" else self.kind
+        return KIND_DTYPES[self.kind]
 
 
 def default_rows(features: int, boundary: int) -> int:
@@ -80,7 +82,7 @@ def peak_bytes(check: EdgeCheck, chunk_elements: int = CHUNK_ELEMENTS) -> int:
     """Estimated GPU memory of one check: x and dy, the output, the library's workspace (one
     more activation at most), dense float64 W and dW, float64 chunks."""
     n, c, k = check.N, check.C, check.K
-    item = 4 if check.dtype == "float32" else 2
+    item = ELEMENT_TYPES[check.dtype].element_bytes
     output = {"fprop": n * k, "bprop": n * c, "updat": c * k}[check.pass_name]
     temporaries = 6 * min(chunk_elements, n * max(c, k)) * 8 + (3 * n * k * 8 if check.feature_axis == 0 else 0)
     return (2 * n * c + n * k + output) * item + 3 * c * k * 8 + temporaries
@@ -102,27 +104,21 @@ def edge_layout(cb: int, kb: int, density: float, rng: np.random.Generator) -> n
 
 def filled(xp, rng, shape, dtype: str, chunk_rows: int):
     """Normal random data of ``shape``, made ``chunk_rows`` rows at a time."""
-    np_dtype = _np_dtype(dtype)
-    bits = xp.empty(shape, dtype=_BITS[np_dtype.itemsize])  # filled through the bits: no bfloat16 kernel
+    element = ELEMENT_TYPES[dtype]
+    bits = xp.empty(shape, dtype=element.uint)  # filled through the bits: no bfloat16 kernel
     for r0 in range(0, shape[0], chunk_rows):
         r1 = min(shape[0], r0 + chunk_rows)
         bits[r0:r1] = normal(rng, (r1 - r0, shape[1]), dtype).view(bits.dtype)
-    return bits.view(np_dtype)
+    return bits.view(element.numpy)
 
 
 def poisoned_rows(xp, shape, dtype: str, chunk_rows: int):
     """NaN everywhere, written ``chunk_rows`` rows at a time (no kernel over 2**31 elements)."""
-    np_dtype = _np_dtype(dtype)
-    bits = xp.empty(shape, dtype=_BITS[np_dtype.itemsize])
+    element = ELEMENT_TYPES[dtype]
+    bits = xp.empty(shape, dtype=element.uint)
     for r0 in range(0, shape[0], chunk_rows):
-        bits[r0:r0 + chunk_rows].fill(_NAN_BITS[dtype])
-    return bits.view(np_dtype)
-
-
-def _np_dtype(dtype: str) -> np.dtype:
-    from bsmm import SUPPORTED_DTYPES
-
-    return SUPPORTED_DTYPES[dtype]
+        bits[r0:r0 + chunk_rows].fill(element.nan_bits)
+    return bits.view(element.numpy)
 
 
 def compare_rows(xp, got, reference_rows, tail_start, chunk_rows: int) -> dict:
@@ -206,8 +202,8 @@ def run_pass(xp, op, check: EdgeCheck, x, dy, w, args) -> dict:
         del expected
     result["note"] = "" if returned is out else "the call did not return out"
     if check.pass_name == "bprop":  # the exact tail: elements at flat index >= boundary, poison left or not
-        flat = out.reshape(-1)[boundary:].view(_BITS[out.dtype.itemsize])
-        mask = {"float32": 0x7F800000, "float16": 0x7C00, "bfloat16": 0x7F80}[dtype]
+        flat = out.reshape(-1)[boundary:].view(ELEMENT_TYPES[dtype].uint)
+        mask = ELEMENT_TYPES[dtype].exponent_mask  # all exponent bits set: NaN or Inf
         result["past boundary nonfinite"] = past = int(xp.count_nonzero((flat & mask) == mask))
         if past:
             result["note"] = f"{result['note']} {past} NaN/Inf at or past element {boundary}".strip()
@@ -251,7 +247,7 @@ def run_checks(checks: list[EdgeCheck], xp, args, out=print) -> list[dict]:
     groups = itertools.groupby(checks, key=lambda c: (c.dtype, c.feature_axis, c.N, c.C, c.K))
     for (dtype, axis, n, c, k), group in groups:
         group = list(group)
-        rng = xp.random.default_rng([args.seed, axis, n, c, k, list(TOLERANCE).index(dtype)])
+        rng = xp.random.default_rng([args.seed, axis, n, c, k, KINDS.index(dtype)])
         shape = (lambda features: (n, features)) if axis == 1 else (lambda features: (features, n))
         x = filled(xp, rng, shape(c), dtype, chunk_rows(args, shape(c)[1]))
         dy = filled(xp, rng, shape(k), dtype, chunk_rows(args, shape(k)[1]))
@@ -292,7 +288,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="float16, block 32, feature axis 1 only")
-    parser.add_argument("--dtypes", nargs="+", default=["float16", "bfloat16"], choices=list(TOLERANCE))
+    parser.add_argument("--dtypes", nargs="+", default=["float16", "bfloat16"], choices=KINDS)
     parser.add_argument("--block-sizes", nargs="+", type=int, default=[32, 64], choices=[8, 16, 32, 64, 128])
     parser.add_argument("--axes", nargs="+", type=int, default=[1, 0], choices=[0, 1])
     parser.add_argument("--passes", nargs="+", default=list(PASSES), choices=PASSES)

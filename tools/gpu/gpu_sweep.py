@@ -50,11 +50,13 @@ from pathlib import Path
 
 import numpy as np
 
+from bsmm.dtypes import ELEMENT_TYPES, GPU_KINDS
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
 from reference import TOLERANCE, kind_dtype  # noqa: E402  (tests/reference.py: the tolerances of the test suite)
 
 BLOCK_SIZES = (8, 16, 32, 64, 128)
-KINDS = ("float32", "tf32", "float16", "bfloat16")
+KINDS = GPU_KINDS  # float32, tf32, float16, bfloat16 (bsmm.dtypes; the draws depend on the order)
 LAYOUT_KINDS = ("random", "skewed", "holes", "barabasi_albert")
 PASSES = ("fprop", "bprop", "updat")
 WAYS = ("alloc", "repeat", "out", "accumulate")
@@ -220,8 +222,8 @@ def _empty_lines(rng: np.random.Generator, count: int) -> np.ndarray:
 
 
 # -- array helpers, for NumPy or CuPy (``xp``) -------------------------------------------------------
-_BITS = {2: np.uint16, 4: np.uint32}
-_NAN_BITS = {"float32": 0x7FC00000, "float16": 0x7E00, "bfloat16": 0x7FC0}
+#: Element size -> the unsigned integer dtype elements are viewed as bitwise (ElementType.uint).
+_BITS = {t.element_bytes: t.uint for t in ELEMENT_TYPES.values()}
 
 
 def as_float32(array):
@@ -241,9 +243,7 @@ def from_float32(array, dtype: str):
         return array.astype(dtype)
     bits = array.view(np.uint32)
     rounded = (bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
-    from bsmm import SUPPORTED_DTYPES
-
-    return rounded.astype(np.uint16).view(SUPPORTED_DTYPES["bfloat16"])
+    return rounded.astype(np.uint16).view(ELEMENT_TYPES["bfloat16"].numpy)
 
 
 def normal(rng, shape, dtype: str, scale: float = 1.0):
@@ -260,11 +260,9 @@ def copy_bits(array):
 
 
 def poisoned(xp, shape, dtype: str):
-    """An array of ``dtype`` whose every element is a quiet NaN."""
-    from bsmm import SUPPORTED_DTYPES
-
-    np_dtype = SUPPORTED_DTYPES[dtype]
-    return xp.full(shape, _NAN_BITS[dtype], dtype=_BITS[np_dtype.itemsize]).view(np_dtype)
+    """An array of ``dtype`` whose every element is a quiet NaN (ElementType.nan_bits)."""
+    element = ELEMENT_TYPES[dtype]
+    return xp.full(shape, element.nan_bits, dtype=element.uint).view(element.numpy)
 
 
 def rel_error(xp, actual, expected, dtype: str) -> tuple[float, str]:

@@ -57,7 +57,7 @@ def moved_bytes(plan, n: int) -> dict[str, int]:
     if extra:
         plan = plan.plan
     v = plan.variant
-    bm, bn, bk = v.tile[:3]
+    bm, bn, bk = v.tile.bm, v.tile.bn, v.tile.bk
     bs, item = v.block_size, ELEMENT_BYTES[v.dtype]
     segments, table = _host(plan.segments).astype(np.int64), _host(plan.table)
     _, tiles_y, tiles_z = plan.launcher.grid

@@ -34,21 +34,21 @@ def main() -> None:
     y = conv(x, wts)
     dy = cupy.asarray(rng.standard_normal(y.shape), dtype=cupy.float16)
     geometry = conv._geometry(x.shape, "x")
-    canvas = conv._canvas(cupy, cuda_backend, x, geometry)
+    canvas = conv.passes.canvas(cuda_backend, x, geometry)
     grid = cupy.empty((n, *geometry.grid, c), cupy.float16)
-    crop = conv._row_map("crop", geometry, row_maps.crop_rows)
+    crop = conv.passes.row_map("crop", geometry, row_maps.crop_rows)
 
     def fprop_kernel():
-        cuda_backend.shifted_pass("fprop", conv._stacked_index, canvas, wts.reshape(-1), grid.reshape(-1),
-                                  geometry.rows, (geometry.row_stride, conv.K), conv._shifted_blocks(geometry))
+        cuda_backend.shifted_pass("fprop", conv.passes.stacked_index, canvas, wts.reshape(-1), grid.reshape(-1),
+                                  geometry.rows, (geometry.row_stride, conv.K), conv.passes.shifted_blocks(geometry))
 
     report = {
         "fprop": lambda: conv(x, wts),
-        "  canvas gather": lambda: conv._canvas(cupy, cuda_backend, x, geometry),
+        "  canvas gather": lambda: conv.passes.canvas(cuda_backend, x, geometry),
         "  kernel (every offset, one launch)": fprop_kernel,
         "  crop gather": lambda: cuda_backend.gather_rows(y.reshape(-1, c), grid.reshape(-1, c), crop),
         "bprop": lambda: conv.bprop(dy, wts, x.shape),
-        "  dy on the grid": lambda: conv._on_grid(cupy, cuda_backend, dy, geometry),
+        "  dy on the grid": lambda: conv.passes.on_grid(cuda_backend, dy, geometry),
         "updat": lambda: conv.updat(x, dy),
     }
     print(f"shape {args.shape}, block {bs}, density {args.density}, rows {geometry.rows}, "

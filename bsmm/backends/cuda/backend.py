@@ -15,6 +15,7 @@ import cupy
 import numpy as np
 
 from bsmm.block_index import BlockIndex
+from bsmm.passes import PASSES
 from bsmm.dtypes import DTYPE_NAMES
 from bsmm.backends.cuda import plans
 from bsmm.backends.cuda.kernels import GatherVariant, load_kernel
@@ -235,10 +236,10 @@ def shifted_pass(pass_name: str, index: BlockIndex, act, other, out, rows: int, 
     item = act.dtype.itemsize
     aligned = _aligned(1, rows, act, other, out) and all((s * item) % _VEC_BYTES == 0 for s in (stride_a, stride_b))
     plan = plan_for(index, pass_name, rows, DTYPE_NAMES[act.dtype], 1, tf32, aligned, act_blocks, weight_blocks)
-    if pass_name == "updat":
+    if PASSES[pass_name].updates_weights:
         sizes = (rows, stride_a, stride_b, 0)
     else:
-        features_out = index.K if pass_name == "fprop" else index.C
+        features_out = PASSES[pass_name].features(index.C, index.K)[1]
         sizes = (rows, stride_a, features_out // index.block_size, stride_b)
     plan.launch(_current_stream().ptr, act.data.ptr, other.data.ptr, out.data.ptr, sizes, int(accumulate))
 

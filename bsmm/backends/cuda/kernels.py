@@ -31,15 +31,23 @@ from pathlib import Path
 
 from bsmm.config import CUDA_DIR, cache_dir
 from bsmm.dtypes import ELEMENT_TYPES
+from bsmm.backends.cuda.policy import Tile
 
-__all__ = ["Variant", "GatherVariant", "TransposeVariant", "compile_variant", "load_kernel", "arch_for", "cuda_include_dirs", "compile_options"]
+__all__ = ["Variant", "tiling_problem", "static_shared_bytes", "GatherVariant", "TransposeVariant", "compile_variant", "load_kernel", "arch_for", "cuda_include_dirs", "compile_options"]
 
 SOURCE_FILE = "bsmm_matmul.cu"
-MATH_MODES = {"simt": 0, "tensor16": 1, "tf32": 2, "wgmma16": 3, "wgmma_tf32": 3}  # (wgmma on float: TF32)
+#: ``Variant.math`` -> the kernel template's ``bsmm::Math`` enumerator (cuda/bsmm_kernel_traits.cuh).
+MATH_ENUMS = {"simt": "bsmm::Math::Simt", "tensor16": "bsmm::Math::Tensor16", "tf32": "bsmm::Math::Tf32",
+              "wgmma16": "bsmm::Math::Wgmma", "wgmma_tf32": "bsmm::Math::Wgmma"}  # (wgmma on float: TF32)
 #: Math modes whose instructions exist only on one architecture (compiled for it alone);
 #: TMA variants (``Variant.tma``) are built for sm_90a only as well.
 ARCH_ONLY_MODES = {"wgmma16": "sm_90a", "wgmma_tf32": "sm_90a"}
-PASS_IDS = {"fprop": 0, "bprop": 1, "updat": 2}
+#: ``Variant.pass_name`` -> the kernel template's ``bsmm::Pass`` enumerator.
+PASS_ENUMS = {"fprop": "bsmm::Pass::Fprop", "bprop": "bsmm::Pass::Bprop", "updat": "bsmm::Pass::Updat"}
+#: ``Variant.feature_axis`` (any axis but 1 reads as 0), or ``"act_transposed"`` where that is set,
+#: -> the kernel template's ``bsmm::FeatureAxis`` enumerator.
+FEATURE_AXIS_ENUMS = {0: "bsmm::FeatureAxis::Axis0", 1: "bsmm::FeatureAxis::Axis1",
+                      "act_transposed": "bsmm::FeatureAxis::TransposedActivations"}
 #: Longest part of a block column (row) one thread block takes; its step-table slice is staged in
 #: shared memory (8 bytes an entry). Passed to NVRTC, so host and kernel agree.
 MAX_PART_BLOCKS = 256
@@ -55,7 +63,7 @@ class Variant:
 
     dtype: str  # a name of C_TYPES: "float32", "float16", "bfloat16"
     block_size: int
-    tile: tuple[int, int, int, int, int, int]  # BM, BN, BK, WARPS_M, WARPS_N, STAGES
+    tile: Tile  # BM, BN, BK, WARPS_M, WARPS_N, STAGES (six numbers are taken as a Tile)
     math: str  # "simt", "tensor16", "tf32", "wgmma16" or "wgmma_tf32" (sm_90a)
     pass_name: str  # "fprop", "bprop", "updat"
     feature_axis: int
@@ -75,14 +83,17 @@ class Variant:
 
     source_file = SOURCE_FILE
 
+    def __post_init__(self):
+        object.__setattr__(self, "tile", Tile.of(self.tile))
+
     @property
     def threads(self) -> int:
-        return self.tile[3] * self.tile[4] * 32 + (32 if self.tma else 0)
+        return self.tile.warps_m * self.tile.warps_n * 32 + (32 if self.tma else 0)
 
     @property
     def shared_bytes(self) -> int:
         """Dynamic shared memory: the cp.async pipeline's stages (mirrors Kernel::SMEM_BYTES)."""
-        bm, bn, bk, _, _, stages = self.tile
+        bm, bn, bk, stages = self.tile.bm, self.tile.bn, self.tile.bk, self.tile.stages
         item = ELEMENT_BYTES[self.dtype]
         if self.math == "wgmma16" or self.tma:  # swizzled, unpadded stages + 1 KiB to align them
             return stages * (bm * bk + bk * bn) * item + 1024
@@ -96,13 +107,83 @@ class Variant:
 
     @property
     def name_expression(self) -> str:
-        bm, bn, bk, wm, wn, stages = self.tile
+        """The template instance NVRTC compiles, its math, pass and feature axis as enumerators:
+
+        >>> Variant("float16", 32, (64, 32, 32, 2, 2, 3), "tensor16", "updat", 1, True).name_expression
+        'bsmm::bsmm_matmul<__half, 32, 64, 32, 32, 2, 2, 3, bsmm::Math::Tensor16, bsmm::Pass::Updat, bsmm::FeatureAxis::Axis1, 1, 0, 1>'
+        >>> Variant("float16", 16, (256, 16, 16, 8, 1, 6), "tensor16", "fprop", 0, True,
+        ...         act_transposed=True).name_expression.split(", ")[8:11]
+        ['bsmm::Math::Tensor16', 'bsmm::Pass::Fprop', 'bsmm::FeatureAxis::TransposedActivations']
+        """
+        bm, bn, bk, wm, wn, stages = self.tile.as_list()
+        axis = FEATURE_AXIS_ENUMS["act_transposed" if self.act_transposed else int(self.feature_axis == 1)]
         return (
             f"bsmm::bsmm_matmul{'_tma' if self.tma else ''}<{C_TYPES[self.dtype]}, {self.block_size}, {bm}, {bn}, {bk}, {wm}, {wn}, {stages}, "
-            f"{MATH_MODES[self.math]}, {PASS_IDS[self.pass_name]}, {2 if self.act_transposed else int(self.feature_axis == 1)}, "
+            f"{MATH_ENUMS[self.math]}, {PASS_ENUMS[self.pass_name]}, {axis}, "
             f"{int(self.aligned)}, "
             f"{int(self.grouped)}, {self.cols}>"
         )
+
+
+def static_shared_bytes(variant: Variant) -> int:
+    """Static shared memory beside a variant's stages: the staged step table and the groups' entries."""
+    steps = (MAX_PART_BLOCKS + 8) * (variant.cols + 1) * 4 if variant.cols > 1 else 0
+    return MAX_PART_BLOCKS * 8 + steps + 256
+
+
+def tiling_problem(variant: Variant, max_shared: int | None = None) -> str:
+    """Why the kernel template cannot build ``variant``'s tile, or ``""`` where it can: the
+    tiling rules of ``Kernel`` in ``cuda/bsmm_kernel_traits.cuh`` (whose static_asserts NVRTC
+    checks), and, given ``max_shared``, the device's shared memory a thread block. The planner
+    checks every tile it selects, CI's compile check every variant it builds, and ``bsmm tune``
+    every candidate.
+
+    >>> tiling_problem(Variant("float16", 64, (128, 64, 64, 8, 1, 4), "wgmma16", "fprop", 1, True, tma=True))
+    ''
+    >>> tiling_problem(Variant("float16", 64, (128, 64, 60, 4, 1, 4), "tensor16", "fprop", 1, True))
+    'tiles must be whole 16-byte chunks'
+    """
+    tile, item = variant.tile, ELEMENT_BYTES[variant.dtype]
+    bm, bn, bk, wm, wn, stages = tile.bm, tile.bn, tile.bk, tile.warps_m, tile.warps_n, tile.stages
+    vec = 16 // item
+    wgmma = variant.math.startswith("wgmma")
+    if min(tile.as_list()) < 1 or not 2 <= stages <= 8 or variant.threads > 1024:
+        return "sizes at least 1, 2 to 8 stages, at most 1024 threads"
+    if bk % vec or bm % vec or bn % vec:
+        return "tiles must be whole 16-byte chunks"
+    if max_shared is not None and variant.shared_bytes + static_shared_bytes(variant) > max_shared:
+        return f"needs more than the device's {max_shared} bytes of shared memory"
+    groups, updat = variant.cols > 1, variant.pass_name == "updat"
+    if wgmma and groups and updat and (bm != variant.cols * variant.block_size or bn != variant.block_size):
+        return "transposed row groups hold the group's blocks in M"
+    whole_blocks = bm == variant.block_size if updat else bk == variant.block_size
+    if groups and not wgmma and (wn != variant.cols or not whole_blocks):
+        return "groups take a warp column a block and whole blocks a step"
+    if wgmma:
+        column_groups = groups and not updat
+        depth_ok = bk % variant.block_size == 0 if column_groups else bk * item == 128
+        three_stages = stages >= 3 or variant.tma  # cp.async wgmma: one in flight, one read, one filling
+        stored_fits = not variant.tma or bm * bn <= stages * (bm * bk + bk * bn)
+        fits = bm % 64 == 0 and wn == 1 and wm * 16 == bm and depth_ok and three_stages and stored_fits
+        return "" if fits else "wgmma tiles: 64-row warpgroups in one column, 128-byte rows, 3 stages"
+    if bm % wm or bn % wn:
+        return "warps must divide the tile"
+    if variant.math == "simt":
+        nt = wm * wn * 32
+        tx0 = min(bn // 4, 16)
+        tx = nt // bm if tx0 * bm < nt else tx0
+        if tx == 0 or nt % tx:
+            return "simt threads must tile the output"
+        ty = nt // tx
+        fits = bk % 4 == 0 and tx <= bn and bm % ty == 0 and bn % tx == 0
+        return "" if fits else "simt threads must tile the output"
+    wtm, wtn = bm // wm, bn // wn
+    depth = 16 if variant.math == "tensor16" else 8
+    if variant.tma:  # mma.sync on TMA's 64-byte swizzled rows
+        fits = wtm % 16 == 0 and wtn % 8 == 0 and bk * item == 64 and bn * item == 64
+        return "" if fits else "mma.sync on TMA: 64-byte rows, warp tiles of 16 x 8"
+    fits = wtm % 16 == 0 and wtn % 8 == 0 and bk % depth == 0
+    return "" if fits else "mma.sync warp tiles of 16 x 8, depth a whole MMA"
 
 
 #: Access units of the row gather, by bytes.

@@ -19,19 +19,19 @@ import threading
 import weakref
 
 import cupy
-import numpy as np
 
 from bsmm.block_index import BlockIndex
-from bsmm.backends.cuda.kernels import ELEMENT_BYTES, BlockTransposeVariant, TransposeVariant, Variant, load_kernel
+from bsmm.backends.cuda.kernels import ELEMENT_BYTES, Variant, load_kernel
 from bsmm.backends.cuda.launches import SerializedLaunch
-from bsmm.backends.cuda.planner import (Device, Path, copies, copy_row_elements, launch_layout, layout_path,
-                                        transposed_layout, transposes_weights)
+from bsmm.backends.cuda.planner import Path, launch_layout, layout_path
+from bsmm.backends.cuda.policy import Policy, current_policy
+from bsmm.backends.cuda.selection import Device, copies, transposes_weights
 from bsmm.backends.cuda.tensor_maps import MAP_BYTES, tensor_map
 from bsmm.backends.cuda.workspaces import allocate_workspace, per_stream
 from bsmm.backends.strided import BlockOrder
+from bsmm.passes import PASSES
 
-__all__ = ["Launcher", "Parameters", "Plan", "TmaPlan", "TransposedActivations", "TransposedUpdat",
-           "TransposedWeightsFprop", "build_plan", "device_traits", "occupancy", "forget_plans", "plan_for", "plans_of"]
+__all__ = ["Launcher", "Parameters", "Plan", "TmaPlan", "build_plan", "device_traits", "occupancy", "forget_plans", "plan_for", "plans_of"]
 
 # Bound once: the per-call path looks it up on every launch.
 launch_kernel = cupy.cuda.driver.launchKernel
@@ -210,7 +210,7 @@ class TmaPlan(Plan):
                     tensor_map(other_ptr, n, self.feature_rows[1], e * ld_other, *self.other_box, e), _NO_MAP)
         act = tensor_map(act_ptr, ld_act, n, e * ld_act, *self.act_box, e)
         stored = self.out_box is not None
-        if self.variant.pass_name == "updat":
+        if PASSES[self.variant.pass_name].updates_weights:
             dy = tensor_map(other_ptr, ld_other, n, e * ld_other, *self.other_box, e)
             return act, dy, tensor_map(out_ptr, bs, self.block_rows, e * bs, *self.out_box, e) if stored else _NO_MAP
         weights = tensor_map(other_ptr, bs, self.block_rows, e * bs, *self.other_box, e)
@@ -221,34 +221,35 @@ _NO_MAP = bytes(MAP_BYTES)  # a tensor-map parameter the kernel does not read
 
 
 def device_traits(device) -> Device:
-    """The planner's :class:`bsmm.backends.cuda.planner.Device` for a CuPy device, as the environment
-    switches of this moment leave it; occupancy comes from the driver (loading the kernel)."""
-    return Device.with_environment(f"sm{device.compute_capability}", device.attributes["MultiProcessorCount"],
-                                   lambda variant: occupancy(load_kernel(variant, device.id), variant))
+    """The planner's :class:`bsmm.backends.cuda.selection.Device` for a CuPy device; occupancy
+    comes from the driver (loading the kernel)."""
+    return Device(f"sm{device.compute_capability}", device.attributes["MultiProcessorCount"],
+                  lambda variant: occupancy(load_kernel(variant, device.id), variant))
 
 
 def build_plan(index: BlockIndex, pass_name: str, n: int, dtype: str, feature_axis: int, tf32: bool,
-                aligned: bool, device, act_blocks: tuple | None = None,
-                weight_blocks: BlockOrder | None = None, act_transposed: bool = False, copied: str = "") -> Plan:
-    """The plan of one kernel launch: :func:`bsmm.backends.cuda.planner.launch_layout`'s decisions and tables,
-    uploaded to ``device``. ``copied``: what the caller transposes first (for :attr:`Plan.path`)."""
+               aligned: bool, device, policy: Policy, act_blocks: tuple | None = None,
+               weight_blocks: BlockOrder | None = None, act_transposed: bool = False, copied: str = "") -> Plan:
+    """The plan of one kernel launch under ``policy``: :func:`bsmm.backends.cuda.planner.launch_layout`'s
+    decisions and tables, uploaded to ``device``. ``copied``: what the caller transposes first
+    (for :attr:`Plan.path`)."""
     traits = device_traits(device)
     layout = launch_layout(index, pass_name, n, dtype, feature_axis, tf32, aligned, traits, act_blocks,
-                           weight_blocks, act_transposed)
+                           weight_blocks, act_transposed, policy=policy)
     variant = layout.variant
     kernel = load_kernel(variant, device.id)
     with device:
         return (TmaPlan if variant.tma else Plan)(
             variant=variant,
             launcher=Launcher(kernel, layout.grid, variant.threads, variant.shared_bytes,
-                               map_count=3 if variant.tma else 0, serialized=traits.programmatic),
+                              map_count=3 if variant.tma else 0, serialized=policy.programmatic_on(traits.arch)),
             segments=cupy.asarray(layout.segments),
             units=cupy.asarray(layout.units),
             table=cupy.asarray(layout.table),
             workspace_floats=layout.workspace_floats,
             counter_count=layout.counter_count,
             band_rows=layout.band_rows,
-            path=layout_path(pass_name, copied, layout, traits),
+            path=layout_path(pass_name, copied, layout, traits, policy),
             **layout.tma_fields,
         )
 
@@ -265,115 +266,11 @@ _PLAN_LOCK = threading.Lock()
 
 
 def forget_plans() -> None:
-    """Drop every cached plan, so that the next call of a pass plans it from the current settings
-    (:func:`bsmm.config.overriding`). Operators keep the calls they already made
+    """Drop every cached plan, so that the next call of a pass plans it again (plans are kept per
+    :class:`~bsmm.backends.cuda.policy.Policy`, so a new policy never needs this). Operators keep the calls they already made
     (:class:`FastCall`): make new ones."""
     with _PLAN_LOCK:
         _PLANS.clear()
-
-
-def _transpose_launcher(item: int, ld: int, features: int, device) -> Launcher:
-    """A launch of ``transpose_tiles`` (``cuda/bsmm_transpose.cu``) turning an (N, features)
-    operand of ``item``-byte elements into its (features, ld) copy."""
-    tile = TransposeVariant.TILE
-    return Launcher(load_kernel(TransposeVariant(item), device.id), (-(-ld // tile), -(-features // tile), 1),
-                     TransposeVariant.threads, 0, 5, serialized=device_traits(device).programmatic)
-
-
-class TransposedActivations:
-    """fprop (bprop) on feature axis 1 through a transposed copy of x (dy): one launch of
-    ``cuda/bsmm_transpose.cu`` into a workspace, then the pass reading that copy as on feature
-    axis 0 and writing its output on axis 1 (``Variant.act_transposed``).
-
-    At block 16 a row of the activations holds a block's features as one 32-byte segment, its
-    own cache-line request, and those requests, not the bytes, bound the pass; in the copy every
-    row of a tile is whole lines. Used for the block sizes of ``[kernels] act_transpose``,
-    float16/bfloat16, batches of at least ``act_transpose_min_rows`` rows and where the copy,
-    features x N elements (N rounded up to 16 bytes with zeros), fits
-    ``act_transpose_max_bytes`` (:func:`bsmm.backends.cuda.planner.transposes_activations`); kept per stream
-    like :class:`TransposedUpdat`'s. Same launch interface as :class:`Plan`.
-    """
-
-    def __init__(self, index: BlockIndex, pass_name: str, n: int, dtype: str, device):
-        self.n = n
-        self.features = index.C if pass_name == "fprop" else index.K
-        item = ELEMENT_BYTES[dtype]
-        self.ld = copy_row_elements(n, item)
-        self.plan = build_plan(index, pass_name, n, dtype, 0, False, True, device, act_transposed=True,
-                                copied="x" if pass_name == "fprop" else "dy")
-        self.variant, self.path = self.plan.variant, self.plan.path
-        self.transpose = _transpose_launcher(item, self.ld, self.features, device)
-        self.item = item
-        self.workspaces: dict = {}  # stream -> the activations transposed
-
-    def launch(self, stream_ptr: int, act_ptr: int, w_ptr: int, out_ptr: int, sizes: tuple, accumulate: int) -> None:
-        act_t, _ = per_stream(self.workspaces, stream_ptr, lambda: allocate_workspace(self.features * self.ld * self.item))
-        self.transpose.launch(stream_ptr, act_ptr, act_t, self.n, self.features, self.ld)
-        # (n, activation row length, output blocks, output row length): the copy's rows are ld long.
-        self.plan.launch(stream_ptr, act_t, w_ptr, out_ptr, (sizes[0], self.ld, *sizes[2:]), accumulate)
-
-
-class TransposedUpdat:
-    """updat on feature axis 1 through transposed copies of x and dy: two launches of
-    ``cuda/bsmm_transpose.cu`` into a workspace, then the feature-axis-0 updat over them.
-
-    At block 16 (32) a row of x or dy holds a block's features as one 32 (64)-byte segment,
-    its own cache line, and those line requests, not the bytes, bound the pass; transposed,
-    every row of a tile is whole lines (T, fp16: block 16 5-6 -> 9-10 % efficiency, block 32
-    14-15 -> 15-18 %; ``results/archive/RESULTS.md``, v8). TF32 on Hopper takes it too, for its wgmma
-    row groups, which read 32-bit operands K-major only (:func:`bsmm.backends.cuda.planner.transposes_updat`). Used for
-    the block sizes listed in ``[kernels] updat_transpose``, batches of at least
-    ``updat_transpose_min_rows`` rows and where the workspace, (C + K) x N elements (N
-    rounded up to 16 bytes with zeros), fits ``updat_transpose_max_bytes``;
-    the workspace is kept per stream, like a plan's (CUDA graphs capture its address).
-    Same launch interface as :class:`Plan`.
-    """
-
-    def __init__(self, index: BlockIndex, n: int, dtype: str, device, tf32: bool = False):
-        self.n, self.C, self.K = n, index.C, index.K
-        item = ELEMENT_BYTES[dtype]
-        self.ld = copy_row_elements(n, item)
-        self.plan = build_plan(index, "updat", n, dtype, 0, tf32, True, device, copied="x+dy")
-        self.variant, self.path = self.plan.variant, self.plan.path
-        self.transpose_x, self.transpose_dy = (_transpose_launcher(item, self.ld, features, device)
-                                               for features in (self.C, self.K))
-        self.item = item
-        self.workspaces: dict = {}  # stream -> (x transposed, dy transposed)
-
-    def launch(self, stream_ptr: int, x_ptr: int, dy_ptr: int, out_ptr: int, sizes: tuple, accumulate: int) -> None:
-        (x_t, _), (dy_t, _) = per_stream(self.workspaces, stream_ptr, lambda: (
-            allocate_workspace(self.C * self.ld * self.item), allocate_workspace(self.K * self.ld * self.item)))
-        self.transpose_x.launch(stream_ptr, x_ptr, x_t, self.n, self.C, self.ld)
-        self.transpose_dy.launch(stream_ptr, dy_ptr, dy_t, self.n, self.K, self.ld)
-        self.plan.launch(stream_ptr, x_t, dy_t, out_ptr, (self.n, self.ld, self.ld, 0), accumulate)
-
-
-class TransposedWeightsFprop:
-    """TF32 fprop on Hopper as a bprop over the transposed layout: y = x·W is x·W'ᵀ, W' holding
-    each block of W transposed, in the row-major order of the layout's transpose (its
-    ``col_order``). TF32 wgmma reads 32-bit operands K-major only: bprop's weight rows are,
-    fprop's are not. One launch of ``transpose_blocks`` (``cuda/bsmm_transpose.cu``) writes W'
-    into a workspace of nnzb x block² floats, kept per stream like a plan's; then the transposed
-    layout's bprop plan runs on W'. Used where that plan is a TF32 wgmma one
-    (``[kernels.sm90.tma_tf32]``); same launch interface as :class:`Plan`.
-    """
-
-    def __init__(self, index: BlockIndex, n: int, device):
-        self.index_t = transposed_layout(index)
-        self.plan = build_plan(self.index_t, "bprop", n, "float32", 1, True, True, device, copied="w")
-        self.variant, self.path = self.plan.variant, dataclasses.replace(self.plan.path, pass_name="fprop")
-        self.order = cupy.asarray(index.col_order, dtype=np.int32)
-        transpose = BlockTransposeVariant(index.block_size)
-        self.transpose = Launcher(load_kernel(transpose, device.id), (index.nnzb, transpose.tiles, 1),
-                                   transpose.threads, 0, 3, serialized=device_traits(device).programmatic)
-        self.weight_count = index.nnzb * index.block_size ** 2
-        self.workspaces: dict = {}  # stream -> W'
-
-    def launch(self, stream_ptr: int, x_ptr: int, w_ptr: int, out_ptr: int, sizes: tuple, accumulate: int) -> None:
-        # (n, C, K / block, K) of the fprop are (n, K', C' / block, C') of the transposed bprop.
-        w_t, _ = per_stream(self.workspaces, stream_ptr, lambda: allocate_workspace(4 * self.weight_count))
-        self.transpose.launch(stream_ptr, w_ptr, w_t, self.order.data.ptr)
-        self.plan.launch(stream_ptr, x_ptr, w_t, out_ptr, sizes, accumulate)
 
 
 def plan_for(index: BlockIndex, pass_name: str, n: int, dtype: str, feature_axis: int, tf32: bool,
@@ -382,12 +279,14 @@ def plan_for(index: BlockIndex, pass_name: str, n: int, dtype: str, feature_axis
     """The cached plan for this pass on the current device, built on first use.
 
     ``plain``: the operands are whole (N, C) and (N, K) arrays (or their feature-axis-0
-    transposes), so the pass may read transposed copies of them (:class:`TransposedUpdat`,
-    :class:`TransposedActivations`); strided and shifted passes are not. A TF32 fprop gets its
-    :class:`TransposedWeightsFprop` where that applies (:func:`bsmm.backends.cuda.planner.copies`).
+    transposes), so the pass may read transposed copies of them (:mod:`bsmm.backends.cuda.copy_plans`);
+    strided and shifted passes are not. A TF32 fprop gets its ``TransposedWeightsFprop`` where
+    that applies (:func:`bsmm.backends.cuda.selection.copies`). Plans are kept per
+    :func:`~bsmm.backends.cuda.policy.current_policy`.
     """
     device_id = cupy.cuda.runtime.getDevice()
-    key = (pass_name, n, dtype, feature_axis, tf32, aligned, device_id, act_blocks, weight_blocks, plain)
+    policy = current_policy()
+    key = (pass_name, n, dtype, feature_axis, tf32, aligned, device_id, act_blocks, weight_blocks, plain, policy)
     plans = _PLANS.get(index)
     plan = plans.get(key) if plans is not None else None
     if plan is None:
@@ -396,32 +295,36 @@ def plan_for(index: BlockIndex, pass_name: str, n: int, dtype: str, feature_axis
             plan = plans.get(key)
             if plan is None:
                 plan = plans[key] = _new_plan(index, pass_name, n, dtype, feature_axis, tf32, aligned, act_blocks,
-                                              weight_blocks, plain, cupy.cuda.Device(device_id))
+                                              weight_blocks, plain, cupy.cuda.Device(device_id), policy)
     return plan
 
 
 def _new_plan(index: BlockIndex, pass_name: str, n: int, dtype: str, feature_axis: int, tf32: bool, aligned: bool,
-              act_blocks, weight_blocks, plain: bool, device):
+              act_blocks, weight_blocks, plain: bool, device, policy: Policy):
     """The plan :func:`plan_for` keeps: a :class:`Plan`, or one of the copying plans around one."""
+    # Imported here: the copying plans are built of this module's plans (a cycle at import time).
+    from bsmm.backends.cuda import copy_plans
+
     traits = device_traits(device)
     if plain:
-        copied = copies(index, pass_name, n, dtype, feature_axis, tf32, aligned, traits)
+        copied = copies(index, pass_name, n, dtype, feature_axis, tf32, aligned, traits, policy)
     elif act_blocks is None and weight_blocks is None and pass_name == "fprop" and transposes_weights(
-            index, n, dtype, feature_axis, tf32, aligned, traits):
+            index, n, dtype, feature_axis, tf32, aligned, traits, policy):
         copied = "w"
     else:
         copied = ""
     if copied == "w":
-        return TransposedWeightsFprop(index, n, device)
+        return copy_plans.TransposedWeightsFprop(index, n, device, policy)
     if copied == "x+dy":
-        return TransposedUpdat(index, n, dtype, device, tf32)
+        return copy_plans.TransposedUpdat(index, n, dtype, device, policy, tf32)
     if copied:
-        return TransposedActivations(index, pass_name, n, dtype, device)
-    return build_plan(index, pass_name, n, dtype, feature_axis, tf32, aligned, device, act_blocks, weight_blocks)
+        return copy_plans.TransposedActivations(index, pass_name, n, dtype, device, policy)
+    return build_plan(index, pass_name, n, dtype, feature_axis, tf32, aligned, device, policy, act_blocks,
+                      weight_blocks)
 
 
 def plans_of(index: BlockIndex) -> dict:
     """A copy of the plans cached for ``index``: {(pass, N, dtype, feature axis, tf32, aligned,
-    device, activation blocks, weight blocks, plain): plan}; empty where none was built."""
+    device, activation blocks, weight blocks, plain, policy): plan}; empty where none was built."""
     with _PLAN_LOCK:
         return dict(_PLANS.get(index, {}))
