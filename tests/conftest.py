@@ -8,8 +8,13 @@ references in ``reference.py``. The same test bodies then cover the CPU backend
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
+
+#: The repository's root (the tools/ the tests run live there).
+REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 def pytest_configure(config):

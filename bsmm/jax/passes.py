@@ -1,12 +1,16 @@
 """One bsmm pass as an XLA custom call, for :mod:`bsmm.jax`.
 
-:func:`run_pass` runs ``fprop``, ``bprop`` or ``updat`` of a
-:class:`~bsmm.BlocksparseMatMul` through ``jax.experimental.buffer_callback``:
-XLA hands the callback its own operand and result buffers, which are wrapped
-without copies as NumPy arrays (CPU backend, result written in place) or CuPy
-arrays (CUDA kernels launched on XLA's stream). A ``custom_vmap`` rule batches a
-pass by folding the batch into N where the layout of the activations allows it
-and otherwise by looping over views of the batched buffers inside one call.
+:func:`run_pass` runs ``fprop``, ``bprop`` or ``updat`` of a :class:`~bsmm.BlocksparseMatMul`
+(or of a convolution, :class:`ConvPasses`) through ``jax.experimental.buffer_callback``: XLA
+hands the callback its own operand and result buffers and, on a GPU, its stream. They are
+wrapped without copies as NumPy arrays, the CPU backend writing the result in place (the
+``jax.pure_callback`` alternative copies the result into XLA's buffer and, measured with JAX
+0.10, hands the callback copies of the inputs), or as CuPy arrays, the kernels launching on
+XLA's stream (so a pass is ordered with the rest of the XLA program and never leaves jit).
+Where it runs follows the DLPack device of the buffers, i.e. where XLA placed the computation
+(``jax.default_backend()`` is wrong for arrays placed on a non-default device). A
+``custom_vmap`` rule batches a pass by folding the batch into N where the layout of the
+activations allows it and otherwise by looping over views of the batched buffers inside one call.
 """
 
 from __future__ import annotations

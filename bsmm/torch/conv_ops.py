@@ -11,7 +11,10 @@ from __future__ import annotations
 import torch
 
 from bsmm.nn.conv import BlocksparseConv
-from bsmm.torch.ops import check_contiguous, check_dtype, check_like, into_new, register_bilinear, registration
+from bsmm.torch.autograd import register_bilinear
+from bsmm.torch.checks import check_contiguous, check_dtype, check_like
+from bsmm.torch.passes import into_new
+from bsmm.torch.registry import registration
 
 __all__ = ["conv_spec", "conv_fprop", "conv_bprop", "conv_updat"]
 

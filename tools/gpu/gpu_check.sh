@@ -59,7 +59,7 @@ if [[ $stage == check || $stage == sweep ]]; then
   for tool in memcheck initcheck; do
     t0=$(date +%s)
     BSMM_CENSUS_STRIDE=${CENSUS_STRIDE:-25} compute-sanitizer --tool $tool --error-exitcode 9 python3 -m pytest -q -m gpu \
-      tests/test_census.py -k "census_path" -p no:cacheprovider >"$OUT/$tool.log" 2>&1 || status=1
+      tests/backends/cuda/test_census.py -k "census_path" -p no:cacheprovider >"$OUT/$tool.log" 2>&1 || status=1
     summary+=("$tool (census sample): $(grep -E "ERROR SUMMARY" "$OUT/$tool.log" | sort | uniq -c | tr -s ' ') $(tail -1 "$OUT/$tool.log") [$(( $(date +%s) - t0 ))s]")
   done
 fi
@@ -94,14 +94,14 @@ if [[ $stage == tests || $stage == all || $stage == note ]]; then
 fi
 if [[ $stage == conv ]]; then
   t0=$(date +%s)
-  python3 -m pytest -q -m gpu tests/test_conv.py tests/test_row_maps.py tests/test_strided.py tests/test_conv_torch.py \
+  python3 -m pytest -q -m gpu tests/nn/test_conv.py tests/nn/test_row_maps.py tests/backends/test_strided.py tests/frameworks/torch/test_conv_torch.py \
     -p no:cacheprovider >"$OUT/pytest_gpu.log" 2>&1 || status=1
   echo "gpu tests (conv): $(tail -1 "$OUT/pytest_gpu.log") [$(( $(date +%s) - t0 ))s]"
 fi
 if [[ $stage == note || $stage == conv ]]; then
   t0=$(date +%s)
   compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -q -m gpu tests/test_passes.py \
-    tests/test_strided.py tests/test_row_maps.py tests/test_conv.py tests/test_repeat_calls.py \
+    tests/backends/test_strided.py tests/nn/test_row_maps.py tests/nn/test_conv.py tests/test_repeat_calls.py \
     -k "column_groups or row_groups or transposed or long_block or wgmma or shifted or gather or 3x3-p1 or 3x3-valid or 3x3-s2-p1 or whole_columns or back_to_back or kept_parameter" \
     -p no:cacheprovider >"$OUT/memcheck.log" 2>&1 || status=1
   echo "memcheck: $(grep -E "ERROR SUMMARY" "$OUT/memcheck.log" | sort | uniq -c | tr -s ' ') $(tail -1 "$OUT/memcheck.log") [$(( $(date +%s) - t0 ))s]"

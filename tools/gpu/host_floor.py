@@ -28,7 +28,7 @@ def torch_rows():
     import torch
 
     import bsmm.torch
-    from bsmm.torch import ops as torch_ops
+    from bsmm.torch import passes as torch_passes
 
     sync = torch.cuda.synchronize
     dtype = torch.bfloat16
@@ -67,7 +67,7 @@ def torch_rows():
     xd = x.detach()
     for _ in range(3):
         step(layer, x, g)
-    op = torch_ops._matmul_operator(key, 1, False)
+    op = torch_passes.matmul_operator(key, 1, False)
     fprop_call = op._gpu_calls[("fprop", xd.shape, np.dtype(bsmm.SUPPORTED_DTYPES["bfloat16"]), 1, False)]
     out = torch.empty(N, C, device="cuda", dtype=dtype)
     stream = torch.cuda.current_stream().cuda_stream
@@ -79,9 +79,9 @@ def torch_rows():
         "autograd.Function (identity) step": nothing_step,
         "bsmm FastCall.launch (fprop, raw pointers)": lambda: fprop_call.launch(stream, xd.data_ptr(),
                                                                                  w.data_ptr(), out.data_ptr()),
-        "bsmm run_pass fprop": lambda: torch_ops.run_pass("fprop", xd, w, key, 1, False),
-        "bsmm run_pass bprop": lambda: torch_ops.run_pass("bprop", g, w, key, 1, False),
-        "bsmm run_pass updat": lambda: torch_ops.run_pass("updat", xd, g, key, 1, False),
+        "bsmm run_pass fprop": lambda: torch_passes.run_pass("fprop", xd, w, key, 1, False),
+        "bsmm run_pass bprop": lambda: torch_passes.run_pass("bprop", g, w, key, 1, False),
+        "bsmm run_pass updat": lambda: torch_passes.run_pass("updat", xd, g, key, 1, False),
         "bsmm BlockSparseLinear forward": lambda: layer(x),
         "bsmm BlockSparseLinear forward no_grad": no_grad(lambda: layer(x)),
         "bsmm BlockSparseLinear step": lambda: step(layer, x, g),

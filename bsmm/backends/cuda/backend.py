@@ -118,7 +118,7 @@ class FastCall:
     def launch(self, stream_ptr: int, act_ptr: int, other_ptr: int, out_ptr: int, accumulate: bool = False) -> None:
         """The pass on raw device pointers of operands laid out as the first call's (the caller
         has checked shapes, strides, dtype, device, alignment and overlap): how a framework
-        adapter repeats a call without wrapping its tensors (:mod:`bsmm.torch.ops`, :mod:`bsmm.jax.passes`)."""
+        adapter repeats a call without wrapping its tensors (:mod:`bsmm.torch.passes`, :mod:`bsmm.jax.passes`)."""
         key = (stream_ptr, act_ptr, other_ptr, out_ptr, accumulate)
         block = self.blocks.get(key)
         if block is None:

@@ -8,14 +8,14 @@ from __future__ import annotations
 import importlib.util
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 import bsmm
+from conftest import REPO_ROOT
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = REPO_ROOT
 TOOLS = REPO / "tools" / "gpu"
 SEEDS = (0, 1, 20240601, 2**32 - 1)
 

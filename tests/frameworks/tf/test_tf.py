@@ -22,6 +22,7 @@ keras = pytest.importorskip("keras", reason="Keras is not installed: bsmm.tf tes
 
 import bsmm  # noqa: E402
 import bsmm.tf as btf  # noqa: E402
+from conftest import REPO_ROOT  # noqa: E402
 from reference import (  # noqa: E402
     DTYPES, assert_close, random_data, random_layout, ref_bprop, ref_fprop, ref_updat,
 )
@@ -78,7 +79,7 @@ def test_import_without_tensorflow_says_what_to_install():
         "except ImportError as error:\n"
         "    print(error)\n"
     )
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = str(REPO_ROOT)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
     assert done.returncode == 0, done.stderr
@@ -252,7 +253,7 @@ def test_operator_called_on_tf_tensors_returns_tensors_tensorflow_can_use():
         "    y = op(tf.ones((n, 16)), tf.ones(op.w_shape))\n"
         "    assert float(y[0, 1]) == 16.0\n"
     )
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = str(REPO_ROOT)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]),
                TF_CPP_MIN_LOG_LEVEL="2")
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)

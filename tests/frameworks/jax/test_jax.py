@@ -39,6 +39,7 @@ from reference import (
 
 import bsmm
 import bsmm.jax as bjax
+from conftest import REPO_ROOT
 import bsmm.jax.passes
 
 try:
@@ -48,7 +49,7 @@ except RuntimeError:
     pass
 
 BS = 8
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = str(REPO_ROOT)
 
 
 # -- fixtures and helpers -----------------------------------------------------------------------------

@@ -24,16 +24,8 @@ import bsmm  # noqa: E402
 import bsmm.backends.cpu  # noqa: E402
 import bsmm.torch as bt  # noqa: E402
 from bsmm.torch import ops as torch_ops  # noqa: E402
-from reference import (  # noqa: E402
-    assert_close,
-    dense_to_present_blocks,
-    dense_weight,
-    random_data,
-    random_layout,
-    ref_bprop,
-    ref_fprop,
-    ref_updat,
-)
+from reference import assert_close, dense_to_present_blocks, dense_weight, random_data, random_layout  # noqa: E402
+from reference import ref_bprop, ref_fprop, ref_updat  # noqa: E402
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 BS = 8

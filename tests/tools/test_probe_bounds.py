@@ -5,16 +5,15 @@ never share a cache key with the real ones, and the bounds table computes what i
 from __future__ import annotations
 
 import importlib.util
-from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
 from bsmm.backends.cuda.kernels import Variant, compile_options, compile_variant
-from conftest import compile_or_skip
+from conftest import REPO_ROOT, compile_or_skip
 
-TOOL = Path(__file__).resolve().parents[1] / "tools" / "probes" / "probe_bounds.py"
+TOOL = REPO_ROOT / "tools" / "probes" / "probe_bounds.py"
 COPY_ONLY, MATH_ONLY = "-DBSMM_PROBE_COPY_ONLY", "-DBSMM_PROBE_MATH_ONLY"
 
 # One variant of each main loop the switches touch: the TMA copy warp with wgmma (plain, column

@@ -19,6 +19,7 @@ from bsmm.backends.cuda import planner, selection, step_tables
 from bsmm.backends.cuda.policy import planning, recording_table_lookups
 from bsmm.config import settings
 from reference import TOLERANCE
+from conftest import REPO_ROOT
 
 import path_census
 
@@ -151,7 +152,7 @@ def test_census_covers_every_dtype_block_pass_and_axis(entries):
 
 def test_ci_compiles_the_kernel_of_every_census_path(entries):
     """tools/ci/compile_kernels.py (run by make test without a GPU) builds each census path's kernel."""
-    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1] / "tools" / "ci"))
+    sys.path.insert(0, str(REPO_ROOT / "tools" / "ci"))
     from compile_kernels import all_variants
 
     missing = {e.path.variant for e in entries} - set(all_variants())

@@ -18,7 +18,7 @@ import pytest
 import bsmm
 from bsmm.nn.conv import BlocksparseConv
 from bsmm.nn.conv_geometry import conv_geometry
-from conftest import poisoned, snapshot, to_numpy, to_xp
+from conftest import REPO_ROOT, poisoned, snapshot, to_numpy, to_xp
 from reference import (
     DTYPES,
     Producer,
@@ -290,7 +290,7 @@ def test_copies_are_made_only_where_needed(monkeypatch):
     # fprop and updat: one pass for both kernel offsets; bprop: one per residue of their
     # shifts modulo the stride 2 (columns 0 and 1: two).
     assert len(calls) == 1 + 2 + 1
-    fprop, bprop, updat = calls[:1], calls[1:3], calls[3:]
+    updat = calls[3:]
     assert all(np.shares_memory(act, x) and np.shares_memory(other, dy) for act, other, _ in updat)
 
 
@@ -456,10 +456,9 @@ def test_bench_cpu_mode_runs(tmp_path, capsys, monkeypatch):
     """``tools/gpu/bench_conv.py --cpu``: the NumPy smoke run checks itself and writes its JSON."""
     import importlib.util
     import json
-    import pathlib
     import sys
 
-    path = pathlib.Path(__file__).parents[1] / "tools" / "gpu" / "bench_conv.py"
+    path = REPO_ROOT / "tools" / "gpu" / "bench_conv.py"
     spec = importlib.util.spec_from_file_location("bench_conv", path)
     bench = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, "bench_conv", bench)  # dataclasses look their module up

@@ -1,0 +1,193 @@
+"""The functional API: :func:`blocksparse_matmul` and :func:`blocksparse_conv`.
+
+Under ``torch.autocast`` the input and the weight are cast to the autocast dtype first, as
+``nn.Linear`` does (copies, as in any autocast region; the pass itself copies nothing). Inputs
+must be contiguous: a ``ValueError`` rather than a hidden copy. Both reach their operators by the
+layout's registry key; the layers call :func:`matmul_by_key` and :func:`conv_by_key` with the key they hold.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from bsmm.matmul import BlocksparseMatMul
+from bsmm.nn.conv import BlocksparseConv
+from bsmm.torch.checks import SUPPORTED_DTYPES
+from bsmm.torch.conv_ops import conv_fprop, conv_spec
+from bsmm.torch.eager import product
+from bsmm.torch.registry import Registration, register
+
+__all__ = ["blocksparse_conv", "blocksparse_matmul", "conv_by_key", "matmul_by_key"]
+
+# The registration of each BlocksparseMatMul used through blocksparse_matmul, alive as long as the op.
+_OPS: "weakref.WeakKeyDictionary[BlocksparseMatMul, Registration]" = weakref.WeakKeyDictionary()
+
+
+def _autocast(x: torch.Tensor, w: torch.Tensor):
+    """Cast both to the autocast dtype where autocast is on for x's device, as ``F.linear`` would."""
+    device_type = x.device.type
+    if torch.is_autocast_enabled(device_type):
+        dtype = torch.get_autocast_dtype(device_type)
+        if dtype in SUPPORTED_DTYPES:
+            # float64 (CPU only) is left alone, as autocast does: computed in float64 on the CPU, refused on a GPU.
+            return ((x.to(dtype) if x.dtype in SUPPORTED_DTYPES else x),
+                    (w.to(dtype) if w.dtype in SUPPORTED_DTYPES else w))
+    return x, w
+
+
+def matmul_by_key(x, w, key: str, features_in: int, features_out: int, feature_axis: int, tf32: bool) -> torch.Tensor:
+    """``x·W`` over any leading (feature_axis=1) or trailing (feature_axis=0) batch dimensions."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a torch.Tensor; got {type(x).__name__}")
+    if not isinstance(w, torch.Tensor):
+        raise TypeError(f"w must be a torch.Tensor; got {type(w).__name__}")
+    x, w = _autocast(x, w)
+    axis = x.dim() - 1 if feature_axis == 1 else 0
+    if x.dim() == 0 or x.shape[axis] != features_in:
+        expected = f"(..., {features_in})" if feature_axis == 1 else f"({features_in}, ...)"
+        raise ValueError(f"x must have shape {expected} with feature_axis={feature_axis}; got {tuple(x.shape)}")
+    if not x.is_contiguous():
+        raise ValueError(f"x must be contiguous; got shape {tuple(x.shape)}, strides {x.stride()}")
+    if x.dim() == 2:  # (the common case: no reshapes)
+        return product(x, w, key, feature_axis, tf32)
+    # On a contiguous tensor these reshapes are views.
+    if feature_axis == 1:
+        y = product(x.reshape(-1, features_in), w, key, feature_axis, tf32)
+        return y.reshape(*x.shape[:-1], features_out)
+    y = product(x.reshape(features_in, -1), w, key, feature_axis, tf32)
+    return y.reshape(features_out, *x.shape[1:])
+
+
+def _registration_for(op: BlocksparseMatMul) -> Registration:
+    registration = _OPS.get(op)
+    if registration is None:
+        registration = _OPS[op] = register(op.index)
+    return registration
+
+
+@torch.compiler.assume_constant_result
+def _static_arguments(op: BlocksparseMatMul) -> tuple:
+    # Run once when torch.compile traces a call (the op is guarded): the layout tables never enter the graph.
+    if not isinstance(op, BlocksparseMatMul):
+        raise TypeError(f"op must be a bsmm.BlocksparseMatMul; got {type(op).__name__}")
+    return (_registration_for(op).key, op.C, op.K, op.feature_axis, op.tf32)
+
+
+def blocksparse_matmul(x: torch.Tensor, w: torch.Tensor, op: BlocksparseMatMul) -> torch.Tensor:
+    """y = x·W for the block-sparse ``W`` of ``op``'s layout, differentiable in ``x`` and ``w``.
+
+    Parameters
+    ----------
+    x : (..., C) tensor, or (C, ...) with ``op.feature_axis == 0``
+        float32, float16 or bfloat16, contiguous, on the CPU or a CUDA device; float64 on the CPU.
+    w : (nnzb, bs, bs) tensor, ``op.w_shape``
+        Block data, x's dtype and device.
+    op : bsmm.BlocksparseMatMul
+        The layout, block size, feature axis and TF32 choice.
+
+    Returns
+    -------
+    y : (..., K) tensor, or (K, ...) with ``op.feature_axis == 0``; x's dtype and device
+        (the autocast dtype under ``torch.autocast``).
+
+    Raises
+    ------
+    TypeError
+        If ``x`` or ``w`` is not a tensor or not of a supported dtype, their dtypes
+        differ, or ``op`` is not a BlocksparseMatMul.
+    ValueError
+        If a shape does not fit ``op``, a tensor is not contiguous, or ``x`` and
+        ``w`` are on different devices.
+
+    Notes
+    -----
+    ``op``'s layout stays registered while ``op`` lives, and in eager mode until a
+    pending backward has run. A ``torch.compile``'d backward holds only the key, so
+    keep ``op`` alive until it has run (a ``BlockSparseLinear`` holds its own).
+
+    Examples
+    --------
+    >>> import numpy as np, torch, bsmm, bsmm.torch
+    >>> op = bsmm.BlocksparseMatMul(np.array([[1, 0], [1, 1]]), block_size=8)
+    >>> w = torch.randn(op.w_shape, requires_grad=True)
+    >>> x = torch.randn(2, 3, op.C)
+    >>> y = bsmm.torch.blocksparse_matmul(x, w, op)
+    >>> y.shape
+    torch.Size([2, 3, 16])
+    >>> dense = torch.from_numpy(op.to_dense(w.detach().numpy()))
+    >>> torch.allclose(y, x @ dense, atol=1e-5)
+    True
+    >>> y.sum().backward()
+    >>> w.grad.shape
+    torch.Size([3, 8, 8])
+    """
+    key, features_in, features_out, feature_axis, tf32 = _static_arguments(op)
+    return matmul_by_key(x, w, key, features_in, features_out, feature_axis, tf32)
+
+
+def conv_by_key(x, w, key: str, base: tuple, tf32: bool) -> torch.Tensor:
+    """``bsmm::conv_fprop`` on ``x`` in the channel layout of ``base`` (``conv_spec`` without the spatial shape)."""
+    for name, value in (("x", x), ("w", w)):
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor; got {type(value).__name__}")
+    x, w = _autocast(x, w)
+    rank, channels_last = base[0], base[-1]
+    if x.dim() != rank + 2:
+        expected = "(N, *spatial, C)" if channels_last else "(N, C, *spatial)"
+        raise ValueError(f"x must have shape {expected} with {rank} spatial dimensions; got {tuple(x.shape)}")
+    if not x.is_contiguous():
+        raise ValueError(f"x must be contiguous; got shape {tuple(x.shape)}, strides {x.stride()}")
+    spatial = x.shape[1:-1] if channels_last else x.shape[2:]
+    return conv_fprop(x, w, key, [*base, *spatial], tf32)
+
+
+@torch.compiler.assume_constant_result
+def _static_conv_arguments(conv: BlocksparseConv) -> tuple:
+    # As _static_arguments: run once when torch.compile traces a call.
+    if not isinstance(conv, BlocksparseConv):
+        raise TypeError(f"conv must be a bsmm.nn.conv.BlocksparseConv; got {type(conv).__name__}")
+    return (_registration_for(conv).key, tuple(conv_spec(conv, ())), conv.tf32)
+
+
+def blocksparse_conv(x: torch.Tensor, w: torch.Tensor, conv: BlocksparseConv) -> torch.Tensor:
+    """y = conv(x, W) for a :class:`bsmm.nn.conv.BlocksparseConv`, differentiable in ``x`` and ``w``.
+
+    Parameters
+    ----------
+    x : (N, *spatial, C) tensor, or (N, C, *spatial) with ``conv.channels_last == False``
+        Contiguous; float32, float16 or bfloat16 on the CPU or a CUDA device, float64 on the CPU.
+    w : ``conv.w_shape`` = (*kernel_size, nnzb, bs, bs) tensor of x's dtype and device
+    conv : bsmm.nn.conv.BlocksparseConv
+        Layout, geometry, channel layout and TF32 choice.
+
+    Returns
+    -------
+    y : ``conv.output_shape(x.shape)`` tensor, x's dtype (the autocast dtype under autocast)
+
+    Notes
+    -----
+    Runs the ``bsmm::conv_fprop`` operator; its backward runs ``bsmm::conv_bprop`` and
+    ``bsmm::conv_updat``, whose own backwards give gradients of any order. Besides its
+    output, a pass allocates the canvas and grid of :class:`bsmm.nn.conv.BlocksparseConv`
+    (NumPy on the CPU, CuPy's pool on a GPU). Keep ``conv`` alive until a
+    ``torch.compile``'d backward has run (as for :func:`blocksparse_matmul`).
+
+    Examples
+    --------
+    >>> import numpy as np, torch, bsmm.torch
+    >>> from bsmm.nn.conv import BlocksparseConv
+    >>> conv = BlocksparseConv(np.array([[1, 0], [1, 1]]), 8, (3, 3), padding=1, channels_last=False)
+    >>> x = torch.randn(2, 16, 5, 5)
+    >>> w = torch.randn(conv.w_shape, requires_grad=True)
+    >>> y = bsmm.torch.blocksparse_conv(x, w, conv)
+    >>> dense = torch.from_numpy(conv.to_dense(w.detach().numpy())).permute(3, 2, 0, 1)  # (K, C, 3, 3)
+    >>> torch.allclose(y, torch.nn.functional.conv2d(x, dense, padding=1), atol=1e-4)
+    True
+    >>> y.square().sum().backward()
+    >>> w.grad.shape
+    torch.Size([3, 3, 3, 8, 8])
+    """
+    key, base, tf32 = _static_conv_arguments(conv)
+    return conv_by_key(x, w, key, base, tf32)

@@ -1,0 +1,315 @@
+"""The ``nn.Module`` layers: :class:`BlockSparseLinear` and :class:`BlockSparseConv1d`, ``2d``, ``3d``.
+
+Each registers its layout (:mod:`bsmm.torch.registry`) for as long as it lives; pickled or
+deep-copied layers register again on load, and the ``state_dict`` carries the layout as a buffer.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from bsmm.matmul import BlocksparseMatMul
+from bsmm.nn.conv import BlocksparseConv
+from bsmm.torch.checks import check_dtype
+from bsmm.torch.conv_ops import conv_spec
+from bsmm.torch.functional import conv_by_key, matmul_by_key
+from bsmm.torch.registry import register
+
+__all__ = ["BlockSparseConv1d", "BlockSparseConv2d", "BlockSparseConv3d", "BlockSparseLinear"]
+
+
+def _layout_array(layout) -> np.ndarray:
+    if isinstance(layout, torch.Tensor):
+        return layout.detach().cpu().numpy()
+    return np.asarray(layout)
+
+
+class _BlockSparseLayer(torch.nn.Module):
+    """What the block-sparse layers share: the operator ``op`` (a BlocksparseMatMul or a
+    BlocksparseConv), its registration, the ``layout`` buffer, the weight and bias, their
+    fan-in initialization, and the refusal of a state_dict of another layout."""
+
+    def _build(self, make_op, sizes: tuple, bias: bool, device, dtype) -> None:
+        """Make ``self.op`` and the parameters; ``sizes``: (argument, value, layout axis) to check."""
+        dtype = torch.get_default_dtype() if dtype is None else dtype
+        check_dtype(dtype, torch.empty(0, device=device).device, "dtype")
+        self.op = make_op()
+        for argument, value, blocks in sizes:
+            expected = self.op.layout.shape[blocks] * self.op.block_size
+            if value != expected:
+                raise ValueError(
+                    f"{argument} must be layout.shape[{blocks}] * block_size = {self.op.layout.shape[blocks]} * "
+                    f"{self.op.block_size} = {expected}; got {value}"
+                )
+        # Pickles as its layout and re-registers on load (see bsmm.torch.registry).
+        self._registration = register(self.op.index)
+        self._key = self._registration.key
+        self.register_buffer("layout", torch.tensor(np.array(self.op.layout), device=device))
+        self.weight = torch.nn.Parameter(torch.empty(self.op.w_shape, device=device, dtype=dtype))
+        if bias:
+            self.bias = torch.nn.Parameter(torch.empty(self.op.K, device=device, dtype=dtype))
+        else:
+            self.register_parameter("bias", None)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Draw the weight and bias again (see Notes), with PyTorch's random generator."""
+        taps = math.prod(getattr(self.op, "kernel_size", ()))  # 1 for a product
+        fan_in = np.count_nonzero(self.op.layout, axis=0) * self.op.block_size * taps
+        bounds = np.where(fan_in > 0, 1.0 / np.sqrt(np.maximum(fan_in, 1)), 0.0)  # 0 for an empty block column
+        with torch.no_grad():
+            block_bounds = torch.tensor(bounds[self.op.index.indices], dtype=self.weight.dtype,
+                                        device=self.weight.device)
+            self.weight.uniform_(-1.0, 1.0).mul_(block_bounds.view(-1, 1, 1))
+            if self.bias is not None:
+                feature_bounds = np.repeat(bounds, self.op.block_size)
+                self.bias.uniform_(-1.0, 1.0).mul_(
+                    torch.tensor(feature_bounds, dtype=self.bias.dtype, device=self.bias.device)
+                )
+
+    def _dense_blocks(self) -> torch.Tensor:
+        """(CB, KB, *kernel_size, bs, bs): the weight's blocks in place, zeros elsewhere; differentiable."""
+        rows = torch.tensor(self.op.index.rows, dtype=torch.long, device=self.weight.device)
+        cols = torch.tensor(self.op.index.indices, dtype=torch.long, device=self.weight.device)
+        blocks = self.weight.movedim(-3, 0)  # (nnzb, *kernel_size, bs, bs)
+        return blocks.new_zeros(*self.op.layout.shape, *blocks.shape[1:]).index_put((rows, cols), blocks)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        saved = state_dict.get(prefix + "layout")
+        name = type(self).__name__
+        if saved is not None:
+            saved = saved.detach().cpu()
+            if tuple(saved.shape) != self.op.layout.shape or not np.array_equal(saved.numpy() != 0,
+                                                                              self.op.layout != 0):
+                error_msgs.append(
+                    f"{prefix}layout: the state_dict holds a layout of shape {tuple(saved.shape)} with "
+                    f"{int(torch.count_nonzero(saved))} blocks, this {name} has shape "
+                    f"{self.op.layout.shape} with {self.op.blocks} blocks"
+                    + ("" if tuple(saved.shape) != self.op.layout.shape else " in other places")
+                    + f"; build the layer with the saved layout, {name}(..., layout=state_dict"
+                    f"['{prefix}layout'])"
+                )
+                return
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+
+
+class BlockSparseLinear(_BlockSparseLayer):
+    """y = x·W + b with a block-sparse ``W`` (in_features × out_features) of a fixed layout.
+
+    Parameters
+    ----------
+    in_features, out_features : int
+        ``C`` and ``K``; must equal ``layout.shape[0] * block_size`` and ``layout.shape[1] * block_size``.
+    layout : (C // block_size, K // block_size) array or tensor of 0/1
+        ``layout[c, k] != 0``: block ``(c, k)`` of ``W`` is present.
+    block_size : int
+        8, 16, 32, 64 or 128.
+    bias : bool
+        Add a learnable bias of shape (out_features,).
+    feature_axis : {1, 0}
+        1: input (..., C), output (..., K). 0: input (C, ...), output (K, ...).
+    tf32 : bool
+        On the GPU, float32 products on TF32 tensor cores.
+    device, dtype
+        Of the parameters (and of the ``layout`` buffer's device); dtype float32, float16 or bfloat16,
+        or float64 on the CPU.
+
+    Attributes
+    ----------
+    weight : Parameter (nnzb, block_size, block_size)
+        The present blocks of ``W``, row-major over the layout (``op.w_shape``).
+    bias : Parameter (out_features,) or None
+    layout : buffer (C // block_size, K // block_size) uint8
+        Saved in the ``state_dict``; loading a state_dict of another layout raises.
+        It records the layout: changing it in place does not change the layer.
+    op : bsmm.BlocksparseMatMul
+        The operator over the layout (``op.to_dense``, ``op.flops``, ...).
+
+    Notes
+    -----
+    Initialization follows ``nn.Linear`` with each output feature's true fan-in:
+    the weights of block column ``k`` and the bias entries of its features are drawn
+    from U(-1/sqrt(fan_in_k), 1/sqrt(fan_in_k)), ``fan_in_k = block_size ×`` the
+    present blocks of column ``k``, with PyTorch's generator (``torch.manual_seed``
+    applies). For a dense layout this is ``nn.Linear``'s distribution; features of
+    an empty block column get a zero bias.
+
+    Examples
+    --------
+    >>> import numpy as np, torch, bsmm.torch
+    >>> torch.manual_seed(0)  # doctest: +ELLIPSIS
+    <torch._C.Generator object at ...>
+    >>> layer = bsmm.torch.BlockSparseLinear(64, 64, np.eye(2), block_size=32)
+    >>> layer
+    BlockSparseLinear(in_features=64, out_features=64, block_size=32, blocks=2, density=0.5, bias=True)
+    >>> x = torch.randn(8, 64)
+    >>> dense = layer.to_dense_weight()  # (in_features, out_features)
+    >>> torch.allclose(layer(x), x @ dense + layer.bias, atol=1e-5)
+    True
+    """
+
+    def __init__(self, in_features: int, out_features: int, layout, block_size: int = 32, bias: bool = True,
+                 feature_axis: int = 1, tf32: bool = False, device=None, dtype=None):
+        super().__init__()
+        self._build(lambda: BlocksparseMatMul(_layout_array(layout), block_size, feature_axis, tf32),
+                    (("in_features", in_features, 0), ("out_features", out_features, 1)), bias, device, dtype)
+        self.in_features, self.out_features = self.op.C, self.op.K
+        self.feature_axis, self.tf32 = self.op.feature_axis, self.op.tf32
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x (..., C) -> (..., K), or (C, ...) -> (K, ...) with feature_axis=0."""
+        y = matmul_by_key(x, self.weight, self._key, self.in_features, self.out_features, self.feature_axis, self.tf32)
+        if self.bias is None:
+            return y
+        bias = self.bias.to(y.dtype)  # autocast: the product's dtype, as nn.Linear
+        if self.feature_axis == 0:
+            bias = bias.view(-1, *([1] * (y.dim() - 1)))
+        # In place: y is a fresh output nothing else holds, and its backward does not need it.
+        return y.add_(bias)
+
+    def to_dense_weight(self) -> torch.Tensor:
+        """Dense ``W`` (in_features, out_features), zero where blocks are absent; differentiable.
+
+        ``nn.Linear`` stores the transpose: ``nn.Linear.weight`` equals ``to_dense_weight().T``.
+        """
+        return self._dense_blocks().permute(0, 2, 1, 3).reshape(self.in_features, self.out_features)
+
+    def extra_repr(self) -> str:
+        text = (
+            f"in_features={self.in_features}, out_features={self.out_features}, block_size={self.op.block_size}, "
+            f"blocks={self.op.blocks}, density={self.op.density:.3g}, bias={self.bias is not None}"
+        )
+        if self.feature_axis != 1:
+            text += f", feature_axis={self.feature_axis}"
+        return text + (", tf32=True" if self.tf32 else "")
+
+
+class _BlockSparseConvNd(_BlockSparseLayer):
+    """The convolution layers; subclasses set the spatial rank."""
+
+    _rank = 0
+
+    def __init__(self, in_channels: int, out_channels: int, kernel_size, layout, block_size: int = 32, stride=1,
+                 padding=0, dilation=1, bias: bool = True, tf32: bool = False, device=None, dtype=None):
+        super().__init__()
+        if not isinstance(kernel_size, int) and len(tuple(kernel_size)) != self._rank:
+            raise ValueError(f"kernel_size must be an int or a tuple of {self._rank} ints for "
+                             f"{type(self).__name__}; got {kernel_size!r}")
+        kernel_size = (kernel_size,) * self._rank if isinstance(kernel_size, int) else tuple(kernel_size)
+        self._build(lambda: BlocksparseConv(_layout_array(layout), block_size, kernel_size, stride, padding, dilation,
+                                            channels_last=False, tf32=tf32),
+                    (("in_channels", in_channels, 0), ("out_channels", out_channels, 1)), bias, device, dtype)
+        op = self.op
+        self.in_channels, self.out_channels, self.tf32 = op.C, op.K, op.tf32
+        self.kernel_size, self.stride, self.padding, self.dilation = op.kernel_size, op.stride, op.padding, op.dilation
+        first = tuple(conv_spec(op, ()))
+        self._specs = {False: first, True: first[:-1] + (1,)}  # by channels_last
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x (N, C, *spatial) -> (N, K, *out), the memory format of x kept (see the class Notes)."""
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"x must be a torch.Tensor; got {type(x).__name__}")
+        if x.dim() != self._rank + 2 or x.shape[1] != self.in_channels:
+            raise ValueError(f"x must have shape (N, {self.in_channels}, *spatial) with {self._rank} spatial "
+                             f"dimensions; got {tuple(x.shape)}")
+        last = x.movedim(1, -1)
+        channels_last = last.is_contiguous()
+        y = conv_by_key(last if channels_last else x.contiguous(), self.weight, self._key, self._specs[channels_last],
+                  self.tf32)
+        if self.bias is not None:
+            bias = self.bias.to(y.dtype)  # autocast: the convolution's dtype, as nn.Conv
+            # In place: y is a fresh output nothing else holds, and its backward does not need it.
+            y = y.add_(bias if channels_last else bias.view(-1, *([1] * self._rank)))
+        return y.movedim(-1, 1) if channels_last else y
+
+    def to_dense_weight(self) -> torch.Tensor:
+        """Dense weight (out_channels, in_channels, *kernel_size) as ``nn.Conv`` stores it; differentiable."""
+        rank = self._rank
+        blocks = self._dense_blocks()  # (CB, KB, *kernel, bs_c, bs_k)
+        dense = blocks.permute(1, 3 + rank, 0, 2 + rank, *range(2, 2 + rank))
+        return dense.reshape(self.out_channels, self.in_channels, *self.kernel_size)
+
+    def extra_repr(self) -> str:
+        text = (f"{self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}, stride={self.stride}, "
+                f"padding={self.padding}, dilation={self.dilation}, block_size={self.op.block_size}, "
+                f"blocks={self.op.blocks}, density={self.op.density:.3g}, bias={self.bias is not None}")
+        return text + (", tf32=True" if self.tf32 else "")
+
+
+_CONV_DOC = """A {rank}-D convolution whose input × output channel connectivity is block-sparse.
+
+    Same shapes as ``torch.nn.Conv{rank}d``: ``x`` (N, C, {spatial}) -> (N, K, {out}); one
+    block-sparse ``C × K`` matrix of the given layout per kernel offset, the kernel dense.
+
+    Parameters
+    ----------
+    in_channels, out_channels : int
+        ``C`` and ``K``: ``layout.shape[0] * block_size`` and ``layout.shape[1] * block_size``.
+    kernel_size : int or tuple of {rank} ints
+    layout : (C // block_size, K // block_size) array or tensor of 0/1
+    block_size : int, default 32
+    stride, padding, dilation : int or tuple of {rank} ints
+        padding may also be "valid" or "same" (stride 1, odd dilated kernel).
+    bias : bool
+    tf32 : bool
+        On the GPU, float32 on TF32 tensor cores.
+    device, dtype
+        Of the parameters: float32, float16 or bfloat16, or float64 on the CPU.
+
+    Attributes
+    ----------
+    weight : Parameter (*kernel_size, nnzb, block_size, block_size)
+        Per kernel offset, the present blocks in the layout's storage order (``op.w_shape``).
+    bias : Parameter (out_channels,) or None
+    layout : buffer, checked when a state_dict is loaded
+    op : bsmm.nn.conv.BlocksparseConv
+        The channels-first convolution (``op.flops``, ``op.to_dense``, ...).
+
+    Notes
+    -----
+    The memory format of ``x`` picks the path: a ``channels_last`` tensor{cl} is run as
+    (N, {spatial}, C) without a layout copy and the output is ``channels_last`` too; a
+    contiguous one is transposed by the convolution's canvas copy (see
+    :class:`bsmm.nn.conv.BlocksparseConv`). Other strides are made contiguous first.
+    Initialization follows ``nn.Conv{rank}d`` with each output channel's true fan-in
+    (present blocks of its block column × block size × kernel volume).
+
+    Examples
+    --------
+    >>> import numpy as np, torch, bsmm.torch
+    >>> layer = bsmm.torch.{name}(64, 32, 3, np.array([[1], [0]]), block_size=32, padding=1)
+    >>> layer
+    {name}(64, 32, kernel_size={kernel}, stride={ones}, padding={ones}, dilation={ones}, block_size=32, blocks=1, density=0.5, bias=True)
+    >>> x = torch.randn(2, 64, {example})
+    >>> dense = torch.nn.functional.conv{rank}d(x, layer.to_dense_weight(), layer.bias, padding=1)
+    >>> torch.allclose(layer(x), dense, atol=1e-4)
+    True
+    """
+
+
+def _conv_doc(rank: int, name: str, spatial: str, out: str, example: str, fast: str) -> str:
+    kernel, ones = (3,) * rank, (1,) * rank
+    return _CONV_DOC.format(rank=rank, name=name, spatial=spatial, out=out, example=example, cl=fast, kernel=kernel,
+                            ones=ones)
+
+
+class BlockSparseConv1d(_BlockSparseConvNd):
+    __doc__ = _conv_doc(1, "BlockSparseConv1d", "L", "L_out", "9", " (``x.transpose(1, 2)`` contiguous)")
+    _rank = 1
+
+
+class BlockSparseConv2d(_BlockSparseConvNd):
+    __doc__ = _conv_doc(2, "BlockSparseConv2d", "H, W", "H_out, W_out", "5, 6",
+                        " (``x.is_contiguous(memory_format=torch.channels_last)``)")
+    _rank = 2
+
+
+class BlockSparseConv3d(_BlockSparseConvNd):
+    __doc__ = _conv_doc(3, "BlockSparseConv3d", "D, H, W", "D_out, H_out, W_out", "3, 4, 5",
+                        " (``torch.channels_last_3d``)")
+    _rank = 3

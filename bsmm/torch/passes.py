@@ -1,0 +1,115 @@
+"""Running one pass on real tensors, for the operators of :mod:`bsmm.torch.ops`.
+
+CPU tensors are shared with the CPU backend as NumPy arrays, CUDA tensors with the GPU kernels
+as CuPy arrays, both through DLPack without a copy (bfloat16 passes as an int16 view, which
+DLPack expresses for NumPy). float64 runs on the CPU only (computed in float64, for
+``torch.autograd.gradcheck``); float64 CUDA tensors are refused with a ``TypeError``. On CUDA
+the kernels run on PyTorch's current stream of the tensors' device. The only memory a pass
+takes from PyTorch is its output, from ``torch.empty`` (so the caching allocator owns it).
+"""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import torch
+
+from bsmm.backends.cuda import launches
+from bsmm.matmul import BlocksparseMatMul
+from bsmm.torch.checks import ARRAY_DTYPES, product_shape, updat_shape
+from bsmm.torch.registry import registration
+
+__all__ = ["into_new", "matmul_operator", "run_on", "run_pass"]
+
+
+def _shared_as(module, tensor: torch.Tensor):
+    """``tensor``'s memory as a NumPy or CuPy array, without a copy."""
+    tensor = tensor.detach()
+    if tensor.dtype == torch.bfloat16:
+        # DLPack's bfloat16 code is unknown to NumPy: share the bits as int16, then relabel them.
+        return module.from_dlpack(tensor.view(torch.int16)).view(ml_dtypes.bfloat16)
+    return module.from_dlpack(tensor)
+
+
+#: (device, stream pointer) -> CuPy stream object; PyTorch pools its streams and never destroys them.
+_CUPY_STREAMS: dict = {}
+
+
+def _cupy_stream(cupy, device_index: int, ptr: int):
+    """PyTorch's stream ``ptr`` as a CuPy stream (CuPy 14 deprecates ExternalStream for from_external)."""
+    if ptr == 0:
+        return cupy.cuda.Stream.null  # PyTorch's default stream is the legacy default stream
+    stream = _CUPY_STREAMS.get((device_index, ptr))
+    if stream is None:
+        if hasattr(cupy.cuda.Stream, "from_external"):
+            stream = cupy.cuda.Stream.from_external(launches.StreamHandle(ptr))
+        else:
+            stream = cupy.cuda.ExternalStream(ptr, device_index)
+        _CUPY_STREAMS[(device_index, ptr)] = stream
+    return stream
+
+
+def matmul_operator(key: str, feature_axis: int, tf32: bool) -> BlocksparseMatMul:
+    """The operator of ``key``'s layout, kept with its registration (its caches reused across calls)."""
+    return registration(key).operator(("matmul", feature_axis, tf32),
+                                       lambda index: BlocksparseMatMul.from_index(index, feature_axis, tf32))
+
+
+def run_pass(pass_name: str, a: torch.Tensor, b: torch.Tensor, key: str, feature_axis: int, tf32: bool) -> torch.Tensor:
+    """One pass (``fprop``: a = x, b = w; ``bprop``: dy, w; ``updat``: x, dy) into a new tensor.
+
+    A CUDA pass the operator has run before for this shape, dtype and device is repeated on raw
+    pointers (:func:`_repeat_on_cuda`): no DLPack exchange, no re-validation beyond what could
+    differ, the output from ``torch.empty``, one launch. Anything else takes the checked path.
+    """
+    return run_on(matmul_operator(key, feature_axis, tf32), pass_name, a, b, key)
+
+
+def run_on(op: BlocksparseMatMul, pass_name: str, a: torch.Tensor, b: torch.Tensor, key: str) -> torch.Tensor:
+    """:func:`run_pass` with the operator of ``key`` already looked up."""
+    if a.is_cuda:
+        out = _repeat_on_cuda(op, pass_name, a, b)
+        if out is not None:
+            return out
+    shape = updat_shape(a, b, key, op.feature_axis) if pass_name == "updat" else \
+        product_shape(a, b, key, op.feature_axis, pass_name)
+    return into_new(getattr(op, pass_name), a, b, shape)
+
+
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
+def _repeat_on_cuda(op: BlocksparseMatMul, pass_name: str, a: torch.Tensor, b: torch.Tensor):
+    """The pass through the call ``op`` kept from an earlier checked call of this shape
+    (``bsmm.backends.cuda.backend.FastCall``), or None where there is none or anything differs from it."""
+    call = op._gpu_calls.get((pass_name, a.shape, ARRAY_DTYPES.get(a.dtype), op.feature_axis, op.tf32))
+    if call is None or b.dtype is not a.dtype or b.shape != call.other_shape or not (
+            a.is_contiguous() and b.is_contiguous()):
+        return None
+    device = a.get_device()
+    if b.get_device() != device or device != call.device or launches.current_device() != device:
+        return None
+    out = torch.empty(call.out_shape, dtype=a.dtype, device=device)  # (an int is a CUDA device index)
+    a_ptr, b_ptr, out_ptr = a.data_ptr(), b.data_ptr(), out.data_ptr()
+    if call.aligned and (a_ptr | b_ptr | out_ptr) & 15:
+        return None
+    stream = _raw_stream(device) if _raw_stream is not None else torch.cuda.current_stream(device).cuda_stream
+    call.launch(stream, a_ptr, b_ptr, out_ptr)
+    return out
+
+
+def into_new(method, a: torch.Tensor, b: torch.Tensor, shape: tuple, **options) -> torch.Tensor:
+    """``method(a, b, out=..., **options)`` on shared NumPy/CuPy views, into a new tensor of ``shape``."""
+    out = torch.empty(shape, dtype=a.dtype, device=a.device)
+    if a.device.type == "cpu":
+        method(_shared_as(np, a), _shared_as(np, b), out=_shared_as(np, out), **options)
+    elif a.device.type == "cuda":
+        import cupy
+
+        ptr = torch.cuda.current_stream(a.device).cuda_stream
+        # Import under torch's stream: DLPack then sees producer and consumer on one stream and adds no wait.
+        with cupy.cuda.Device(a.device.index), _cupy_stream(cupy, a.device.index, ptr):
+            method(_shared_as(cupy, a), _shared_as(cupy, b), out=_shared_as(cupy, out), **options)
+    else:
+        raise ValueError(f"tensors are on {a.device}; bsmm runs on the CPU and on CUDA GPUs")
+    return out
