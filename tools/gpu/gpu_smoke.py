@@ -16,6 +16,7 @@ import cupy
 import numpy as np
 
 import bsmm
+from bsmm.backends.cuda.policy import current_policy, planning
 from bsmm.dtypes import ELEMENT_TYPES, GPU_KINDS, KIND_DTYPES, TOLERANCES
 
 
@@ -44,11 +45,14 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args()
     rng = np.random.default_rng(0)
-    # Cut block columns as short as the plans allow, so that the sweep's small layouts
-    # exercise the ordered reduction of parts (the default only cuts columns of 32+ blocks).
-    bsmm.config.settings()["kernels"]["min_part_blocks"] = 1
-    # And use column groups wherever the table has a tile for them, whatever the density.
-    bsmm.config.settings()["kernels"]["group_min_blocks_per_step"] = 0
+    # Cut block columns as short as the plans allow, so that the sweep's small layouts exercise
+    # the ordered reduction of parts (the default only cuts columns of 32+ blocks), and use column
+    # groups wherever the table has a tile for them, whatever the density.
+    with planning(current_policy().replace(min_part_blocks=1, group_min_blocks_per_step=0)):
+        return _smoke(args, rng)
+
+
+def _smoke(args, rng) -> int:
     failures = checked = 0
     worst = {}
     start = time.perf_counter()

@@ -9,8 +9,8 @@ import numpy as np
 
 import bsmm
 import bsmm.cli.bench as bench
-import bsmm.config as config
 from bsmm.backends.cuda import plans as cuda_plans
+from bsmm.backends.cuda.policy import current_policy, planning
 from bsmm.cli.tune import Entry
 
 dtype = bsmm.SUPPORTED_DTYPES[sys.argv[1] if len(sys.argv) > 1 else "float16"]
@@ -27,9 +27,9 @@ print("| --- | --- | --- | --- | --- | --- | --- | --- |")
 for bs, options in tiles.items():
     cols = c // bs
     for tile in options:
-        layer = {} if tile is None else Entry("sm90", "tma16", "sparse", str(bs), "large").layer(tile)
-        with config.overriding(layer):
-            cuda_plans.forget_plans()
+        base = current_policy()
+        policy = base if tile is None else Entry("sm90", "tma16", "sparse", str(bs), "large").policy(base, tile)
+        with planning(policy):
             for spread in (1, 2, 4):
                 layout = np.zeros((cols, cols), dtype=bool)
                 kept = np.arange(0, cols, spread)

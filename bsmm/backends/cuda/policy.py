@@ -21,7 +21,6 @@ Tile(bm=128, bn=32, bk=32, warps_m=4, warps_n=1, stages=4)
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import copy
 import dataclasses
 import os
@@ -91,8 +90,9 @@ def _batch_class(n: int) -> str:
     return "large"
 
 
-#: While :func:`recording_table_lookups` runs: (entry, tile, group size) of every launch-table
-#: entry a policy returned, entry = (section, table, group, block size, batch class).
+#: While :func:`recording_table_lookups` runs: (entry, numbers) of every launch-table entry a
+#: policy returned, entry = (section, table, group, block size, batch class), numbers the entry's
+#: six (seven for a group entry) numbers.
 _table_lookups: list | None = None
 
 
@@ -167,9 +167,14 @@ class Policy:
                    **{name: read(kernels[name]) for name, read in _THRESHOLDS.items()})
 
     def replace(self, **changes) -> "Policy":
-        """This policy with some fields changed (sets may be given as lists)."""
-        changes = {name: (_THRESHOLDS[name](value) if _THRESHOLDS.get(name) is frozenset else value)
-                   for name, value in changes.items()}
+        """This policy with some fields changed, read as :meth:`from_settings` reads them (sets may
+        be given as lists; ``wgmma_group_min_blocks_per_step`` keyed by block size as ints or
+        strings)."""
+        for name, value in changes.items():
+            if name in _THRESHOLDS:
+                changes[name] = _THRESHOLDS[name](value)
+            elif name == "wgmma_group_min_blocks_per_step":
+                changes[name] = {int(k): float(v) for k, v in value.items()}
         return dataclasses.replace(self, **changes)
 
     def with_tile(self, section: str, table: str, group: str, block_size: int, batch: str, numbers) -> "Policy":
@@ -230,15 +235,17 @@ class Policy:
         return self.programmatic and int(arch[2:]) >= 90
 
 
-_chosen: contextvars.ContextVar[Policy | None] = contextvars.ContextVar("bsmm_policy", default=None)
+_chosen: Policy | None = None  # the policy of the innermost planning() block
 _from_settings: tuple = (None, None, None)  # (the [kernels] dict, the switches, the policy made of them)
 _lock = threading.Lock()
 
 
 def current_policy() -> Policy:
     """The policy plans are made with now: that of the innermost :func:`planning` block, else
-    the current settings' and environment's (made again when either changes)."""
-    chosen = _chosen.get()
+    the current settings' and environment's. It is made again when the settings are read again
+    (:func:`bsmm.config.overriding`, a new ``$BSMM_CONFIG``) or a switch changes, not when the
+    dict of :func:`bsmm.config.settings` is changed in place: state a policy instead."""
+    chosen = _chosen
     if chosen is not None:
         return chosen
     global _from_settings
@@ -254,14 +261,18 @@ def current_policy() -> Policy:
 
 @contextlib.contextmanager
 def planning(policy: Policy) -> Iterator[Policy]:
-    """Plans made inside this block (in this thread or task) are made with ``policy``.
+    """Plans made while this block runs are made with ``policy``, in every thread (PyTorch runs
+    backward passes on threads of its own), as :func:`bsmm.config.overriding` does for settings.
 
     Operators keep the calls they made before (their plans): use new ones inside.
     """
     if not isinstance(policy, Policy):
         raise TypeError(f"policy must be a bsmm.backends.cuda.policy.Policy, got {type(policy).__name__}")
-    token = _chosen.set(policy)
+    global _chosen
+    with _lock:
+        outer, _chosen = _chosen, policy
     try:
         yield policy
     finally:
-        _chosen.reset(token)
+        with _lock:
+            _chosen = outer

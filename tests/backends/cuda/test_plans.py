@@ -290,3 +290,29 @@ def test_tma_maps_describe_what_each_kernel_copies(monkeypatch):
     # mma.sync fed by TMA (small batches, block 32): 64-byte boxes, no output map
     assert maps(32, (32, 32, 32, 2, 2, 8), "tensor16", "fprop") == (
         (x, C, n, 2 * C, 32, 32), (other, 32, nnzb * 32, 64, 32, 32), none)
+
+
+def test_a_policy_reaches_plans_made_on_other_threads_and_only_inside_its_block():
+    """PyTorch runs backward passes on threads of its own: planning() is process-wide, and
+    restores the policy it found on leaving."""
+    import threading
+
+    from bsmm.backends.cuda.policy import current_policy, planning
+
+    before = current_policy()
+    forced = before.replace(min_part_blocks=3, wgmma_group_min_blocks_per_step={"64": 2})
+    assert forced.wgmma_group_min_blocks_per_step == {64: 2.0} and forced.min_part_blocks == 3
+    seen = []
+    with planning(forced):
+        worker = threading.Thread(target=lambda: seen.append(current_policy()))
+        worker.start()
+        worker.join()
+        with planning(POLICY):
+            assert current_policy() is POLICY
+        assert current_policy() is forced
+    assert seen == [forced] and current_policy() is before
+    with pytest.raises(TypeError, match="policy must be"):
+        with planning({"min_part_blocks": 2}):
+            pass
+    with pytest.raises(TypeError):
+        before.replace(min_part_block=2)  # a misspelt field is refused, not ignored
