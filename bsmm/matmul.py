@@ -293,7 +293,7 @@ class BlocksparseMatMul:
             raise ValueError("accumulate=True needs out=, the buffer to add the gradient to")
         result = output_array(out, x_op, self.w_shape, dtype, (x_op, dy_op))
         call = for_operand(x_op).updat(
-            self.index, x_op.array, dy_op.array, result, self.feature_axis, bool(accumulate), self.tf32
+            self.index, x_op.array, dy_op.array, result, self.feature_axis, self.tf32, accumulate=bool(accumulate)
         )
         self._remember("updat", x_op, call)
         return out if out is not None else x_op.wrap(result)

@@ -1,6 +1,8 @@
 """The backends that run the passes: :mod:`bsmm.backends.cpu` (NumPy/SciPy, also the reference)
 and :mod:`bsmm.backends.cuda` (kernels compiled at run time). Both take the same arguments in the
-same order (``fprop(index, x, w, out, feature_axis, ...)``, ...); :func:`for_operand` picks one."""
+same order: ``fprop(index, x, w, out, feature_axis, tf32, accumulate)``, ``bprop(index, dy, w, ...)``
+and ``updat(index, x, dy, ...)`` alike, ``strided_pass`` and ``shifted_pass(pass_name, index, act,
+other, out, rows, row_strides, ...)``; :func:`for_operand` picks one."""
 
 from __future__ import annotations
 

@@ -151,10 +151,8 @@ def bprop(index: BlockIndex, dy: np.ndarray, w: np.ndarray, out: np.ndarray, fea
     return _segmented_pass(index, dy, w, out, feature_axis, by_column=False, accumulate=accumulate)
 
 
-def updat(
-    index: BlockIndex, x: np.ndarray, dy: np.ndarray, out: np.ndarray, feature_axis: int, accumulate: bool,
-    tf32: bool = False,
-) -> np.ndarray:
+def updat(index: BlockIndex, x: np.ndarray, dy: np.ndarray, out: np.ndarray, feature_axis: int,
+          tf32: bool = False, accumulate: bool = False) -> np.ndarray:
     """dW = xᵀ·dy on the present blocks into ``out`` (nnzb, bs, bs), added to it if ``accumulate``."""
     bs = index.block_size
     n = x.shape[1 - feature_axis]
@@ -214,7 +212,7 @@ def shifted_pass(pass_name: str, index: BlockIndex, act: np.ndarray, other: np.n
         a = np.ascontiguousarray(a[:, np.asarray(act_blocks, dtype=np.int64), :]).reshape(rows, width_a)
     if PASSES[pass_name].updates_weights:
         b = np.ascontiguousarray(_rows_view(other, rows, width_b, row_strides[1]))
-        updat(index, a, b, out.reshape(index.nnzb, bs, bs), 1, accumulate)
+        updat(index, a, b, out.reshape(index.nnzb, bs, bs), 1, accumulate=accumulate)
         return
     w = other.reshape(-1, bs, bs)
     if weight_blocks is not None:

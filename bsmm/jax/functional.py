@@ -125,6 +125,6 @@ def blocksparse_conv(x, w, conv: BlocksparseConv):
     if not isinstance(conv, BlocksparseConv):
         raise TypeError(f"conv must be a bsmm.nn.conv.BlocksparseConv; got {type(conv).__name__}")
     dtype = check_arrays(x, w)
-    conv._geometry(tuple(x.shape), "x")  # raises naming x unless the shape fits
+    conv.geometry(tuple(x.shape), "x")  # raises naming x unless the shape fits
     check_weights(x, w, conv.w_shape, dtype)
     return differentiable_pass(x, w, ConvPasses(conv, x.shape), "fprop")

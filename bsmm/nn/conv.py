@@ -177,14 +177,17 @@ class BlocksparseConv:
         """``(*kernel_size, nnzb, bs, bs)``."""
         return self.kernel_size + self.index.w_shape
 
-    def _shape(self, batch: int, spatial: tuple, channels) -> tuple:
+    def array_shape(self, batch: int, spatial: tuple, channels) -> tuple:
+        """The shape of an activation array of this convolution's layout: ``(batch, *spatial,
+        channels)`` channels last, else ``(batch, channels, *spatial)``."""
         return (batch, *spatial, channels) if self.channels_last else (batch, channels, *spatial)
 
     def _shape_text(self) -> str:
-        return "(" + ", ".join(map(str, self._shape("N", _AXIS_NAMES[self.ndim], self.C))) + ")"
+        return "(" + ", ".join(map(str, self.array_shape("N", _AXIS_NAMES[self.ndim], self.C))) + ")"
 
-    def _geometry(self, shape: tuple, argument: str) -> ConvGeometry:
-        """The geometry for an input of ``shape``, or raise naming ``argument``."""
+    def geometry(self, shape: tuple, argument: str = "x") -> ConvGeometry:
+        """The geometry (:class:`bsmm.nn.conv_geometry.ConvGeometry`) of an input of ``shape``,
+        or ``ValueError`` naming ``argument`` where the shape does not fit this convolution."""
         channel_axis = -1 if self.channels_last else 1
         if len(shape) != self.ndim + 2 or shape[channel_axis] != self.C:
             layout = "channels last" if self.channels_last else "channels first"
@@ -202,13 +205,13 @@ class BlocksparseConv:
     def output_shape(self, input_shape) -> tuple:
         """Shape of ``y`` for an ``x`` of ``input_shape`` (both in this convolution's channel layout)."""
         shape = tuple(int(v) for v in input_shape)
-        geometry = self._geometry(shape, "input_shape")
-        return self._shape(geometry.batch, geometry.out, self.K)
+        geometry = self.geometry(shape, "input_shape")
+        return self.array_shape(geometry.batch, geometry.out, self.K)
 
     def flops(self, input_shape) -> int:
         """Useful floating-point operations of one pass: 2 · N · ΠO · Πkernel · nnzb · bs²."""
         shape = tuple(int(v) for v in input_shape)
-        geometry = self._geometry(shape, "input_shape")
+        geometry = self.geometry(shape, "input_shape")
         return 2 * geometry.batch * math.prod(geometry.out) * math.prod(self.kernel_size) * self.blocks \
             * self.block_size**2
 
@@ -262,9 +265,9 @@ class BlocksparseConv:
         y : (N, *out, K) or (N, K, *out), x's dtype and library
         """
         x_op, w_op = as_operand(x, "x"), as_operand(w, "w")
-        geometry = self._geometry(tuple(x_op.array.shape), "x")
+        geometry = self.geometry(tuple(x_op.array.shape), "x")
         dtype = self._check_operands({"x": x_op, "w": w_op})
-        y = output_array(out, x_op, self._shape(geometry.batch, geometry.out, self.K), dtype, (x_op, w_op))
+        y = output_array(out, x_op, self.array_shape(geometry.batch, geometry.out, self.K), dtype, (x_op, w_op))
         self.passes.fprop(for_operand(x_op), x_op.array, w_op.array, y, geometry)
         return out if out is not None else x_op.wrap(y)
 
@@ -285,7 +288,7 @@ class BlocksparseConv:
         """
         dy_op, w_op = as_operand(dy, "dy"), as_operand(w, "w")
         x_shape = self._checked_x_shape(x_shape)
-        geometry = self._geometry(x_shape, "x_shape")
+        geometry = self.geometry(x_shape, "x_shape")
         self._check_output_gradient(dy_op, geometry, f"x_shape {x_shape}")
         dtype = self._check_operands({"dy": dy_op, "w": w_op})
         dx = output_array(out, dy_op, x_shape, dtype, (dy_op, w_op))
@@ -309,7 +312,7 @@ class BlocksparseConv:
         dw : :attr:`w_shape`, x's dtype and library
         """
         x_op, dy_op = as_operand(x, "x"), as_operand(dy, "dy")
-        geometry = self._geometry(tuple(x_op.array.shape), "x")
+        geometry = self.geometry(tuple(x_op.array.shape), "x")
         self._check_output_gradient(dy_op, geometry, f"x of shape {tuple(x_op.array.shape)}")
         dtype = self._check_operands({"x": x_op, "dy": dy_op})
         if accumulate and out is None:
@@ -340,7 +343,7 @@ class BlocksparseConv:
             raise TypeError(f"w has dtype {operand.array.dtype} but the activations have {dtype}; pass one dtype")
 
     def _check_output_gradient(self, dy: Operand, geometry: ConvGeometry, source: str) -> None:
-        expected = self._shape(geometry.batch, geometry.out, self.K)
+        expected = self.array_shape(geometry.batch, geometry.out, self.K)
         if tuple(dy.array.shape) != expected:
             raise ValueError(f"dy must have shape {expected}, the output shape for {source}; "
                              f"got {tuple(dy.array.shape)}")

@@ -46,7 +46,7 @@ def _conv_shapes(pass_name: str, a, b, key: str, spec: list[int], tf32: bool):
     names = {"fprop": ("x", "w"), "bprop": ("dy", "w"), "updat": ("x", "dy")}[pass_name]
     check_dtype(a.dtype, a.device, names[0])
     check_like(b, names[1], a, names[0])
-    x_shape = conv._shape(a.shape[0] if a.dim() else 0, spatial, conv.C)
+    x_shape = conv.array_shape(a.shape[0] if a.dim() else 0, spatial, conv.C)
     y_shape = conv.output_shape(x_shape)
     expected = {"fprop": (x_shape, conv.w_shape), "bprop": (y_shape, conv.w_shape), "updat": (x_shape, y_shape)}
     for tensor, name, shape in zip((a, b), names, expected[pass_name]):

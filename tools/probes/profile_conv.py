@@ -33,7 +33,7 @@ def main() -> None:
     wts = cupy.asarray(rng.standard_normal(conv.w_shape) * 0.05, dtype=cupy.float16)
     y = conv(x, wts)
     dy = cupy.asarray(rng.standard_normal(y.shape), dtype=cupy.float16)
-    geometry = conv._geometry(x.shape, "x")
+    geometry = conv.geometry(x.shape, "x")
     canvas = conv.passes.canvas(cuda_backend, x, geometry)
     grid = cupy.empty((n, *geometry.grid, c), cupy.float16)
     crop = conv.passes.row_map("crop", geometry, row_maps.crop_rows)

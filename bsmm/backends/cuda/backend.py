@@ -183,7 +183,8 @@ def bprop(index: BlockIndex, dy, w, out, feature_axis: int, tf32: bool = False,
     return _sparse_pass("bprop", index, dy, w, out, feature_axis, tf32, index.K, index.C, accumulate)
 
 
-def updat(index: BlockIndex, x, dy, out, feature_axis: int, accumulate: bool, tf32: bool = False) -> FastCall | None:
+def updat(index: BlockIndex, x, dy, out, feature_axis: int, tf32: bool = False,
+          accumulate: bool = False) -> FastCall | None:
     """dW = xᵀ·dy on the present blocks into ``out``, added to it if ``accumulate``; returns the call to repeat it."""
     if out.size == 0:
         return None
