@@ -326,6 +326,18 @@ class BlocksparseMatMul:
         if not array.flags.c_contiguous:
             raise ValueError(f"{argument} must be C-contiguous; got strides {array.strides}")
 
+    @property
+    def kept_calls(self) -> dict:
+        """The repeatable GPU calls this operator keeps (``bsmm.backends.cuda.backend.FastCall``),
+        by (pass, activation shape, dtype, feature axis, tf32): the calls a repeat of that shape
+        launches without checks or planning. Read it; :meth:`forget_calls` empties it."""
+        return self._gpu_calls
+
+    def forget_calls(self) -> None:
+        """Drop the kept calls: the next call of each shape is checked and planned again (under
+        the policy current then, :func:`bsmm.backends.cuda.policy.planning`)."""
+        self._gpu_calls.clear()
+
     def _remember(self, pass_name: str, act: Operand, call) -> None:
         """Keep the GPU backend's repeatable call for CuPy arrays of this shape (see FastCall)."""
         global _gpu_array_type

@@ -571,7 +571,7 @@ def test_banded_order_matches_launch_order(xp, bs, dtype):
         results = []
         for band_rows in (3, 1):
             policy = base.replace(band_rows=band_rows)
-            case.op._gpu_calls.clear()  # the repeat-call path would keep the first plan
+            case.op.forget_calls()  # the repeat-call path would keep the first plan
             out = poisoned(xp, reference(case, pass_name).shape, case.x.dtype)
             with planning(policy):
                 call(case.op, pass_name, args, out=out)
@@ -848,7 +848,7 @@ def test_tma_matches_cp_async_bitwise(xp, dtype, bs, n, monkeypatch):
         results = {}
         for tma in ("1", "0"):
             policy = base.replace(tma=tma == "1")
-            case.op._gpu_calls.clear()  # the repeat-call path would keep the first plan
+            case.op.forget_calls()  # the repeat-call path would keep the first plan
             out = poisoned(xp, reference(case, pass_name).shape, case.x.dtype)
             with planning(policy):
                 call(case.op, pass_name, args, out=out)
@@ -878,7 +878,7 @@ def test_small_batch_tma_walks_whole_columns(xp, pass_name):
     args = device_inputs(xp, case, pass_name)
     for least, cut in ((16, False), (8, True)):
         policy = base.replace(tma_mma_min_part_blocks=least)
-        case.op._gpu_calls.clear()
+        case.op.forget_calls()
         out = poisoned(xp, reference(case, pass_name).shape, case.x.dtype)
         with planning(policy):
             call(case.op, pass_name, args, out=out)

@@ -52,7 +52,7 @@ def check(op, pass_name, host, result, dtype):
 def test_repeats_match_first_call_and_reference(cupy, pass_name, axis):
     op, host, arrays = make(cupy, axis)
     first = run(op, pass_name, arrays)
-    assert op._gpu_calls, "the checked path should leave a repeatable call behind"
+    assert op.kept_calls, "the checked path should leave a repeatable call behind"
     for _ in range(3):
         again = run(op, pass_name, arrays)
         assert again.data.ptr != first.data.ptr  # a new output each call
@@ -137,7 +137,7 @@ def test_feature_axis_and_tf32_changes_are_not_served_stale(cupy):
     op.tf32 = True
     y2 = op.fprop(arrays["x"], arrays["w"])
     assert rel_error(to_numpy(y2), to_numpy(y1)) < 1e-2
-    assert len(op._gpu_calls) == 2
+    assert len(op.kept_calls) == 2
 
 
 def test_repeat_on_another_stream_is_ordered(cupy):
@@ -175,7 +175,7 @@ def test_kept_parameter_blocks_follow_buffers_and_data(cupy, tall):
         out[...] = np.nan
         assert op.fprop(x, ws[k], out=out) is out
         assert rel_error(to_numpy(out), ref_fprop(layout, w_hosts[k], bs, x_host, 1)) < tolerance("float16")
-    call = op._gpu_calls[("fprop", x.shape, x.dtype, 1, False)]
+    call = op.kept_calls[("fprop", x.shape, x.dtype, 1, False)]
     if tall and cupy.cuda.Device().compute_capability == "90":
         assert isinstance(call.plan, cuda_plans.TmaPlan)
     assert len(call.blocks) == 6, "each (weights, output) pair launched twice by the repeat path keeps a block"

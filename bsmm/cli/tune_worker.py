@@ -91,8 +91,8 @@ def _survey(request: dict) -> dict:
         cuda_plans.forget_plans()
         with recording_table_lookups() as lookups:
             operands.run(case, op)[0]()
-        # The operator keeps the call it just made (BlocksparseMatMul._gpu_calls), and the call its plan.
-        variant = next(iter(op._gpu_calls.values())).plan.variant
+        # The operator keeps the call it just made (BlocksparseMatMul.kept_calls), and the call its plan.
+        variant = next(iter(op.kept_calls.values())).plan.variant
         entry = used_entry(lookups, variant)
         found.append({"entry": entry and dataclasses.asdict(entry), "variant": dataclasses.asdict(variant)})
     cupy.cuda.runtime.deviceSynchronize()

@@ -29,7 +29,7 @@ from bsmm.arrays import _DLPACK_CPU, _DLPACK_CUDA
 from bsmm.config import settings
 from bsmm.matmul import BlocksparseMatMul
 
-__all__ = ["ConvPasses", "run_pass"]
+__all__ = ["ConvPasses", "PassCallback", "run_pass"]
 
 
 # -- the host side of a pass ------------------------------------------------------------------
@@ -58,7 +58,7 @@ def _pick(array, index: tuple):
     return array[tuple(i if array.shape[axis] != 1 else 0 for axis, i in enumerate(index))]
 
 
-class _PassCallback:
+class PassCallback:
     """What XLA calls for one pass: ``out[i] = pass(a[i], b[i])`` over the batch shape.
 
     Compared by value so that equal passes are equal custom calls to JAX's caches.
@@ -73,7 +73,7 @@ class _PassCallback:
         return (id(self.op), self.pass_name, self.batch_shape)
 
     def __eq__(self, other):
-        return type(other) is _PassCallback and other.op is self.op and other._key() == self._key()
+        return type(other) is PassCallback and other.op is self.op and other._key() == self._key()
 
     def __hash__(self):
         return hash(self._key())
@@ -114,7 +114,7 @@ def _repeat_on_cuda(op, pass_name: str, stream: int, device_id: int, out, a, b) 
 
     XLA's buffers are dense row-major, and their shapes and dtypes are fixed by the custom call.
     """
-    calls = getattr(op, "_gpu_calls", None)  # (a ConvPasses has none)
+    calls = getattr(op, "kept_calls", None)  # (a ConvPasses has none)
     if not calls:
         return False
     call = calls.get((pass_name, a.shape, a.dtype, op.feature_axis, op.tf32))
@@ -161,7 +161,7 @@ def _call(op, pass_name: str, batch_shape: tuple, out_shape: tuple, a, b):
     # first call (workspaces are per stream and kept), so XLA may capture it into a CUDA graph and
     # replay it; a convolution's pass may allocate temporaries every call, so it may not.
     replayable = isinstance(op, BlocksparseMatMul) and settings()["jax"]["command_buffers"]
-    call = buffer_callback(_PassCallback(op, pass_name, batch_shape), jax.ShapeDtypeStruct(out_shape, a.dtype),
+    call = buffer_callback(PassCallback(op, pass_name, batch_shape), jax.ShapeDtypeStruct(out_shape, a.dtype),
                            command_buffer_compatible=replayable)
     return call(a, b)
 

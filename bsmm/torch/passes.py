@@ -82,7 +82,7 @@ _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 def _repeat_on_cuda(op: BlocksparseMatMul, pass_name: str, a: torch.Tensor, b: torch.Tensor):
     """The pass through the call ``op`` kept from an earlier checked call of this shape
     (``bsmm.backends.cuda.backend.FastCall``), or None where there is none or anything differs from it."""
-    call = op._gpu_calls.get((pass_name, a.shape, ARRAY_DTYPES.get(a.dtype), op.feature_axis, op.tf32))
+    call = op.kept_calls.get((pass_name, a.shape, ARRAY_DTYPES.get(a.dtype), op.feature_axis, op.tf32))
     if call is None or b.dtype is not a.dtype or b.shape != call.other_shape or not (
             a.is_contiguous() and b.is_contiguous()):
         return None

@@ -57,7 +57,7 @@ print(f"{'op.fprop(x, w, out=y)':36s} {host_time(lambda: op.fprop(x, w, out=y)) 
 print(f"{'op.fprop(x, w)':36s} {host_time(lambda: op.fprop(x, w)) * 1e9:8.0f} ns")
 # The repeated call's kept parameter block: launched by cuLaunchKernel (CuPy), or by
 # cuLaunchKernelEx through ctypes where launches are serialized (programmatic, sm_90+).
-call = next(iter(op._gpu_calls.values()))
+call = next(iter(op.kept_calls.values()))
 for _ in range(2):  # seen, then kept (op.fprop(x, w) may have filled and cleared the kept blocks)
     op.fprop(x, w, out=y)
 block = call.blocks[(cupy.cuda.get_current_stream().ptr, x.data.ptr, w.data.ptr, y.data.ptr, False)]

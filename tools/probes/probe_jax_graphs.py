@@ -22,7 +22,7 @@ from bsmm.jax import passes as jax_passes
 from bsmm.layouts import random_layout
 
 calls = {"count": 0}
-original = jax_passes._PassCallback.__call__
+original = jax_passes.PassCallback.__call__
 
 
 def counted(self, context, *args):
@@ -35,7 +35,7 @@ def counted(self, context, *args):
     return original(self, context, *args)
 
 
-jax_passes._PassCallback.__call__ = counted
+jax_passes.PassCallback.__call__ = counted
 op = bsmm.BlocksparseMatMul(random_layout(24, 24, 0.2, seed=1), block_size=32)
 rng = np.random.default_rng(0)
 w = jnp.asarray(rng.standard_normal(op.w_shape), jnp.float32)

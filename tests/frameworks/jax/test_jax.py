@@ -657,14 +657,14 @@ from bsmm.jax import passes as jax_passes
 from bsmm.layouts import random_layout
 
 seen = []
-original = jax_passes._PassCallback.__call__
+original = jax_passes.PassCallback.__call__
 
 def counted(self, context, *buffers):
     import cupy
     seen.append((self.op is replayed, bool(cupy.cuda.runtime.streamIsCapturing(int(context.stream)))))
     return original(self, context, *buffers)
 
-jax_passes._PassCallback.__call__ = counted
+jax_passes.PassCallback.__call__ = counted
 layout = random_layout(24, 40, 0.2, seed=3)
 replayed = bsmm.BlocksparseMatMul(layout, block_size=32)  # (C 768, K 1280: rectangular)
 eager = bsmm.BlocksparseMatMul(layout, block_size=32)  # the same layout, traced with replays off
