@@ -16,7 +16,7 @@ import numpy as np
 from bsmm.block_index import BlockIndex
 from bsmm.backends.cuda import plans
 from bsmm.backends.cuda.kernels import ELEMENT_BYTES, BlockTransposeVariant, TransposeVariant, load_kernel
-from bsmm.backends.cuda.plans import Launcher, device_traits
+from bsmm.backends.cuda.plans import Launcher
 from bsmm.backends.cuda.policy import Policy
 from bsmm.backends.cuda.selection import copy_row_elements, transposed_layout
 from bsmm.backends.cuda.workspaces import allocate_workspace, per_stream
@@ -26,7 +26,7 @@ __all__ = ["TransposedActivations", "TransposedUpdat", "TransposedWeightsFprop"]
 
 
 def _serialized(device, policy: Policy) -> bool:
-    return policy.programmatic_on(device_traits(device).arch)
+    return policy.programmatic_on(f"sm{device.compute_capability}")
 
 
 def _transpose_launcher(item: int, ld: int, features: int, device, policy: Policy) -> Launcher:

@@ -32,6 +32,7 @@ from pathlib import Path
 from bsmm.config import CUDA_DIR, cache_dir
 from bsmm.dtypes import ELEMENT_TYPES
 from bsmm.backends.cuda.policy import Tile
+from bsmm.passes import PASSES
 
 __all__ = ["Variant", "tiling_problem", "static_shared_bytes", "GatherVariant", "TransposeVariant", "compile_variant", "load_kernel", "arch_for", "cuda_include_dirs", "compile_options"]
 
@@ -98,8 +99,9 @@ class Variant:
         if self.math == "wgmma16" or self.tma:  # swizzled, unpadded stages + 1 KiB to align them
             return stages * (bm * bk + bk * bn) * item + 1024
         vec = 16 // item
-        a_kmajor = (self.feature_axis == 0) if self.pass_name == "updat" else (self.feature_axis == 1)
-        b_kmajor = (self.feature_axis == 0) if self.pass_name == "updat" else (self.pass_name == "bprop")
+        the_pass = PASSES[self.pass_name]
+        a_kmajor = (self.feature_axis == 0) if the_pass.updates_weights else (self.feature_axis == 1)
+        b_kmajor = (self.feature_axis == 0) if the_pass.updates_weights else the_pass.reads_weights_transposed
         a = (bm * (bk + vec)) if a_kmajor else (bk * (bm + vec))
         b = (bn * (bk + vec)) if b_kmajor else (bk * (bn + vec))
         staging = bm * (bn + 4) * 4 if self.grouped and self.math != "simt" else 0  # finished tiles, as floats
@@ -153,7 +155,7 @@ def tiling_problem(variant: Variant, max_shared: int | None = None) -> str:
         return "tiles must be whole 16-byte chunks"
     if max_shared is not None and variant.shared_bytes + static_shared_bytes(variant) > max_shared:
         return f"needs more than the device's {max_shared} bytes of shared memory"
-    groups, updat = variant.cols > 1, variant.pass_name == "updat"
+    groups, updat = variant.cols > 1, PASSES[variant.pass_name].updates_weights
     if wgmma and groups and updat and (bm != variant.cols * variant.block_size or bn != variant.block_size):
         return "transposed row groups hold the group's blocks in M"
     whole_blocks = bm == variant.block_size if updat else bk == variant.block_size

@@ -25,7 +25,7 @@ import copy
 import dataclasses
 import os
 import threading
-from typing import Iterator, Mapping
+from collections.abc import Iterator, Mapping
 
 from bsmm.config import settings
 
