@@ -128,13 +128,17 @@ def write_json(rows: list[BenchRow], path: str, meta: dict | None = None) -> Non
 
 
 # ---- GPU -------------------------------------------------------------------------------------
-#: The workloads of shared/BENCHMARKS.md: N, C = K, block sizes, densities, dtypes ("tf32" = float32 on tensor cores).
+#: The workloads of shared/BENCHMARKS.md: N, the layers (C input, K output features), block sizes,
+#: densities, dtypes ("tf32" = float32 on tensor cores). F is a transformer's feed-forward pair.
 WORKLOADS = {
-    "S": dict(N=32, C=12288, block_sizes=(32,), densities=(0.5, 0.25, 0.1, 0.05, 0.02),
+    "S": dict(N=32, layers=((12288, 12288),), block_sizes=(32,), densities=(0.5, 0.25, 0.1, 0.05, 0.02),
               dtypes=("float32", "float16", "bfloat16")),
-    "T": dict(N=4096, C=8192, block_sizes=(16, 32, 64, 128), densities=(0.5, 0.25, 0.1),
+    "T": dict(N=4096, layers=((8192, 8192),), block_sizes=(16, 32, 64, 128), densities=(0.5, 0.25, 0.1),
               dtypes=("float16", "bfloat16", "float32", "tf32")),
-    "I": dict(N=256, C=8192, block_sizes=(32, 64), densities=(0.25, 0.1, 0.05), dtypes=("float16", "bfloat16")),
+    "I": dict(N=256, layers=((8192, 8192),), block_sizes=(32, 64), densities=(0.25, 0.1, 0.05),
+              dtypes=("float16", "bfloat16")),
+    "F": dict(N=8192, layers=((4096, 16384), (16384, 4096)), block_sizes=(64, 128), densities=(0.5, 0.25, 0.1),
+              dtypes=("float16", "bfloat16")),
 }
 #: float32 rows of T are measured at the block sizes the targets name, to keep a run short.
 _T_FLOAT32_BLOCKS = {"float32": (32, 64), "tf32": (64,)}
@@ -149,14 +153,16 @@ def weight_sets(op: BlocksparseMatMul, dtype, rng) -> list:
     return [rng.standard_normal(op.w_shape, dtype=np.float32).astype(dtype) for _ in range(n_sets)]
 
 
-def pass_calls(op: BlocksparseMatMul, x, dy, ws: list, outputs: dict) -> dict[str, Callable[[], object]]:
-    """The three passes of ``op`` as argument-less calls into ``outputs[pass]``, fprop and bprop
-    taking the next of the weight sets ``ws`` at each call."""
+def pass_calls(op: BlocksparseMatMul, x, dy, ws: list, outputs: dict | None) -> dict[str, Callable[[], object]]:
+    """The three passes of ``op`` as argument-less calls into ``outputs[pass]`` (``None``: the
+    allocating calls a user's loop makes), fprop and bprop taking the next of the weight sets
+    ``ws`` at each call."""
     turn = itertools.count()
+    out = outputs or {}
     return {
-        "fprop": lambda: op.fprop(x, ws[next(turn) % len(ws)], out=outputs["fprop"]),
-        "bprop": lambda: op.bprop(dy, ws[next(turn) % len(ws)], out=outputs["bprop"]),
-        "updat": lambda: op.updat(x, dy, out=outputs["updat"]),
+        "fprop": lambda: op.fprop(x, ws[next(turn) % len(ws)], out=out.get("fprop")),
+        "bprop": lambda: op.bprop(dy, ws[next(turn) % len(ws)], out=out.get("bprop")),
+        "updat": lambda: op.updat(x, dy, out=out.get("updat")),
     }
 
 
@@ -244,18 +250,21 @@ def _dense_matmul(tf32: bool):
 
 @dataclasses.dataclass
 class GpuRow(BenchRow):
-    """A GPU row: adds the CUDA-graph replay time of bsmm's pass."""
+    """A GPU row: ``sparse_s`` is the call into a kept output (``out=``); adds the allocating
+    call's time and the CUDA-graph replay time of bsmm's pass."""
 
     graph_s: float | None = None
     workload: str = ""
+    alloc_s: float | None = None
 
 
 def bench_gpu(workloads=("S", "T", "I"), calls: int = 20, batches: int = 11, seed: int = 0,
               progress: Callable[[str], None] | None = None, quick: bool = False,
-              only_dtypes=None, only_block_sizes=None) -> list[GpuRow]:
+              only_dtypes=None, only_block_sizes=None, only_densities=None) -> list[GpuRow]:
     """Each pass of bsmm beside dense cuBLAS on the workloads of BENCHMARKS.md (needs a GPU).
 
-    ``only_dtypes`` ("float16", "tf32", ...) and ``only_block_sizes`` restrict the rows run.
+    ``only_dtypes`` ("float16", "tf32", ...), ``only_block_sizes`` and ``only_densities`` (fractions)
+    restrict the rows run.
     """
     import cupy
 
@@ -263,43 +272,56 @@ def bench_gpu(workloads=("S", "T", "I"), calls: int = 20, batches: int = 11, see
     rows: list[GpuRow] = []
     for name in workloads:
         spec = WORKLOADS[name]
-        N, C = spec["N"], spec["C"]
+        N = spec["N"]
         for kind in spec["dtypes"]:
             if only_dtypes and kind not in only_dtypes:
                 continue
-            tf32 = kind == "tf32"
-            dtype = "float32" if tf32 else kind
-            np_dtype = canonical_dtype(dtype, "dtype")
             block_sizes = _T_FLOAT32_BLOCKS.get(kind, spec["block_sizes"]) if name == "T" else spec["block_sizes"]
             if quick:
                 block_sizes = block_sizes[:1]
             if only_block_sizes:
                 block_sizes = tuple(bs for bs in block_sizes if bs in only_block_sizes)
-            x = rng.standard_normal((N, C), dtype=np.float32).astype(np_dtype)
-            dy = rng.standard_normal((N, C), dtype=np.float32).astype(np_dtype)
-            dense_w = rng.standard_normal((C, C), dtype=np.float32).astype(np_dtype)
-            matmul = _dense_matmul(tf32)
-            dense_calls = {"fprop": lambda: matmul(x, dense_w), "bprop": lambda: matmul(dy, dense_w.T),
-                           "updat": lambda: matmul(x.T, dy)}
-            dense = {p: _gpu_seconds(f, calls, batches) for p, f in dense_calls.items()}
-            del dense_w
-            for bs in block_sizes:
-                for density in (spec["densities"][:2] if quick else spec["densities"]):
-                    layout = random_layout(C // bs, C // bs, density=density, seed=seed)
-                    op = BlocksparseMatMul(layout, block_size=bs, tf32=tf32)
-                    ws = weight_sets(op, np_dtype, rng)
-                    y = cupy.empty((N, C), dtype=np_dtype)
-                    runs = pass_calls(op, x, dy, ws, {"fprop": y, "bprop": y,
-                                                      "updat": cupy.empty(op.w_shape, dtype=np_dtype)})
-                    for pass_name, run in runs.items():
-                        sparse = _gpu_seconds(run, calls, batches)
-                        graph = _graph_seconds(run, calls, batches)
-                        row = GpuRow("cuda", kind, N, C, C, bs, op.density, pass_name, sparse,
-                                     dense[pass_name], graph, name)
-                        rows.append(row)
-                        if progress:
-                            progress(format_gpu_table([row], header=False))
-                    del ws
+            densities = spec["densities"][:2] if quick else spec["densities"]
+            if only_densities:
+                densities = tuple(d for d in densities if any(abs(d - o) < 1e-9 for o in only_densities))
+            for C, K in spec["layers"]:
+                rows += _bench_layer(name, kind, N, C, K, block_sizes, densities, rng, calls, batches, seed, progress)
+    return rows
+
+
+def _bench_layer(name: str, kind: str, N: int, C: int, K: int, block_sizes, densities, rng, calls: int, batches: int,
+                 seed: int, progress) -> list[GpuRow]:
+    """The rows of one layer (C -> K features) of a workload: dense cuBLAS once, then each block
+    size and density, each pass into a kept output, allocating, and replayed from a CUDA graph."""
+    import cupy
+
+    tf32 = kind == "tf32"
+    np_dtype = canonical_dtype("float32" if tf32 else kind, "dtype")
+    x = rng.standard_normal((N, C), dtype=np.float32).astype(np_dtype)
+    dy = rng.standard_normal((N, K), dtype=np.float32).astype(np_dtype)
+    dense_w = rng.standard_normal((C, K), dtype=np.float32).astype(np_dtype)
+    matmul = _dense_matmul(tf32)
+    dense_calls = {"fprop": lambda: matmul(x, dense_w), "bprop": lambda: matmul(dy, dense_w.T),
+                   "updat": lambda: matmul(x.T, dy)}
+    dense = {p: _gpu_seconds(f, calls, batches) for p, f in dense_calls.items()}
+    del dense_w
+    rows = []
+    for bs in block_sizes:
+        for density in densities:
+            op = BlocksparseMatMul(random_layout(C // bs, K // bs, density=density, seed=seed), block_size=bs,
+                                   tf32=tf32)
+            ws = weight_sets(op, np_dtype, rng)
+            outputs = {"fprop": cupy.empty((N, K), dtype=np_dtype), "bprop": cupy.empty((N, C), dtype=np_dtype),
+                       "updat": cupy.empty(op.w_shape, dtype=np_dtype)}
+            kept, allocating = pass_calls(op, x, dy, ws, outputs), pass_calls(op, x, dy, ws, None)
+            for pass_name, run in kept.items():
+                row = GpuRow("cuda", kind, N, C, K, bs, op.density, pass_name, _gpu_seconds(run, calls, batches),
+                             dense[pass_name], _graph_seconds(run, calls, batches), name,
+                             _gpu_seconds(allocating[pass_name], calls, batches))
+                rows.append(row)
+                if progress:
+                    progress(format_gpu_table([row], header=False))
+            del ws, outputs
     return rows
 
 
@@ -307,15 +329,18 @@ def format_gpu_table(rows: list, header: bool = True) -> str:
     lines = []
     if header:
         lines += [
-            "| load | dtype | N | C=K | block | density | pass | bsmm | graph | dense | speed-up | graph speed-up | eff. |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+            "| load | dtype | N | C → K | block | density | pass | bsmm | allocating | graph | dense | speed-up | "
+            "graph speed-up | eff. |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
         ]
     for r in rows:
         graph = _fmt_time(r.graph_s) if r.graph_s else "-"
         graph_speedup = f"{r.dense_s / r.graph_s:.2f}x" if r.graph_s else "-"
+        allocating = _fmt_time(r.alloc_s) if getattr(r, "alloc_s", None) else "-"
         lines.append(
-            f"| {r.workload} | {r.dtype} | {r.N} | {r.C} | {r.block_size} | {r.density:.0%} | {r.pass_name} | "
-            f"{_fmt_time(r.sparse_s)} | {graph} | {_fmt_time(r.dense_s)} | {r.speedup:.2f}x | {graph_speedup} | "
+            f"| {r.workload} | {r.dtype} | {r.N} | {r.C} → {r.K} | {r.block_size} | {r.density:.0%} | {r.pass_name} | "
+            f"{_fmt_time(r.sparse_s)} | {allocating} | {graph} | {_fmt_time(r.dense_s)} | {r.speedup:.2f}x | "
+            f"{graph_speedup} | "
             f"{r.efficiency:.0%} |"
         )
     return "\n".join(lines)

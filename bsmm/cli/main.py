@@ -69,10 +69,11 @@ def _bench(args) -> int:
                   "(BSMM_TUNED=0 measures bsmm.toml's)", file=sys.stderr)
         rows = bench_gpu(workloads=tuple((args.workloads or "S,T,I").split(",")), progress=log, quick=args.quick,
                          only_dtypes=args.dtype and tuple(args.dtype.split(",")),
-                         only_block_sizes=args.block_size and tuple(int(b) for b in args.block_size.split(",")))
+                         only_block_sizes=args.block_size and tuple(int(b) for b in args.block_size.split(",")),
+                         only_densities=args.densities and tuple(float(d) / 100 for d in args.densities.split(",")))
         print(format_gpu_table(rows))
     else:
-        densities = tuple(float(d) / 100 for d in args.densities.split(","))
+        densities = tuple(float(d) / 100 for d in (args.densities or "50,25,10,5,2").split(","))
         rows = bench_cpu(N=args.N, C=args.C, K=args.K, block_size=int(args.block_size or 32), densities=densities,
                          dtype=args.dtype or "float32", repeats=args.repeats, progress=log)
         print(format_table(rows))
@@ -125,10 +126,10 @@ def _tune_cases(args) -> list:
     from bsmm.passes import PASS_NAMES
 
     spec = dict(WORKLOADS[args.workload]) if args.workload else dict(
-        N=4096, C=8192, block_sizes=(32,), densities=(0.1,), dtypes=("float16",))
+        N=4096, layers=((8192, 8192),), block_sizes=(32,), densities=(0.1,), dtypes=("float16",))
     N = args.N or spec["N"]
-    C = args.C or spec["C"]
-    K = args.K or C
+    # --C / --K replace every layer's input / output features (--C alone: a square layer).
+    layers = list(dict.fromkeys((args.C or c, args.K or args.C or k) for c, k in spec["layers"]))
     block_sizes = [int(b) for b in args.block_size.split(",")] if args.block_size else spec["block_sizes"]
     densities = [float(d) / 100 for d in args.densities.split(",")] if args.densities else spec["densities"]
     dtypes = args.dtype.split(",") if args.dtype else spec["dtypes"]
@@ -139,7 +140,7 @@ def _tune_cases(args) -> list:
         if unknown:
             raise ValueError(f"{name} {','.join(unknown)}: expected some of {','.join(allowed)}")
     return [Case(p, N, C, K, bs, d, dtype, args.feature_axis)
-            for dtype in dtypes for bs in block_sizes for d in densities for p in passes]
+            for dtype in dtypes for C, K in layers for bs in block_sizes for d in densities for p in passes]
 
 
 class _Progress:
@@ -205,7 +206,8 @@ def main(argv=None) -> int:
     bench.add_argument("--C", type=int, default=12288, help="CPU: input features")
     bench.add_argument("--K", type=int, default=12288, help="CPU: output features")
     bench.add_argument("--block-size", help="block size (CPU: one, default 32; GPU: only these, comma-separated)")
-    bench.add_argument("--densities", default="50,25,10,5,2", help="CPU: percentages, comma-separated")
+    bench.add_argument("--densities", help="percentages, comma-separated (CPU: default 50,25,10,5,2; GPU: only "
+                                           "these of each workload's)")
     bench.add_argument("--dtype", help="element type (CPU: default float32; GPU: only these, comma-separated, "
                                        "tf32 included)")
     bench.add_argument("--repeats", type=int, default=5, help="CPU: timed calls per row")
@@ -216,7 +218,7 @@ def main(argv=None) -> int:
     tune = commands.add_parser("tune", help="refine bsmm.toml's launch tiles for this GPU and these shapes (GPU)",
                                description="Times launch tiles near bsmm.toml's on the given passes and shapes and "
                                            "keeps the faster ones for this machine (bsmm.cli.tune).")
-    tune.add_argument("--workload", choices=("S", "T", "I"), help="shapes of a benchmark workload (BENCHMARKS.md)")
+    tune.add_argument("--workload", choices=("S", "T", "I", "F"), help="shapes of a benchmark workload (BENCHMARKS.md)")
     tune.add_argument("--N", type=int, help="batch rows (default 4096)")
     tune.add_argument("--C", type=int, help="input features (default 8192)")
     tune.add_argument("--K", type=int, help="output features (default C)")

@@ -364,6 +364,9 @@ def test_tune_cases_follow_the_workload_and_the_arguments():
     assert cases(workload="S", K=4096, block_size="32,64", densities="2", dtype="tf32", passes="updat",
                  feature_axis=0) == [tune.Case("updat", 32, 12288, 4096, bs, 0.02, "tf32", 0) for bs in (32, 64)]
     assert len(cases(workload="T")) == 3 * 4 * 3 * 4  # passes x dtypes x densities x block sizes
+    rectangular = cases(workload="F", block_size="128", densities="10", dtype="bfloat16", passes="fprop")
+    assert [(c.N, c.C, c.K) for c in rectangular] == [(8192, 4096, 16384), (8192, 16384, 4096)]
+    assert {(c.C, c.K) for c in cases(workload="F", C=2048)} == {(2048, 2048)}
 
 
 @pytest.mark.gpu

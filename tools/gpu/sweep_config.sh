@@ -19,5 +19,5 @@ for word in "${settings[@]}"; do
     key=${word%%=*}; printf '[%s]\n%s = %s\n' "${key%.*}" "${key##*.}" "${word#*=}" >"$cfg"; fi
   BSMM_CONFIG=$cfg python3 -m bsmm bench --backend gpu --json "${cfg%.toml}.json" "$@" >"${cfg%.toml}.md" 2>&1
   echo "== $word"
-  grep -E "^\| [STI] " "${cfg%.toml}.md" | grep -E "${PASSES:-.}" | awk -F'|' '{print $3, $6, $7, $8, $9, $11, $14}'
+  grep -E "^\| [STIF] " "${cfg%.toml}.md" | grep -E "${PASSES:-.}" | awk -F'|' '{print $3, $5, $6, $7, $8, $9, $12, $15}'
 done

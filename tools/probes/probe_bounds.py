@@ -31,10 +31,12 @@ import numpy as np
 from bsmm.backends.cuda.kernels import ELEMENT_BYTES
 
 MODES = {"full": "", "copy only": "-DBSMM_PROBE_COPY_ONLY", "math only": "-DBSMM_PROBE_MATH_ONLY"}
-#: Efficiency per useful FLOP that issue 3 asks of workload T, by (dtype, block size).
-TARGETS = {**{(half, bs): t for half in ("float16", "bfloat16")
-              for bs, t in ((16, .15), (32, .30), (64, .55), (128, .70))},
-           ("float32", 32): .50, ("float32", 64): .75, ("tf32", 64): .40}
+#: Efficiency per useful FLOP asked of workloads T and F (issue 24's half-precision targets; issue 3's
+#: for float32 and TF32), by (workload, dtype, block size).
+TARGETS = {**{("T", half, bs): t for half in ("float16", "bfloat16")
+              for bs, t in ((16, .15), (32, .40), (64, .65), (128, .85))},
+           **{("F", half, bs): t for half in ("float16", "bfloat16") for bs, t in ((64, .55), (128, .70))},
+           ("T", "float32", 32): .50, ("T", "float32", 64): .75, ("T", "tf32", 64): .40}
 
 
 def _host(array) -> np.ndarray:
@@ -91,7 +93,8 @@ def run_bench(mode: str, options: str, bench_args: list[str], out: Path) -> list
 
 
 def row_key(row: dict) -> tuple:
-    return row["workload"], row["dtype"], row["block_size"], row["density"], row["pass_name"]
+    return (row["workload"], row["dtype"], row["block_size"], row["density"], row["pass_name"],
+            f"{row['C']}->{row['K']}")
 
 
 def table(runs: dict[str, list[dict]]) -> str:
@@ -107,7 +110,7 @@ def table(runs: dict[str, list[dict]]) -> str:
         times = [full] + others
         us = " | ".join(f"{r['sparse_s'] * 1e6:.1f}" for r in times)
         eff = " | ".join(f"{r['dense_s'] * r['density'] / r['sparse_s']:.0%}" for r in times)
-        lines.append(f"| {key[0]} | {key[1]} | {key[2]} | {key[3]:.0%} | {key[4]} | {us} | {eff} |")
+        lines.append(f"| {key[0]} {key[5]} | {key[1]} | {key[2]} | {key[3]:.0%} | {key[4]} | {us} | {eff} |")
     return "\n".join(lines)
 
 
@@ -121,21 +124,31 @@ def pass_bytes(row: dict) -> int:
     from bsmm.cli.bench import pass_calls
     from bsmm.layouts import random_layout
 
-    bs, n, c = row["block_size"], row["N"], row["C"]
+    bs, n, c, k = row["block_size"], row["N"], row["C"], row["K"]
     tf32 = row["dtype"] == "tf32"
     dtype = "float32" if tf32 else row["dtype"]
-    op = BlocksparseMatMul(random_layout(c // bs, c // bs, density=row["density"], seed=0), block_size=bs, tf32=tf32)
+    op = BlocksparseMatMul(random_layout(c // bs, k // bs, density=row["density"], seed=0), block_size=bs, tf32=tf32)
     rng = cupy.random.default_rng(1)
-    x, dy = (rng.standard_normal((n, c), dtype=np.float32).astype(dtype) for _ in range(2))
+    x, dy = (rng.standard_normal((n, features), dtype=np.float32).astype(dtype) for features in (c, k))
     w = rng.standard_normal(op.w_shape, dtype=np.float32).astype(dtype)
-    outputs = {"fprop": cupy.empty((n, c), dtype=dtype), "updat": cupy.empty(op.w_shape, dtype=dtype)}
-    pass_calls(op, x, dy, [w], outputs | {"bprop": outputs["fprop"]})[row["pass_name"]]()
+    outputs = {"fprop": cupy.empty((n, k), dtype=dtype), "bprop": cupy.empty((n, c), dtype=dtype),
+               "updat": cupy.empty(op.w_shape, dtype=dtype)}
+    pass_calls(op, x, dy, [w], outputs)[row["pass_name"]]()
     # (The index may be shared with other rows' operators of the same layout: their plans differ in dtype.)
     plans = [plan for key, plan in cuda_plans.plans_of(op.index).items()
              if key[:3] == (row["pass_name"], n, dtype) and key[4] == tf32]
     assert len(plans) == 1, f"{row_key(row)}: {len(plans)} plans"
-    out = op.blocks * bs * bs if row["pass_name"] == "updat" else n * c
+    out = {"fprop": n * k, "bprop": n * c, "updat": op.blocks * bs * bs}[row["pass_name"]]
     return sum(moved_bytes(plans[0], n).values()) + out * ELEMENT_BYTES[dtype]
+
+
+def compulsory_bytes(row: dict) -> int:
+    """Bytes a bench row's pass must move to or from DRAM at least: its two inputs read and its
+    output written once each (the weights at the row's density)."""
+    item = 4 if row["dtype"] == "tf32" else ELEMENT_BYTES[row["dtype"]]
+    n, c, k = row["N"], row["C"], row["K"]
+    weights = round(c * k * row["density"])
+    return (n * c + n * k + weights) * item
 
 
 def roofline_table(runs: dict[str, list[dict]], bytes_of) -> str:
@@ -143,21 +156,22 @@ def roofline_table(runs: dict[str, list[dict]], bytes_of) -> str:
     (``bytes_of(row)``), the bandwidth at which the copy-only and the full kernels move them, the
     useful FLOPs and the dense rate of the same run."""
     by_mode = {mode: {row_key(r): r for r in rows} for mode, rows in runs.items()}
-    lines = ["| dtype | block | density | pass | target | eff. full / copy only / math only | MB moved "
-             "| TB/s copy only / full | useful GFLOP | dense TFLOP/s |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = ["| load | dtype | block | density | pass | target | eff. full / copy only / math only | MB moved "
+             "| TB/s copy only / full | DRAM MB at least | useful GFLOP | dense TFLOP/s |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for key, full in by_mode["full"].items():
         copy, math = (by_mode[m].get(key) for m in ("copy only", "math only"))
         if copy is None or math is None:
             continue
         moved = bytes_of(full)
         useful = 2 * full["N"] * full["C"] * full["K"] * full["density"]
-        target = TARGETS.get((full["dtype"], full["block_size"]))
+        target = TARGETS.get((full["workload"], full["dtype"], full["block_size"]))
         eff = " / ".join(f"{r['dense_s'] * r['density'] / r['sparse_s'] * 100:.0f}" for r in (full, copy, math))
         lines.append(
-            f"| {key[1]} | {key[2]} | {key[3]:.0%} | {key[4]} | {f'{target:.0%}' if target else '-'} | {eff} | "
+            f"| {key[0]} {key[5]} | {key[1]} | {key[2]} | {key[3]:.0%} | {key[4]} | "
+            f"{f'{target:.0%}' if target else '-'} | {eff} | "
             f"{moved / 1e6:.0f} | {moved / copy['sparse_s'] / 1e12:.1f} / {moved / full['sparse_s'] / 1e12:.1f} | "
-            f"{useful / 1e9:.1f} | {useful / full['density'] / full['dense_s'] / 1e12:.0f} |")
+            f"{compulsory_bytes(full) / 1e6:.0f} | {useful / 1e9:.1f} | {useful / full['density'] / full['dense_s'] / 1e12:.0f} |")
     return "\n".join(lines)
 
 
