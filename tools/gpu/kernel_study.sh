@@ -9,6 +9,7 @@
 # "dense" for cuBLAS; a summary of each (time, tensor pipe, DRAM and L2 bytes and throughput) is
 # printed. BOUNDS_ARGS: tools/probes/probe_bounds.py's bench arguments; its tables are printed.
 set -uo pipefail
+set -f  # the settings hold brackets: no globbing
 OUT=${OUT:-/tmp/bsmm-out}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 BSMM_CACHE_DIR=${BSMM_CACHE_DIR:-/tmp/bsmm-cache}
