@@ -65,7 +65,7 @@ def test_probe_options_are_part_of_the_compile_options(monkeypatch):
 
 def row(pass_name, density, sparse_s, dense_s, block_size=64):
     return dict(workload="T", dtype="float16", block_size=block_size, density=density, pass_name=pass_name,
-                sparse_s=sparse_s, dense_s=dense_s)
+                sparse_s=sparse_s, dense_s=dense_s, N=4096, C=8192, K=8192)
 
 
 def test_bounds_table():
@@ -78,7 +78,7 @@ def test_bounds_table():
     }
     lines = tool.table(runs).splitlines()
     assert len(lines) == 3, "a row missing from a run is left out"
-    assert lines[2] == "| T | float16 | 64 | 10% | fprop | 200.0 | 160.0 | 100.0 | 40% | 50% | 40% |"
+    assert lines[2] == "| T 8192->8192 | float16 | 64 | 10% | fprop | 200.0 | 160.0 | 100.0 | 40% | 50% | 40% |"
     assert set(tool.MODES) == {"full", "copy only", "math only"}
     assert tool.MODES["copy only"] == COPY_ONLY and tool.MODES["math only"] == MATH_ONLY
 
@@ -88,7 +88,7 @@ def test_bounds_table():
 def fake_plan(variant, segments, grid, table=None, workspace_floats=0):
     return SimpleNamespace(variant=variant, segments=np.asarray(segments),
                            table=np.asarray(table if table is not None else []),
-                           launcher=SimpleNamespace(grid=grid), workspace_floats=workspace_floats)
+                           tile_grid=grid, workspace_floats=workspace_floats)
 
 
 def copied_tile_by_tile(variant, segments, grid, table, n):
@@ -163,10 +163,12 @@ def test_moved_bytes_adds_the_transposed_copies():
 
 def test_roofline_table():
     tool = load_tool()
-    full = dict(row("fprop", 0.1, 200e-6, 800e-6), N=4096, C=8192, K=8192)
+    full = row("fprop", 0.1, 200e-6, 800e-6)
     runs = {"full": [full], "copy only": [dict(full, sparse_s=100e-6)], "math only": [dict(full, sparse_s=50e-6)]}
     lines = tool.roofline_table(runs, lambda r: 500_000_000).splitlines()
-    # 4096 x 8192 x 8192 x 2 x 10 % = 55.0 GFLOP; dense: 549.8 GFLOP in 800 us = 687 TFLOP/s.
-    assert lines[2] == "| float16 | 64 | 10% | fprop | 55% | 40 / 80 / 160 | 500 | 5.0 / 2.5 | 55.0 | 687 |"
+    # 4096 x 8192 x 8192 x 2 x 10 % = 55.0 GFLOP; dense: 549.8 GFLOP in 800 us = 687 TFLOP/s. DRAM at
+    # least: x and y, 4096 x 8192 x 2 bytes each, and 10 % of the 8192² weights, 2 bytes each.
+    assert lines[2] == ("| T 8192->8192 | float16 | 64 | 10% | fprop | 65% | 40 / 80 / 160 | 500 | 5.0 / 2.5 | 148 | "
+                        "55.0 | 687 |")
     runs["math only"] = []
     assert len(tool.roofline_table(runs, lambda r: 1).splitlines()) == 2, "a row missing from a run is left out"
