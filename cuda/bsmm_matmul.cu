@@ -267,13 +267,14 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N * 32 + 32)
     __syncthreads();
     if constexpr (MATH == Math::Wgmma && PASS != Pass::Updat && !K::COLS_W && sizeof(T) == 2) {
         if (segment_count) {  // thread blocks walk the tiles (bsmm_persistent.cuh)
-            const int row_tiles = (n_rows + BM - 1) / BM;
+            __shared__ StageTile stage_tiles[STAGES];
             if (threadIdx.x >= K::NT)
-                copy_tiles<K, T, BS, STAGES, BOX, PASS>(sa, sb, full, empty, part_table, segments, table, &act_map,
-                                                        &other_map, segment_count, row_tiles, band_rows);
+                copy_tiles<K, T, BS, STAGES, BOX, PASS>(sa, sb, full, empty, stage_tiles, part_table, segments, table,
+                                                        counters, &act_map, &other_map, segment_count,
+                                                        (n_rows + BM - 1) / BM, band_rows);
             else
-                multiply_tiles<K, T, BS, STAGES>(sa, sb, full, empty, segments, out, n_rows, ld_other, ld_out,
-                                                 accumulate, segment_count, row_tiles, band_rows);
+                multiply_tiles<K, T, BS, STAGES>(sa, sb, full, empty, stage_tiles, out, n_rows, ld_other, ld_out,
+                                                 accumulate);
             return;
         }
     }

@@ -3,9 +3,9 @@
 // Where a block column holds few blocks, a tile is a few steps long and one thread block an SM
 // (block 128: 192 KB of stages) spends much of its life starting, filling its stages and storing
 // its tile, each while the tensor cores idle. Here a grid of as many thread blocks as the SMs
-// hold walks the tiles in the order of the one-tile grid (banded_tile_of), tile id, id + grid,
-// ...: the copy warp runs on into the next tile's stages while the warps store the last one
-// from their registers, so stores and start-up overlap the math. Tiles are cut into no parts
+// hold walks the tiles, each thread block taking the next one from a counter as it needs it:
+// the copy warp runs on into the next tile's stages while the warps store the last one from
+// their registers, so stores and start-up overlap the math. Tiles are cut into no parts
 // (the planner's rule), so every tile stores its output itself.
 #pragma once
 
@@ -26,73 +26,106 @@ __device__ __forceinline__ void copy_block_step(T* a, T* b, const TensorMap* act
     }
 }
 
-// The copy warp's walk (all 32 lanes): per tile its lanes read the segment's table entries
-// into part_table, then lane 0 fills the stages, the ring's phase running on across tiles.
+// What a stage holds, written by the copy thread before it arrives on the stage's full barrier:
+// (segment, row tile, step of the tile, steps of the tile); segment -1: no tile is left. A tile
+// of no step (an empty block column) takes a stage of its own, copied nothing into.
+struct StageTile {
+    int segment, row_tile, step, steps;
+};
+
+// The copy warp's walk: lane 0 takes the next tile from the launch's counter (tiles go out in
+// the one-tile grid's order, so those in flight at one time share their activation rows in L2,
+// and long and short tiles balance over the thread blocks), the warp's lanes read its table
+// entries into part_table, and lane 0 fills the stages, the ring's phase running on across
+// tiles. The last thread block to finish resets the two counters for the next launch.
 template <class K, typename T, int BS, int STAGES, int BOX, Pass PASS>
-__device__ void copy_tiles(T* sa, T* sb, unsigned long long* full, unsigned long long* empty, int2* part_table,
-                           const int4* __restrict__ segments, const int2* __restrict__ table, const TensorMap* act_map,
-                           const TensorMap* other_map, int segment_count, int row_tiles, int band_rows) {
+__device__ void copy_tiles(T* sa, T* sb, unsigned long long* full, unsigned long long* empty, StageTile* stage_tiles,
+                           int2* part_table, const int4* __restrict__ segments, const int2* __restrict__ table,
+                           int* counters, const TensorMap* act_map, const TensorMap* other_map, int segment_count,
+                           int row_tiles, int band_rows) {
     const int lane = threadIdx.x % 32;
     const long long tiles = (long long)segment_count * row_tiles;
-    int issued = 0;  // steps of all this thread block's tiles so far
-    for (long long id = blockIdx.x; id < tiles; id += gridDim.x) {
+    int issued = 0;  // stages filled so far
+    auto next_stage = [&](StageTile what) {  // lane 0: the stage to fill, once it is free
+        const int s = issued % STAGES;
+        if (issued >= STAGES) mbarrier_wait(&empty[s], (issued / STAGES - 1) & 1);
+        stage_tiles[s] = what;
+        ++issued;
+        return s;
+    };
+    for (;;) {
+        int id = lane == 0 ? atomicAdd(&counters[0], 1) : 0;
+        id = __shfl_sync(0xffffffffu, id, 0);
+        if (id >= tiles) break;
         const int2 tile = banded_tile_of(id, segment_count, row_tiles, band_rows);
         const int4 seg = segments[tile.x];
         __syncwarp();  // lane 0 has issued the previous tile from part_table
         for (int i = lane; i < seg.z - seg.y; i += 32) part_table[i] = table[seg.y + i];
         __syncwarp();
+        if (lane != 0) continue;
         const int n_steps = (seg.z - seg.y) * (BS / K::BK);
-        if (lane == 0) {
-            for (int step = 0; step < n_steps; ++step) {
-                const int g = issued + step, s = g % STAGES;
-                if (g >= STAGES) mbarrier_wait(&empty[s], (g / STAGES - 1) & 1);
-#ifdef BSMM_PROBE_MATH_ONLY
-                mbarrier_arrive(&full[s]);
-                continue;
-#endif
-                mbarrier_arrive_expect_tx(&full[s], (K::A_STAGE + K::B_STAGE) * sizeof(T));
-                copy_block_step<K, T, BS, BOX, PASS>(sa + s * K::A_STAGE, sb + s * K::B_STAGE, act_map, other_map,
-                                                     part_table[step / (BS / K::BK)], (step % (BS / K::BK)) * K::BK,
-                                                     tile.y * K::BM, 0, &full[s]);
-            }
+        if (n_steps == 0) {
+            mbarrier_arrive(&full[next_stage({tile.x, tile.y, 0, 0})]);
+            continue;
         }
-        issued += n_steps;
+        for (int step = 0; step < n_steps; ++step) {
+            const int s = next_stage({tile.x, tile.y, step, n_steps});
+#ifdef BSMM_PROBE_MATH_ONLY
+            mbarrier_arrive(&full[s]);
+            continue;
+#endif
+            mbarrier_arrive_expect_tx(&full[s], (K::A_STAGE + K::B_STAGE) * sizeof(T));
+            copy_block_step<K, T, BS, BOX, PASS>(sa + s * K::A_STAGE, sb + s * K::B_STAGE, act_map, other_map,
+                                                 part_table[step / (BS / K::BK)], (step % (BS / K::BK)) * K::BK,
+                                                 tile.y * K::BM, 0, &full[s]);
+        }
+    }
+    if (lane == 0) {
+        mbarrier_arrive(&full[next_stage({-1, 0, 0, 0})]);
+        __threadfence();
+        if (atomicAdd(&counters[1], 1) == (int)gridDim.x - 1) {
+            counters[0] = 0;
+            counters[1] = 0;
+        }
     }
 }
 
-// The multiplying warps' walk: each tile's steps from the ring, then its output stored from
-// the registers (pairs of elements, as store_sparse_tile does) while the copy warp fills the
-// stages of the next tile.
+// The multiplying warps' walk: the stages in order, each saying which tile and step it holds;
+// at a tile's last step its output is stored from the registers (pairs of elements, as
+// store_sparse_tile does) while the copy warp fills the stages of the next tiles.
 template <class K, typename T, int BS, int STAGES>
 __device__ void multiply_tiles(const T* sa, const T* sb, unsigned long long* full, unsigned long long* empty,
-                               const int4* __restrict__ segments, T* __restrict__ out, int n_rows, int ld_other,
-                               int ld_out, int accumulate, int segment_count, int row_tiles, int band_rows) {
-    const long long tiles = (long long)segment_count * row_tiles;
-    int used = 0;  // steps of all this thread block's tiles so far
-    for (long long id = blockIdx.x; id < tiles; id += gridDim.x) {
-        const int2 tile = banded_tile_of(id, segment_count, row_tiles, band_rows);
-        const int4 seg = segments[tile.x];
-        const int n_steps = (seg.z - seg.y) * (BS / K::BK);
-        float acc[K::ACC];
+                               const StageTile* stage_tiles, T* __restrict__ out, int n_rows, int ld_other, int ld_out,
+                               int accumulate) {
+    float acc[K::ACC];
+    for (int used = 0;; ++used) {
+        const int s = used % STAGES;
+        mbarrier_wait(&full[s], (used / STAGES) & 1);
+        const StageTile held = stage_tiles[s];
+        if (held.segment < 0) return;
+        if (held.step == 0) {
 #pragma unroll
-        for (int i = 0; i < K::ACC; ++i) acc[i] = 0.f;
-        for (int step = 0; step < n_steps; ++step, ++used) {
-            const int s = used % STAGES;
-            mbarrier_wait(&full[s], (used / STAGES) & 1);
+            for (int i = 0; i < K::ACC; ++i) acc[i] = 0.f;
+        }
+        if (held.steps == 0) {  // an empty block column: zeros
+            if (threadIdx.x % 32 == 0) mbarrier_arrive(&empty[s]);
+        } else {
 #ifdef BSMM_PROBE_COPY_ONLY
             if (threadIdx.x % 32 == 0) mbarrier_arrive(&empty[s]);
-            continue;
-#endif
+#else
             wgmma_step<K, T>(acc, sa + s * K::A_STAGE, sb + s * K::B_STAGE);
             wgmma_wait<1>();  // the previous step's group has read its stage: release it
-            if (step > 0 && threadIdx.x % 32 == 0) mbarrier_arrive(&empty[(used - 1) % STAGES]);
-        }
-#ifndef BSMM_PROBE_COPY_ONLY
-        wgmma_wait<0>();
-        fence_registers(acc);
-        if (n_steps > 0 && threadIdx.x % 32 == 0) mbarrier_arrive(&empty[(used - 1) % STAGES]);
+            if (held.step > 0 && threadIdx.x % 32 == 0) mbarrier_arrive(&empty[(used + STAGES - 1) % STAGES]);
+            if (held.step == held.steps - 1) {
+                wgmma_wait<0>();
+                fence_registers(acc);
+                if (threadIdx.x % 32 == 0) mbarrier_arrive(&empty[s]);
+            }
 #endif
-        store_sparse_tile<K, T, BS>(out, acc, seg.x, tile.y * K::BM, 0, n_rows, ld_other, ld_out, accumulate);
+        }
+        if (held.step == held.steps - 1 || held.steps == 0)
+            store_sparse_tile<K, T, BS>(out, acc, held.segment, held.row_tile * K::BM, 0, n_rows, ld_other, ld_out,
+                                        accumulate);
     }
 }
 

@@ -222,7 +222,8 @@ def launch_layout(index: BlockIndex, pass_name: str, n: int, dtype: str, feature
                         table=np.ascontiguousarray(table, dtype=np.int32), grid=grid, tile_grid=tile_grid,
                         segment_count=segment_count,
                         workspace_floats=split_parts * tiles_per_unit * bm * bn,
-                        counter_count=len(parts) * tiles_per_unit, band_rows=band_rows(index, pass_name, dtype, policy),
+                        # Persistent thread blocks count the tiles they take out and themselves as they finish.
+                        counter_count=max(len(parts) * tiles_per_unit, 2 if segment_count else 0), band_rows=band_rows(index, pass_name, dtype, policy),
                         tma_fields=tma_fields, streaming=streaming)
 
 
