@@ -23,23 +23,19 @@
 namespace bsmm {
 
 // fprop/bprop: (segment, row tile) of this thread block when the output is visited in bands of
-// band_rows row tiles: consecutive tiles (thread blocks) take one segment (block column part) for every
+// band_rows row tiles: consecutive thread blocks take one segment (block column part) for every
 // row tile of the band, then the next segment. Those running at one time then share a few weight
 // columns and activation row tiles in L2, where launch order alone (x fastest) streams every
 // weight column once per row tile (T at 50 %: 32 x 64 MB). A bijection of the grid; band_rows 1
 // is launch order.
-__device__ __forceinline__ int2 banded_tile_of(long long id, int segments, int row_tiles, int band_rows) {
-    const long long band_size = (long long)band_rows * segments;
+__device__ __forceinline__ int2 banded_tile(int band_rows) {
+    const long long id = blockIdx.x + (long long)gridDim.x * blockIdx.y;
+    const long long band_size = (long long)band_rows * gridDim.x;
     const int band = (int)(id / band_size);
     const int first_row = band * band_rows;
-    const int rows_here = min(band_rows, row_tiles - first_row);
+    const int rows_here = min(band_rows, (int)gridDim.y - first_row);
     const int within = (int)(id - band * band_size);
     return make_int2(within / rows_here, first_row + within % rows_here);
-}
-
-// The tile of this thread block, one tile each: the grid is segments x row tiles.
-__device__ __forceinline__ int2 banded_tile(int band_rows) {
-    return banded_tile_of(blockIdx.x + (long long)gridDim.x * blockIdx.y, gridDim.x, gridDim.y, band_rows);
 }
 
 // The template parameters that pick a kernel's code paths, as the host names them in a name

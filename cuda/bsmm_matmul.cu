@@ -24,7 +24,6 @@
 #include "bsmm_loads.cuh"
 #include "bsmm_math.cuh"
 #include "bsmm_epilogue.cuh"
-#include "bsmm_persistent.cuh"
 
 namespace bsmm {
 
@@ -190,8 +189,6 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N * 32)
 // K-major); updat, dy as (N rows, K features), boxes of BOX x BK. out_map (read by wgmma
 // tiles not cut into parts, written without accumulate; zeros for mma.sync): the output,
 // (N rows, features) or (blocks x BS rows, BS columns) for updat, boxes of 64 x BM.
-// segment_count > 0 (wgmma fprop/bprop, one block column a tile, no parts): a grid of fewer
-// thread blocks walks the segment_count x row-tile tiles (bsmm_persistent.cuh); 0: one tile each.
 // Transposed updat row groups (K::ROWS_T, blocks 16 to 64): act_map and other_map hold x and dy,
 // boxes of BS features x BK batch rows (feature axis 0: BK x BS), and the table one row-group
 // entry per unit; out_map is unused. fprop/bprop column groups (K::COLS_W, blocks 16 to 64):
@@ -204,8 +201,7 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N * 32 + 32)
     bsmm_matmul_tma(const T* __restrict__ act, const T* __restrict__ other, T* __restrict__ out,
                     const int4* __restrict__ segments, const int2* __restrict__ units, const int2* __restrict__ table,
                     float* __restrict__ workspace, int* __restrict__ counters, int n_rows, int ld_act, int ld_other,
-                    int ld_out, int accumulate, int band_rows, int segment_count,
-                    const __grid_constant__ TensorMap act_map,
+                    int ld_out, int accumulate, int band_rows, const __grid_constant__ TensorMap act_map,
                     const __grid_constant__ TensorMap other_map, const __grid_constant__ TensorMap out_map) {
     using K = Kernel<T, BS, BM, BN, BK, WARPS_M, WARPS_N, STAGES, MATH, PASS, AXIS, ALIGNED, GROUPED, COLS, 1>;
     static_assert(!GROUPED && ALIGNED && (sizeof(T) == 2 || (MATH == Math::Wgmma && PASS == Pass::Bprop && COLS == 1) ||
@@ -236,8 +232,7 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N * 32 + 32)
 
     // updat: y and z index sub-tiles of one weight block, nothing to reorder.
     const int2 tile = PASS == Pass::Updat ? make_int2(blockIdx.x, blockIdx.y) : banded_tile(band_rows);
-    // (Persistent thread blocks read each tile's segment as they reach it.)
-    const int4 seg = segment_count ? make_int4(0, 0, 0, 0) : segments[tile.x];
+    const int4 seg = segments[tile.x];
     const int unit = seg.x, part = seg.w;
     const int m0 = tile.y * BM, n0 = blockIdx.z * BN;
     // fprop/bprop: the part's (weight block, activation feature block) entries, BS / BK steps
@@ -253,8 +248,7 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N * 32 + 32)
         for (int i = threadIdx.x; i < n_steps * K::R * (COLS + 1); i += K::NT + 32)
             group_steps[i] = i < present ? steps[i] : -1;
     } else if constexpr (PASS != Pass::Updat) {
-        if (!segment_count)
-            for (int i = threadIdx.x; i < seg.z - seg.y; i += K::NT + 32) part_table[i] = table[seg.y + i];
+        for (int i = threadIdx.x; i < seg.z - seg.y; i += K::NT + 32) part_table[i] = table[seg.y + i];
     }
     if (threadIdx.x == K::NT) {
 #pragma unroll
@@ -265,19 +259,6 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N * 32 + 32)
         mbarrier_init_fence();
     }
     __syncthreads();
-    if constexpr (MATH == Math::Wgmma && PASS != Pass::Updat && !K::COLS_W && sizeof(T) == 2) {
-        if (segment_count) {  // thread blocks walk the tiles (bsmm_persistent.cuh)
-            __shared__ StageTile stage_tiles[STAGES];
-            if (threadIdx.x >= K::NT)
-                copy_tiles<K, T, BS, STAGES, BOX, PASS>(sa, sb, full, empty, stage_tiles, part_table, segments, table,
-                                                        counters, &act_map, &other_map, segment_count,
-                                                        (n_rows + BM - 1) / BM, band_rows);
-            else
-                multiply_tiles<K, T, BS, STAGES>(sa, sb, full, empty, stage_tiles, out, n_rows, ld_other, ld_out,
-                                                 accumulate);
-            return;
-        }
-    }
 
     if (threadIdx.x >= K::NT) {  // the copy warp
         if (threadIdx.x == K::NT) {
@@ -344,9 +325,16 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N * 32 + 32)
                     for (int p = 0; p < BM / BOX; ++p) tma_load_2d(a + p * BK * BOX, &act_map, block.x * BS + m0 + p * BOX, n, &full[s]);
 #pragma unroll
                     for (int p = 0; p < BN / BOX; ++p) tma_load_2d(b + p * BK * BOX, &other_map, block.y * BS + n0 + p * BOX, n, &full[s]);
-                } else {  // entries: (weight block, activation feature block)
-                    copy_block_step<K, T, BS, BOX, PASS>(a, b, &act_map, &other_map, part_table[step / (BS / BK)],
-                                                         (step % (BS / BK)) * BK, m0, n0, &full[s]);
+                } else {
+                    const int2 entry = part_table[step / (BS / BK)];  // (weight block, activation feature block)
+                    const int kin = (step % (BS / BK)) * BK, w_row = entry.x * BS;
+                    tma_load_2d(a, &act_map, entry.y * BS + kin, m0, &full[s]);
+                    if constexpr (PASS == Pass::Fprop) {  // B(k, n) = W_b[kin + k][n0 + n]: BOX-column panels
+#pragma unroll
+                        for (int p = 0; p < BN / BOX; ++p) tma_load_2d(b + p * BK * BOX, &other_map, n0 + p * BOX, w_row + kin, &full[s]);
+                    } else {  // bprop: B(k, n) = W_b[n0 + n][kin + k], K-major rows
+                        tma_load_2d(b, &other_map, kin, w_row + n0, &full[s]);
+                    }
                 }
             }
         }

@@ -576,7 +576,7 @@ def test_banded_order_matches_launch_order(xp, bs, dtype):
             with planning(policy):
                 call(case.op, pass_name, args, out=out)
             plan = next(p for key, p in plans_under(policy, case.op.index).items() if key[0] == pass_name)
-            assert plan.band_rows == band_rows and plan.tile_grid[1] == -(-1000 // plan.variant.tile.bm)
+            assert plan.band_rows == band_rows and plan.launcher.grid[1] == -(-1000 // plan.variant.tile.bm)
             results.append(to_numpy(out))
         assert_close(results[0], reference(case, pass_name), dtype, f"{pass_name} in bands")
         assert results[0].tobytes() == results[1].tobytes(), f"{pass_name}: bands changed the result"

@@ -88,7 +88,7 @@ def test_bounds_table():
 def fake_plan(variant, segments, grid, table=None, workspace_floats=0):
     return SimpleNamespace(variant=variant, segments=np.asarray(segments),
                            table=np.asarray(table if table is not None else []),
-                           tile_grid=grid, workspace_floats=workspace_floats)
+                           launcher=SimpleNamespace(grid=grid), workspace_floats=workspace_floats)
 
 
 def copied_tile_by_tile(variant, segments, grid, table, n):

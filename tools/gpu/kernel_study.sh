@@ -26,7 +26,8 @@ lts__throughput.avg.pct_of_peak_sustained_elapsed,lts__t_sector_hit_rate.pct,sm_
 for row in ${NCU_ROWS:-}; do
   IFS=: read -r workload dtype bs density pass <<<"$row"
   log="$OUT/ncu_${workload}_${dtype}_${bs}_${density}_${pass}.txt"
-  kernel=$([[ $pass == dense ]] && echo "regex:." || echo "regex:bsmm_matmul")
+  # (dense: cuBLAS's kernels, not the random inputs' generators)
+  kernel=$([[ $pass == dense ]] && echo "regex:nvjet|gemm|xmma|cutlass" || echo "regex:bsmm_matmul")
   timeout 120 ncu --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section WarpStateStats \
     --metrics "$metrics" -k "$kernel" -s 3 -c 1 \
     python3 tools/probes/ncu_probe.py "$workload" "$dtype" "$bs" "$density" "$pass" >"$log" 2>&1

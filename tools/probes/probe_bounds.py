@@ -62,7 +62,7 @@ def moved_bytes(plan, n: int) -> dict[str, int]:
     bm, bn, bk = v.tile.bm, v.tile.bn, v.tile.bk
     bs, item = v.block_size, ELEMENT_BYTES[v.dtype]
     segments, table = _host(plan.segments).astype(np.int64), _host(plan.table)
-    _, tiles_y, tiles_z = plan.tile_grid
+    _, tiles_y, tiles_z = plan.launcher.grid
     if v.grouped:  # small-batch updat: segments are runs of blocks, each tile the whole batch deep
         blocks = int((segments[:, 1] - segments[:, 0]).sum())
         staged = blocks * tiles_y * tiles_z * n * (bm + bn)

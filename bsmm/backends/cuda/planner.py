@@ -25,7 +25,7 @@ from bsmm.backends.strided import BlockOrder
 from bsmm.passes import PASSES
 
 __all__ = ["Device", "Path", "LaunchLayout", "path", "launch_layout", "layout_path", "device_model",
-           "estimated_occupancy", "tma_boxes", "persists"]
+           "estimated_occupancy", "tma_boxes"]
 
 
 def estimated_occupancy(variant: Variant) -> int:
@@ -85,14 +85,12 @@ class Path:
     parts: bool
     banded: bool
     programmatic: bool
-    persistent: bool = False
 
     def describe(self) -> str:
         """One line: the pass and each decision, e.g. for a census table or a failure message."""
         v = self.variant
         flags = [name for name, on in (("aligned", v.aligned), ("tma", v.tma), ("parts", self.parts),
-                                       ("banded", self.banded), ("pdl", self.programmatic),
-                                       ("persistent", self.persistent)) if on]
+                                       ("banded", self.banded), ("pdl", self.programmatic)) if on]
         if self.copies:
             flags.insert(0, f"copies={self.copies}")
         if self.streaming:
@@ -105,22 +103,18 @@ class Path:
 
 @dataclasses.dataclass
 class LaunchLayout:
-    """The host tables and grid of one kernel launch (uploaded by :mod:`bsmm.backends.cuda.plans`).
-    ``tile_grid``: the output tiles (segments, row tiles, sub-tiles); ``grid``: the thread blocks
-    launched, the same unless ``segment_count`` (then each walks many tiles)."""
+    """The host tables and grid of one kernel launch (uploaded by :mod:`bsmm.backends.cuda.plans`)."""
 
     variant: Variant
     segments: np.ndarray  # int32 (n_segments, 4)
     units: np.ndarray  # int32 (n_units, 2)
     table: np.ndarray  # int32 (entries, 2 or more)
     grid: tuple
-    tile_grid: tuple
     workspace_floats: int
     counter_count: int
     band_rows: int
     tma_fields: dict
     streaming: str
-    segment_count: int = 0  # > 0: persistent thread blocks walk segment_count x row tiles
 
 
 def launch_layout(index: BlockIndex, pass_name: str, n: int, dtype: str, feature_axis: int, tf32: bool,
@@ -210,34 +204,11 @@ def launch_layout(index: BlockIndex, pass_name: str, n: int, dtype: str, feature
     split_parts = int(np.where(parts > 1, parts, 0).sum())
     tma_fields = {} if not variant.tma else dict(tma_boxes(variant), block_rows=index.nnzb * bs,
                                              feature_rows=(index.C, index.K))
-    tile_grid = (len(segments), *grid_yz)
-    segment_count = 0
-    if persists(variant, parts, counts if not the_pass.updates_weights and not grouped else None, grid_yz, policy):
-        segment_count = len(segments)
-        tile_grid_size = math.prod(tile_grid)
-        grid = (min(tile_grid_size, device.sm_count * device.occupancy(variant)), 1, 1)
-    else:
-        grid = tile_grid
     return LaunchLayout(variant=variant, segments=segments.astype(np.int32), units=step_tables.unit_table(parts),
-                        table=np.ascontiguousarray(table, dtype=np.int32), grid=grid, tile_grid=tile_grid,
-                        segment_count=segment_count,
+                        table=np.ascontiguousarray(table, dtype=np.int32), grid=(len(segments), *grid_yz),
                         workspace_floats=split_parts * tiles_per_unit * bm * bn,
-                        # Persistent thread blocks count the tiles they take out and themselves as they finish.
-                        counter_count=max(len(parts) * tiles_per_unit, 2 if segment_count else 0), band_rows=band_rows(index, pass_name, dtype, policy),
+                        counter_count=len(parts) * tiles_per_unit, band_rows=band_rows(index, pass_name, dtype, policy),
                         tma_fields=tma_fields, streaming=streaming)
-
-
-def persists(variant: Variant, parts: np.ndarray, counts: np.ndarray | None, grid_yz: tuple,
-             policy: Policy) -> bool:
-    """Whether a launch walks its tiles in persistent thread blocks (``cuda/bsmm_persistent.cuh``):
-    wgmma fprop/bprop through TMA with one block column (row) a tile and one tile across it,
-    nothing cut into parts, and block columns averaging at most the policy's
-    ``persistent_max_column_blocks`` blocks (``counts``: the blocks of each; None for updat)."""
-    if counts is None or not (variant.tma and variant.math == "wgmma16" and variant.cols == 1):
-        return False
-    if grid_yz[1] != 1 or (len(parts) and parts.max() > 1) or not len(counts):
-        return False
-    return float(np.mean(counts)) <= policy.persistent_max_column_blocks
 
 
 def path(index: BlockIndex, pass_name: str, n: int, dtype: str, feature_axis: int, tf32: bool, aligned: bool,
@@ -269,4 +240,4 @@ def path(index: BlockIndex, pass_name: str, n: int, dtype: str, feature_axis: in
 def layout_path(pass_name: str, copied: str, layout: LaunchLayout, device: Device, policy: Policy) -> Path:
     """The :class:`Path` of a launch laid out as ``layout`` under ``policy``."""
     return Path(pass_name, copied, layout.variant, layout.streaming, layout.workspace_floats > 0,
-                layout.band_rows > 1, policy.programmatic_on(device.arch), layout.segment_count > 0)
+                layout.band_rows > 1, policy.programmatic_on(device.arch))

@@ -36,7 +36,7 @@ __all__ = ["Launcher", "Parameters", "Plan", "TmaPlan", "build_plan", "device_tr
 # Bound once: the per-call path looks it up on every launch.
 launch_kernel = cupy.cuda.driver.launchKernel
 
-_ARG_COUNT = 14  # parameters of bsmm_matmul (bsmm_matmul_tma: one more, then the tensor maps)
+_ARG_COUNT = 14  # parameters of bsmm_matmul
 
 
 class Launcher:
@@ -132,8 +132,6 @@ class Plan:
     counter_count: int
     launcher: Launcher
     band_rows: int = 1  # fprop/bprop: row tiles per band of the kernel's visiting order
-    tile_grid: tuple = ()  # (segments, row tiles, sub-tiles): the output tiles, one thread block each unless persistent
-    segment_count: int = 0  # bsmm_matmul_tma: > 0 when persistent thread blocks walk the tiles
     path: Path | None = None  # the planner's decisions (bsmm.backends.cuda.planner.Path)
     # stream -> (kernel pointer arguments 3..7, the workspace and counter arrays they point into)
     scratch: dict = dataclasses.field(default_factory=dict)
@@ -184,10 +182,6 @@ class TmaPlan(Plan):
     out_box: tuple | None = None  # None: tiles are not stored through TMA (mma.sync, row groups)
     block_rows: int = 0  # nnzb x block size
     feature_rows: tuple = (0, 0)  # (C, K): the rows of x and dy on feature axis 0
-
-    def values(self, stream_ptr: int, act_ptr: int, other_ptr: int, out_ptr: int, sizes: tuple,
-               accumulate: int) -> tuple:
-        return (*super().values(stream_ptr, act_ptr, other_ptr, out_ptr, sizes, accumulate), self.segment_count)
 
     def launch(self, stream_ptr: int, act_ptr: int, other_ptr: int, out_ptr: int, sizes: tuple,
                accumulate: int) -> None:
@@ -248,7 +242,6 @@ def build_plan(index: BlockIndex, pass_name: str, n: int, dtype: str, feature_ax
         return (TmaPlan if variant.tma else Plan)(
             variant=variant,
             launcher=Launcher(kernel, layout.grid, variant.threads, variant.shared_bytes,
-                              arg_count=_ARG_COUNT + 1 if variant.tma else _ARG_COUNT,
                               map_count=3 if variant.tma else 0, serialized=policy.programmatic_on(traits.arch)),
             segments=cupy.asarray(layout.segments),
             units=cupy.asarray(layout.units),
@@ -256,8 +249,6 @@ def build_plan(index: BlockIndex, pass_name: str, n: int, dtype: str, feature_ax
             workspace_floats=layout.workspace_floats,
             counter_count=layout.counter_count,
             band_rows=layout.band_rows,
-            tile_grid=layout.tile_grid,
-            segment_count=layout.segment_count,
             path=layout_path(pass_name, copied, layout, traits, policy),
             **layout.tma_fields,
         )

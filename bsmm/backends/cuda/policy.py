@@ -80,7 +80,6 @@ _THRESHOLDS = {
     "act_transpose_group_min_blocks_per_step": float, "updat_rows_tma_axes": frozenset,
     "updat_l2_window_bytes": int, "wgmma_columns_min_rows": int, "tma_mma_min_column_blocks": int,
     "tma_mma_max_column_blocks": int, "tma_mma_min_part_blocks": int, "tma_min_macs": int,
-    "persistent_max_column_blocks": float,
 }
 
 
@@ -148,7 +147,6 @@ class Policy:
     tma_mma_max_column_blocks: int
     tma_mma_min_part_blocks: int
     tma_min_macs: int
-    persistent_max_column_blocks: float
     wgmma: bool = True
     tma: bool = True
     programmatic: bool = True
