@@ -151,11 +151,11 @@ def test_moved_bytes_adds_the_transposed_copies():
     tool = load_tool()
     inner = fake_plan(Variant("float16", 16, (256, 16, 16, 8, 1, 6), "tensor16", "fprop", 0, True, act_transposed=True),
                       [(0, 0, 3, 0)], (1, 2, 1))
-    fprop = SimpleNamespace(plan=inner, features=512, ld=104, dtype=np.dtype("float16"))
+    fprop = SimpleNamespace(plan=inner, features=512, ld=104, item=2)
     got = tool.moved_bytes(fprop, 100)
     assert got["transposed"] == 512 * (100 + 104) * 2  # x read, its copy written
     assert got["staged"] == tool.moved_bytes(inner, 100)["staged"] == 3 * (100 * 16 + 2 * 16 * 16) * 2
-    updat = SimpleNamespace(plan=inner, transpose_x=None, C=512, K=256, ld=104, dtype=np.dtype("bfloat16"))
+    updat = SimpleNamespace(plan=inner, transpose_x=None, C=512, K=256, ld=104, item=2)
     assert tool.moved_bytes(updat, 100)["transposed"] == (512 + 256) * (100 + 104) * 2
     weights = SimpleNamespace(plan=inner, weight_count=5 * 64 * 64)
     assert tool.moved_bytes(weights, 100)["transposed"] == 2 * 5 * 64 * 64 * 4

@@ -51,9 +51,9 @@ def moved_bytes(plan, n: int) -> dict[str, int]:
     the pass itself). The output (N x features, or the blocks of dW) is the caller's to add."""
     extra = {}
     if hasattr(plan, "transpose_x"):  # TransposedUpdat: x and dy, read and written transposed
-        extra["transposed"] = (plan.C + plan.K) * (n + plan.ld) * plan.dtype.itemsize
+        extra["transposed"] = (plan.C + plan.K) * (n + plan.ld) * plan.item
     elif hasattr(plan, "features"):  # TransposedActivations
-        extra["transposed"] = plan.features * (n + plan.ld) * plan.dtype.itemsize
+        extra["transposed"] = plan.features * (n + plan.ld) * plan.item
     elif hasattr(plan, "weight_count"):  # TransposedWeightsFprop: W read, W' written, floats
         extra["transposed"] = 2 * plan.weight_count * 4
     if extra:
