@@ -145,7 +145,7 @@ def pass_bytes(row: dict) -> int:
 def compulsory_bytes(row: dict) -> int:
     """Bytes a bench row's pass must move to or from DRAM at least: its two inputs read and its
     output written once each (the weights at the row's density)."""
-    item = 4 if row["dtype"] == "tf32" else ELEMENT_BYTES[row["dtype"]]
+    item = ELEMENT_BYTES["float32" if row["dtype"] == "tf32" else row["dtype"]]
     n, c, k = row["N"], row["C"], row["K"]
     weights = round(c * k * row["density"])
     return (n * c + n * k + weights) * item
