@@ -6,8 +6,11 @@
 (4, 8, 8)
 """
 
+import logging
+
 from bsmm import initializers, layouts
 from bsmm.block_index import BlockIndex, block_index
+from bsmm.config import BsmmWarning
 from bsmm.nn.conv import BlocksparseConv
 from bsmm.dtypes import SUPPORTED_DTYPES
 from bsmm.nn.lstm import BlocksparseLSTM
@@ -20,6 +23,7 @@ __all__ = [
     "BlocksparseConv",
     "BlocksparseLSTM",
     "BlocksparseMatMul",
+    "BsmmWarning",
     "SUPPORTED_DTYPES",
     "block_index",
     "blocks_to_dense",
@@ -28,3 +32,7 @@ __all__ = [
     "layouts",
 ]
 __version__ = "0.1.0"
+
+# A library logs and leaves handlers to the application: records of the "bsmm" logger are shown
+# only where the application configures logging (logging.basicConfig(level=logging.INFO)).
+logging.getLogger(__name__).addHandler(logging.NullHandler())

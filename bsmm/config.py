@@ -7,19 +7,29 @@ maps them there); :data:`DATA_DIR` is whichever of the two holds them.
 Settings are layered: ``bsmm.toml``; the launch-table entries ``python -m bsmm
 tune`` measured on this machine (:func:`tuned_path`, skipped with ``BSMM_TUNED=0``);
 the file named by ``$BSMM_CONFIG``; layers pushed by :func:`overriding`.
+
+What bsmm does on its own (kernel compiles, fallbacks, tuned tiles in effect) is logged to the
+``"bsmm"`` logger; what a user should act on is a :class:`BsmmWarning`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import os
 import re
+import sys
 import tomllib
+import warnings
+from collections.abc import Hashable
 from pathlib import Path
 from typing import Any, Iterator
 
-__all__ = ["DATA_DIR", "CUDA_DIR", "cache_dir", "overriding", "settings", "tuned_path"]
+__all__ = ["DATA_DIR", "CUDA_DIR", "BsmmWarning", "cache_dir", "once", "overriding", "settings", "tuned_path",
+           "warn"]
+
+_log = logging.getLogger(__name__)
 
 
 def _find_data_dir() -> Path:
@@ -35,6 +45,50 @@ def _find_data_dir() -> Path:
 
 DATA_DIR = _find_data_dir()
 CUDA_DIR = DATA_DIR / "cuda"
+# As code objects name their files (not resolved: a symlinked install keeps its path).
+_PACKAGE_DIR = os.path.dirname(__file__) + os.sep
+
+
+class BsmmWarning(UserWarning):
+    """What bsmm warns about: something a user should act on (``warnings.filterwarnings("ignore",
+    category=bsmm.BsmmWarning)`` silences them all)."""
+
+
+def warn(message: str, category: type[Warning] = BsmmWarning) -> None:
+    """``warnings.warn`` pointing at the user's line: the first caller outside the bsmm package.
+
+    Examples
+    --------
+    >>> import warnings, bsmm.config
+    >>> with warnings.catch_warnings(record=True) as caught:
+    ...     warnings.simplefilter("always")
+    ...     bsmm.config.warn("act on this")
+    >>> caught[0].category.__name__, str(caught[0].message)
+    ('BsmmWarning', 'act on this')
+    """
+    frame, level = sys._getframe(1), 2  # level 2: warn's caller
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIR):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, category, stacklevel=level)
+
+
+_TOLD: set = set()
+
+
+def once(cause: Hashable) -> bool:
+    """True the first time this process asks about ``cause``: a fallback is logged (or warned
+    about) once, where settings are read or plans built, never on each call.
+
+    Examples
+    --------
+    >>> import bsmm.config
+    >>> [bsmm.config.once(("doctest", "example")) for _ in range(2)]
+    [True, False]
+    """
+    if cause in _TOLD:
+        return False
+    _TOLD.add(cause)
+    return True
 
 
 def _merge(base: dict, override: dict) -> dict:
@@ -77,7 +131,11 @@ _ARCH_SECTION = re.compile(r"sm\d+")
 
 def _tuned_layer() -> dict:
     path = tuned_path()
-    if os.environ.get("BSMM_TUNED", "1") == "0" or not path.is_file():
+    if not path.is_file():
+        return {}
+    if os.environ.get("BSMM_TUNED", "1") == "0":
+        if once(("tuned ignored", str(path))):
+            _log.info("BSMM_TUNED=0: the tuned launch tiles in %s are ignored; bsmm.toml's are used", path)
         return {}
     try:
         with open(path, "rb") as f:
@@ -87,7 +145,20 @@ def _tuned_layer() -> dict:
                            "`python -m bsmm tune --reset` removes them") from error
     # Only launch tables of an architecture: a tuned file never changes thresholds or defaults.
     kernels = {key: value for key, value in tuned.get("kernels", {}).items() if _ARCH_SECTION.fullmatch(key)}
+    # Told again only when the file changes (settings are read again at each overriding()).
+    if once(("tuned read", str(path), path.stat().st_mtime_ns)):
+        ignored = sorted(set(tuned.get("kernels", {})) - set(kernels))
+        if ignored:
+            warn(f"{path} sets [kernels] keys {ignored}, which a tuned file may not set (only architecture "
+                 "sections such as sm90): they are ignored; put them in the file named by $BSMM_CONFIG")
+        _log.info("%d tuned launch tiles in effect (%s) from %s, read over bsmm.toml (BSMM_TUNED=0 ignores them)",
+                  _count_entries(kernels), ", ".join(sorted(kernels)) or "no architecture", path)
     return {"kernels": kernels, "tuned": tuned.get("tuned", {})}
+
+
+def _count_entries(tables: dict) -> int:
+    """Launch-table entries (lists of numbers) in nested tables."""
+    return sum(_count_entries(value) if isinstance(value, dict) else 1 for value in tables.values())
 
 
 _OVERRIDES: list[dict] = []

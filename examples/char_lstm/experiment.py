@@ -11,6 +11,9 @@ same number for both models (``--equal-time``: an equal share of the time).
     python examples/char_lstm/experiment.py --budget 240 --json results/lstm_h100.json --markdown results/lstm_h100.md
     python examples/char_lstm/experiment.py --cpu        # a tiny run on NumPy, for smoke tests
 
+Training shows a progress bar on a terminal (``--no-progress`` or ``TQDM_DISABLE=1`` hides it);
+``--verbose`` prints bsmm's log: kernel compiles with their time, fallbacks, tuned tiles in effect.
+
 Exit status: 0 on success, 1 if a model failed (its error is in the outputs),
 2 if the GPU cannot be used. A watchdog ends the process, printing every
 thread's stack, if it runs two minutes past the budget.
@@ -22,6 +25,7 @@ import argparse
 import dataclasses
 import faulthandler
 import json
+import logging
 import math
 import pathlib
 import platform
@@ -69,6 +73,9 @@ def parse_args(argv=None):
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=pathlib.Path, help="write the results here")
     parser.add_argument("--markdown", type=pathlib.Path, help="write the markdown table here")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar while training")
+    parser.add_argument("-v", "--verbose", action="store_true",
+                        help="print bsmm's log (kernel compiles and their time, fallbacks, tuned tiles)")
     args = parser.parse_args(argv)
     for key, value in (CPU_DEFAULTS if args.cpu else GPU_DEFAULTS).items():
         if getattr(args, key) is None:
@@ -200,8 +207,19 @@ def markdown(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def say(line: str) -> None:
+    """A line on stdout, written around a progress bar rather than through it."""
+    from tqdm.auto import tqdm
+
+    tqdm.write(line, file=sys.stdout)
+    sys.stdout.flush()
+
+
 def run(args) -> int:
     start = time.perf_counter()
+    if args.verbose:
+        logging.basicConfig(format="%(name)s: %(message)s")
+        logging.getLogger("bsmm").setLevel(logging.INFO)
     faulthandler.dump_traceback_later(args.budget + 120, exit=True)
     xp, synchronize, device = array_module(args.cpu)
     corpus = char_corpus(max_chars=args.max_chars)
@@ -238,7 +256,8 @@ def run(args) -> int:
                 model, params, valid, batch_size=args.batch_size, steps=args.steps, lr=args.lr, clip=args.clip,
                 max_updates=max_updates, time_limit=time_limit,
                 eval_every=max(1, math.ceil(time_limit / plans[name]["update_seconds"] / CURVE_POINTS)),
-                eval_chars=curve_chars, xp=xp, log=lambda line, name=name: print(f"  {name}: {line}", flush=True))
+                eval_chars=curve_chars, xp=xp, log=lambda line, name=name: say(f"  {name}: {line}"),
+                progress=None if args.no_progress or not sys.stderr.isatty() else name)
             rows[name].update(result, **plans[name])
         except Exception as error:
             rows[name]["error"] = f"{type(error).__name__}: {error}"

@@ -280,7 +280,8 @@ def train_step(model: CharLanguageModel, params, optimizer, x, y, state=(None, N
 
 def train(model: CharLanguageModel, params, corpus: CharCorpus, *, batch_size: int = 32, steps: int = 64,
           lr: float = 2e-3, clip: float = 1.0, max_updates: int | None = None, time_limit: float | None = None,
-          eval_every: int | None = None, eval_chars: int | None = 50_000, xp=np, log=None) -> dict:
+          eval_every: int | None = None, eval_chars: int | None = 50_000, xp=np, log=None,
+          progress: str | None = None) -> dict:
     """Adam on truncated-BPTT chunks of ``corpus.train``, epoch after epoch, updating ``params`` in place.
 
     Stops after ``max_updates`` updates or once ``time_limit`` seconds have
@@ -288,6 +289,10 @@ def train(model: CharLanguageModel, params, corpus: CharCorpus, *, batch_size: i
     ``corpus.valid``. For learning curves, validation bits per character are
     also measured on its first ``eval_chars`` characters (None: all) every
     ``eval_every`` updates and at the end.
+
+    ``progress``: the label of a progress bar of the updates (``tqdm.auto``: a terminal or
+    Jupyter), the latest loss in its postfix, read at most once a second since reading it
+    waits for the GPU; None: no bar. ``TQDM_DISABLE=1`` in the environment hides it too.
 
     Returns
     -------
@@ -300,9 +305,14 @@ def train(model: CharLanguageModel, params, corpus: CharCorpus, *, batch_size: i
     """
     if max_updates is None and time_limit is None:
         raise ValueError("train needs max_updates or time_limit")
+    from tqdm.auto import tqdm  # imported here: only training shows a bar
+
     optimizer = Adam([params[name] for name in sorted(params)], lr=lr)
     curve, updates, chars, trained, running = [], 0, 0, 0.0, []
-    start = time.perf_counter()
+    # No disable argument where a bar is asked for, so that TQDM_DISABLE=1 still hides it.
+    bar = tqdm(total=max_updates, desc=progress, unit="update") if progress is not None else tqdm(disable=True)
+    postfix: dict = {}
+    shown = start = time.perf_counter()
 
     def evaluate(final: bool) -> float:
         return evaluate_bpc(model, params, corpus.valid, batch_size, steps, None if final else eval_chars, xp)
@@ -311,6 +321,8 @@ def train(model: CharLanguageModel, params, corpus: CharCorpus, *, batch_size: i
         train_bpc = float(sum(running)) / len(running) / math.log(2) if running else math.nan
         running.clear()
         curve.append({"update": updates, "seconds": trained, "train_bpc": train_bpc, "valid_bpc": valid_bpc})
+        postfix.update(train_bpc=f"{train_bpc:.3f}", valid_bpc=f"{valid_bpc:.3f}")
+        bar.set_postfix(postfix)
         if log is not None:
             log(f"update {updates:6d}  {trained:7.1f} s  train {train_bpc:.3f}  valid {valid_bpc:.3f} bpc")
 
@@ -323,6 +335,11 @@ def train(model: CharLanguageModel, params, corpus: CharCorpus, *, batch_size: i
             updates += 1
             chars += x.size
             trained = time.perf_counter() - start
+            bar.update()
+            if not bar.disable and time.perf_counter() - shown >= 1.0:
+                postfix["loss"] = f"{float(loss):.3f}"
+                bar.set_postfix(postfix, refresh=False)
+                shown = time.perf_counter()
             done = (max_updates is not None and updates >= max_updates) or (
                 time_limit is not None and trained >= time_limit)
             if done:
@@ -332,8 +349,10 @@ def train(model: CharLanguageModel, params, corpus: CharCorpus, *, batch_size: i
                 trained = time.perf_counter() - start
                 record(evaluate(final=False))
                 start = time.perf_counter() - trained  # evaluation time is not training time
+                bar.unpause()  # nor part of the bar's rate
     float(loss)  # waits for the GPU's queued work, which belongs to the training time
     trained = time.perf_counter() - start
+    bar.close()  # before the final evaluation: the bar's rate is of training
     final = evaluate(final=True)
     # The curve's last point on the same characters as its others.
     record(final if eval_chars is None or eval_chars >= len(corpus.valid) else evaluate(final=False))

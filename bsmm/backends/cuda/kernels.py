@@ -24,9 +24,11 @@ import dataclasses
 import functools
 import hashlib
 import json
+import logging
 import os
 import sys
 import threading
+import time
 from pathlib import Path
 
 from bsmm.config import CUDA_DIR, cache_dir
@@ -34,7 +36,9 @@ from bsmm.dtypes import ELEMENT_TYPES
 from bsmm.backends.cuda.policy import Tile
 from bsmm.passes import PASSES
 
-__all__ = ["Variant", "tiling_problem", "static_shared_bytes", "GatherVariant", "TransposeVariant", "compile_variant", "load_kernel", "arch_for", "cuda_include_dirs", "compile_options"]
+__all__ = ["Variant", "tiling_problem", "static_shared_bytes", "GatherVariant", "TransposeVariant", "compile_variant", "load_kernel", "arch_for", "cuda_include_dirs", "compile_options", "variant_name"]
+
+_log = logging.getLogger(__name__)
 
 SOURCE_FILE = "bsmm_matmul.cu"
 #: ``Variant.math`` -> the kernel template's ``bsmm::Math`` enumerator (cuda/bsmm_kernel_traits.cuh).
@@ -246,6 +250,28 @@ class BlockTransposeVariant:
         return f"bsmm::transpose_blocks<{self.block_size}>"
 
 
+def variant_name(variant: Variant | GatherVariant | TransposeVariant | BlockTransposeVariant) -> str:
+    """A variant as log lines name it: a :class:`Variant`'s pass, dtype, block size, math and tile
+    (then what differs from the usual: feature axis 0, unaligned, streamed, groups, TMA), else
+    its template instance.
+
+    >>> variant_name(Variant("float16", 32, (64, 32, 32, 2, 2, 3), "tensor16", "updat", 1, True, cols=4, tma=True))
+    'updat float16 block 32 tensor16 tile 64x32x32 warps 2x2 stages 3, groups of 4, TMA'
+    >>> variant_name(GatherVariant(16))
+    'bsmm::gather_rows<uint4>'
+    """
+    if not isinstance(variant, Variant):
+        return variant.name_expression
+    tile = variant.tile
+    notes = [text for text, shown in (
+        ("transposed activations" if variant.act_transposed else "feature axis 0", variant.feature_axis != 1),
+        ("unaligned", not variant.aligned), ("streamed", variant.grouped),
+        (f"groups of {variant.cols}", variant.cols > 1), ("TMA", variant.tma)) if shown]
+    return ", ".join([f"{variant.pass_name} {variant.dtype} block {variant.block_size} {variant.math} tile "
+                      f"{tile.bm}x{tile.bn}x{tile.bk} warps {tile.warps_m}x{tile.warps_n} stages {tile.stages}",
+                      *notes])
+
+
 def arch_for(compute_capability: str | int) -> str:
     """NVRTC's -arch for a device: sm_90a on Hopper (wgmma, setmaxnreg), sm_XY elsewhere."""
     cc = int(compute_capability)
@@ -330,8 +356,12 @@ def _cached_cubin(variant: Variant | GatherVariant | TransposeVariant, arch: str
     ).hexdigest()[:32]
     cubin_path, meta_path = _cache_dir() / f"{key}.cubin", _cache_dir() / f"{key}.json"
     if cubin_path.is_file() and meta_path.is_file():
+        _log.debug("kernel %s for %s from the disk cache (%s)", variant_name(variant), arch, cubin_path)
         return cubin_path, json.loads(meta_path.read_text())["lowered_name"]
+    start = time.perf_counter()
     cubin, lowered, log = compile_variant(variant, arch)
+    _log.info("compiled kernel %s for %s in %.2f s (kept in %s)", variant_name(variant), arch,
+              time.perf_counter() - start, cubin_path.parent)
     tmp = cubin_path.with_suffix(f".tmp{os.getpid()}")
     tmp.write_bytes(cubin)
     os.replace(tmp, cubin_path)  # atomic: concurrent processes never see half a file

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import logging
 import struct
 import threading
 import weakref
@@ -21,6 +22,7 @@ import weakref
 import cupy
 
 from bsmm.block_index import BlockIndex
+from bsmm.config import once, settings, tuned_path, warn
 from bsmm.backends.cuda.kernels import ELEMENT_BYTES, Variant, load_kernel
 from bsmm.backends.cuda.launches import SerializedLaunch
 from bsmm.backends.cuda.planner import Path, launch_layout, layout_path
@@ -32,6 +34,8 @@ from bsmm.backends.strided import BlockOrder
 from bsmm.passes import PASSES
 
 __all__ = ["Launcher", "Parameters", "Plan", "TmaPlan", "build_plan", "device_traits", "occupancy", "forget_plans", "plan_for", "plans_of"]
+
+_log = logging.getLogger(__name__)
 
 # Bound once: the per-call path looks it up on every launch.
 launch_kernel = cupy.cuda.driver.launchKernel
@@ -306,6 +310,7 @@ def _new_plan(index: BlockIndex, pass_name: str, n: int, dtype: str, feature_axi
     from bsmm.backends.cuda import copy_plans
 
     traits = device_traits(device)
+    _tell_once(traits.arch, aligned, device.id)
     if plain:
         copied = copies(index, pass_name, n, dtype, feature_axis, tf32, aligned, traits, policy)
     elif act_blocks is None and weight_blocks is None and pass_name == "fprop" and transposes_weights(
@@ -321,6 +326,32 @@ def _new_plan(index: BlockIndex, pass_name: str, n: int, dtype: str, feature_axi
         return copy_plans.TransposedActivations(index, pass_name, n, dtype, device, policy)
     return build_plan(index, pass_name, n, dtype, feature_axis, tf32, aligned, device, policy, act_blocks,
                       weight_blocks)
+
+
+def _tell_once(arch: str, aligned: bool, device_id: int) -> None:
+    """What a plan about to be built cannot use, logged once a process: the Hopper kernels on
+    another architecture, 16-byte vector copies for unaligned operands; and a warning where the
+    tuned launch tiles of ``arch`` were measured on a GPU other than device ``device_id``."""
+    if arch != "sm90" and once(("arch", arch)):
+        _log.info("%s: the wgmma and TMA kernels are built for Hopper (sm_90a) only%s; the cp.async kernels run "
+                  "instead", arch, ", programmatic launches need sm_90" if int(arch[2:]) < 90 else "")
+    if not aligned and once("unaligned"):
+        _log.info("a pass reads operands that are not 16-byte aligned (an array's start or row stride, or on "
+                  "feature axis 0 a batch whose rows are not whole 16-byte chunks): it runs a kernel without "
+                  "16-byte vector copies, which is slower")
+    measured = {record.get("device") for entry, record in settings().get("tuned", {}).items()
+                if entry.split(".")[0] == arch}
+    if measured and once(("tuned device", arch)):
+        name = _device_name(device_id)
+        if measured - {name}:
+            warn(f"the tuned launch tiles for {arch} in {tuned_path()} were measured on "
+                 f"{', '.join(sorted(map(str, measured - {name})))}, not on this {name}: run `python -m bsmm tune` "
+                 "on this GPU, or set BSMM_TUNED=0 to use bsmm.toml's tiles")
+
+
+def _device_name(device_id: int) -> str:
+    name = cupy.cuda.runtime.getDeviceProperties(device_id)["name"]
+    return name.decode() if isinstance(name, bytes) else name
 
 
 def plans_of(index: BlockIndex) -> dict:

@@ -23,13 +23,16 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import logging
 import os
 import threading
 from collections.abc import Iterator, Mapping
 
-from bsmm.config import settings
+from bsmm.config import once, settings
 
 __all__ = ["Tile", "GroupTile", "Policy", "current_policy", "planning", "recording_table_lookups"]
+
+_log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,6 +83,14 @@ _THRESHOLDS = {
     "act_transpose_group_min_blocks_per_step": float, "updat_rows_tma_axes": frozenset,
     "updat_l2_window_bytes": int, "wgmma_columns_min_rows": int, "tma_mma_min_column_blocks": int,
     "tma_mma_max_column_blocks": int, "tma_mma_min_part_blocks": int, "tma_min_macs": int,
+}
+
+
+#: The environment switches a policy reads (on unless set to 0) -> what turning one off does.
+_SWITCHES = {
+    "BSMM_WGMMA": "Hopper's warpgroup-MMA (wgmma) kernels are off; mma.sync kernels run instead",
+    "BSMM_TMA": "Hopper's TMA kernels are off; cp.async copies fill the pipeline instead",
+    "BSMM_PDL": "kernels are launched without programmatic stream serialization (sm_90 and newer)",
 }
 
 
@@ -154,16 +165,22 @@ class Policy:
     @classmethod
     def from_settings(cls, kernels: Mapping | None = None, environ: Mapping | None = None) -> "Policy":
         """The policy of a ``[kernels]`` section (the current settings' by default) and an
-        environment (``os.environ`` by default)."""
+        environment (``os.environ`` by default). A switch found off is logged, once a process."""
         kernels = settings()["kernels"] if kernels is None else kernels
         environ = os.environ if environ is None else environ
         tables = {name: section for name, section in kernels.items() if isinstance(section, dict)
                   and name != "wgmma_group_min_blocks_per_step"}
+        switches = {name: environ.get(name, "1") != "0" for name in _SWITCHES}
+        for name, on in switches.items():
+            if not on and once(("switch", name)):
+                _log.info("%s=0: %s", name, _SWITCHES[name])
+        if not kernels["programmatic_launch"] and once(("switch", "programmatic_launch")):
+            _log.info("programmatic_launch = false in the settings: %s", _SWITCHES["BSMM_PDL"])
         return cls(tables=copy.deepcopy(tables),
                    wgmma_group_min_blocks_per_step={int(k): float(v) for k, v in
                                                     kernels["wgmma_group_min_blocks_per_step"].items()},
-                   wgmma=environ.get("BSMM_WGMMA", "1") != "0", tma=environ.get("BSMM_TMA", "1") != "0",
-                   programmatic=bool(kernels["programmatic_launch"]) and environ.get("BSMM_PDL", "1") != "0",
+                   wgmma=switches["BSMM_WGMMA"], tma=switches["BSMM_TMA"],
+                   programmatic=bool(kernels["programmatic_launch"]) and switches["BSMM_PDL"],
                    **{name: read(kernels[name]) for name, read in _THRESHOLDS.items()})
 
     def replace(self, **changes) -> "Policy":
