@@ -79,6 +79,8 @@ class BlocksparseMatMul:
         On the GPU, run float32 inputs on TF32 tensor cores (~1e-3 relative
         error) instead of exact float32. The CPU backend is always exact.
 
+    Notes
+    -----
     Block data ``w`` has shape :attr:`w_shape` = (nnzb, bs, bs), blocks in
     row-major order over the layout (see :mod:`bsmm.block_index`).
 

@@ -49,13 +49,13 @@ class BlocksparseConv:
     tf32 : bool, optional
         On the GPU, float32 on TF32 tensor cores; default from ``bsmm.toml``.
 
+    Notes
+    -----
     Weights ``w`` have shape :attr:`w_shape` = ``(*kernel_size, nnzb, bs, bs)``: per kernel
     offset, the present blocks in the layout's storage order (as :class:`bsmm.BlocksparseMatMul`).
     :attr:`passes` (:class:`~bsmm.nn.conv_passes.ConvPasses`) runs the passes and keeps
     what they reuse between calls.
 
-    Notes
-    -----
     *Memory.* Each pass works on the canvas (:mod:`bsmm.nn.conv_geometry`): the padded
     input, split by phase along strided outer dimensions, about ``N·ΠP_i·C``
     elements, made by one copy of the input, or none (channels last, no padding,

@@ -35,6 +35,8 @@ def blocksparse_matmul(x, w, op: BlocksparseMatMul, name: str | None = None) -> 
     -------
     y : (N, K) tensor, or (K, N) with ``feature_axis == 0``, of x's dtype and device
 
+    Notes
+    -----
     Gradients: ``dx = op.bprop(dy, w)`` and ``dw = op.updat(x, dy)``, first order only.
     Eager and inside ``tf.function`` (not under XLA: see :mod:`bsmm.tf`).
 

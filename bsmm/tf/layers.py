@@ -73,6 +73,8 @@ class BlockSparseDense(keras.layers.Layer):
     kernel : Keras variable (nnzb, bs, bs)
     bias : Keras variable (K,), or None
 
+    Notes
+    -----
     Works with mixed-precision policies (float16 and bfloat16 compute dtypes),
     ``model.fit`` (eager or in graphs; not under XLA) and ``.keras`` saving, the
     layout travelling in ``get_config`` as a nested list.
