@@ -26,7 +26,7 @@ from jax.experimental.buffer_callback import buffer_callback
 
 from bsmm.backends.cuda import launches
 from bsmm.arrays import _DLPACK_CPU, _DLPACK_CUDA
-from bsmm.config import settings
+from bsmm.config import once, settings, warn
 from bsmm.matmul import BlocksparseMatMul
 
 __all__ = ["ConvPasses", "PassCallback", "run_pass"]
@@ -151,8 +151,26 @@ def _bind(op: BlocksparseMatMul, pass_name: str, a, b):
     return _call(op, pass_name, batch_shape, batch_shape + _out_core_shape(op, pass_name, a), a, b)
 
 
+def _warn_if_a_gpu_sits_idle() -> None:
+    """Warn once when JAX runs on the CPU beside a GPU bsmm could use: a JAX installed without its
+    CUDA plugin (``pip install jax`` alone) places every array on the CPU, and the passes follow."""
+    if not once("jax on the cpu beside a gpu") or jax.default_backend() != "cpu":
+        return
+    try:
+        import cupy
+
+        gpus = cupy.cuda.runtime.getDeviceCount()
+    except Exception:  # noqa: BLE001 - no CuPy or no driver: no GPU bsmm could use
+        return
+    if gpus:
+        warn(f"JAX runs on the CPU ({jax.__version__} without a CUDA plugin?) while {gpus} GPU(s) are "
+             "visible: bsmm's passes run on the CPU backend. Install JAX with its plugin, "
+             "pip install 'bsmm[jax-cuda12]' or 'bsmm[jax-cuda13]', to run them on the GPU.")
+
+
 def _call(op, pass_name: str, batch_shape: tuple, out_shape: tuple, a, b):
     """The pass as an XLA buffer callback into a new array of ``out_shape``."""
+    _warn_if_a_gpu_sits_idle()  # at trace time: once per jit compile, never per call
     if 0 in out_shape or 0 in a.shape or 0 in b.shape:
         # Nothing to compute (an empty layout or N = 0): a sum over nothing is 0.
         # XLA may hand out null pointers for empty buffers, so no callback is made.

@@ -15,6 +15,7 @@ import os
 import re
 import subprocess
 import sys
+import warnings
 
 import numpy as np
 import pytest
@@ -740,3 +741,31 @@ def test_gpu_repeated_pass_launches_on_raw_pointers(monkeypatch):
         for got, first in zip(result, results[0]):
             np.testing.assert_array_equal(host(got), host(first))
     assert sorted(taken) == ["bprop", "updat"], taken  # the first step's, checked; the later two on raw pointers
+
+
+@pytest.mark.parametrize("gpus", [1, 0])
+def test_jax_on_the_cpu_beside_a_gpu_warns_once(monkeypatch, gpus):
+    # A JAX without its CUDA plugin next to a GPU: the passes silently ran on the CPU backend.
+    import types
+
+    import bsmm.config
+    from bsmm.jax import passes
+
+    if jax.default_backend() != "cpu":
+        pytest.skip("JAX runs on a GPU here")
+    runtime = types.SimpleNamespace(getDeviceCount=lambda: gpus)
+    monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(cuda=types.SimpleNamespace(runtime=runtime)))
+    monkeypatch.setattr(bsmm.config, "_TOLD", set())
+    layout = random_layout(np.random.default_rng(gpus), 3, 2, 0.7)
+    op = bsmm.BlocksparseMatMul(layout, block_size=8)
+    x, w = (jnp.asarray(np.random.default_rng(5).standard_normal(s), jnp.float32) for s in ((4, 24), op.w_shape))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        y = bsmm.jax.blocksparse_matmul(x, w, op)  # traced here: the warning comes from this call
+        for _ in range(2):
+            passes._warn_if_a_gpu_sits_idle()
+    told = [w for w in caught if issubclass(w.category, bsmm.BsmmWarning)]
+    assert len(told) == gpus, [str(w.message) for w in told]
+    if gpus:
+        assert "bsmm[jax-cuda12]" in str(told[0].message) and "1 GPU(s)" in str(told[0].message)
+    assert_close(np.asarray(y), ref_fprop(layout, np.asarray(w), 8, np.asarray(x), 1), "float32")
