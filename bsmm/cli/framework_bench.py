@@ -3,7 +3,8 @@ framework's dense layer, and the host time of each call (``python -m bsmm bench 
 
 - ``torch``: ``bsmm.torch.BlockSparseLinear`` against ``nn.Linear`` of the same shape and dtype
   (no bias on either). The *training step* is a forward, then a backward producing dx and dW,
-  gradients set to None each step; the *forward* is the layer's call alone (recording autograd's
+  gradients set to None each step (``optimizer=True``: then an SGD update of W, "step + SGD",
+  as ``python -m bsmm demo`` shows it); the *forward* is the layer's call alone (recording autograd's
   graph, and under ``torch.no_grad()`` as inference runs it). Each is timed eager
   and as a replay of a CUDA graph (``torch.cuda.CUDAGraph``) it was captured into.
 - ``jax``: ``bsmm.jax.blocksparse_matmul`` against ``x @ W`` of the same shape and dtype, each
@@ -99,7 +100,11 @@ def _host_time(run: Callable[[], object], synchronize, calls: int = 20, rounds: 
     return statistics.median(samples)
 
 
-def _torch_steps(torch, layer, x):
+def _torch_steps(torch, layer, x, optimizer: bool = False):
+    """The layer's forward, its forward under ``torch.no_grad()``, and its training step: a forward
+    and a backward producing dx and dW, followed with ``optimizer`` by an SGD update of W."""
+    sgd = torch.optim.SGD(layer.parameters(), lr=1e-4) if optimizer else None
+
     def forward():
         return layer(x)
 
@@ -111,6 +116,8 @@ def _torch_steps(torch, layer, x):
         layer.weight.grad = None
         x.grad = None
         layer(x).backward(gradient)
+        if sgd is not None:
+            sgd.step()
 
     with torch.no_grad():
         gradient = torch.randn_like(layer(x))
@@ -134,8 +141,15 @@ def capture_graph(torch, run):
 
 
 def bench_torch(workloads=("S",), host: bool = True, graphs: bool = True,
-                progress: Callable[[str], None] | None = None) -> list[FrameworkRow]:
-    """Rows of :class:`FrameworkRow` for ``bsmm.torch.BlockSparseLinear`` against ``nn.Linear``."""
+                progress: Callable[[str], None] | None = None, dtypes=None, densities=None,
+                optimizer: bool = False) -> list[FrameworkRow]:
+    """Rows of :class:`FrameworkRow` for ``bsmm.torch.BlockSparseLinear`` against ``nn.Linear``.
+
+    ``dtypes`` and ``densities`` keep only these of each workload's (:data:`SHAPES`); ``optimizer``
+    ends each training step with an SGD update of the weight (the measure "step + SGD").
+    ``python -m bsmm demo`` times ``bench_torch(("S",), host=False, graphs=False,
+    dtypes=("bfloat16",), densities=(0.1,), optimizer=True)`` (needs a GPU).
+    """
     import torch
 
     import bsmm.torch
@@ -144,8 +158,10 @@ def bench_torch(workloads=("S",), host: bool = True, graphs: bool = True,
     sync, event = torch.cuda.synchronize, lambda: torch.cuda.Event(enable_timing=True)
     elapsed = lambda begin, end: begin.elapsed_time(end)  # noqa: E731
     for workload in workloads:
-        n, c, k, bs, densities, dtypes = SHAPES[workload]
-        for dtype_name, density in ((d, p) for d in dtypes for p in densities):
+        n, c, k, bs, shape_densities, shape_dtypes = SHAPES[workload]
+        kept = ((d, p) for d in shape_dtypes for p in shape_densities
+                if (not dtypes or d in dtypes) and (not densities or p in densities))
+        for dtype_name, density in kept:
             dtype = getattr(torch, dtype_name)
             layout = random_layout(c // bs, k // bs, density, seed=0)
             sparse = bsmm.torch.BlockSparseLinear(c, k, layout, block_size=bs, bias=False, device="cuda", dtype=dtype)
@@ -153,17 +169,18 @@ def bench_torch(workloads=("S",), host: bool = True, graphs: bool = True,
             x = torch.randn(n, c, device="cuda", dtype=dtype, requires_grad=True)
             measured = {}
             for name, layer in (("sparse", sparse), ("dense", dense)):
-                forward, inference, step = _torch_steps(torch, layer, x)
+                forward, inference, step = _torch_steps(torch, layer, x, optimizer)
+                step_name = "step + SGD" if optimizer else "step"
                 times = {"forward": _gpu_time(forward, sync, event, elapsed),
                          "forward no_grad": _gpu_time(inference, sync, event, elapsed),
-                         "step": _gpu_time(step, sync, event, elapsed)}
+                         step_name: _gpu_time(step, sync, event, elapsed)}
                 if host:
                     times["host forward"] = _host_time(forward, sync)
                     times["host forward no_grad"] = _host_time(inference, sync)
-                    times["host step"] = _host_time(step, sync)
+                    times[f"host {step_name}"] = _host_time(step, sync)
                 if graphs:
                     times["forward graph"] = _gpu_time(capture_graph(torch, forward)[0], sync, event, elapsed)
-                    times["step graph"] = _gpu_time(capture_graph(torch, step)[0], sync, event, elapsed)
+                    times[f"{step_name} graph"] = _gpu_time(capture_graph(torch, step)[0], sync, event, elapsed)
                 measured[name] = times
             if workload == "D":  # the inference shape: PyTorch's own block-sparse product too
                 measured["dense"]["forward no_grad, PyTorch BSR F.linear as dense"] = _bsr_linear_time(

@@ -2,18 +2,38 @@
 
 from __future__ import annotations
 
-__all__ = ["plot_speedup"]
+import datetime
+
+__all__ = ["plot_speedup", "plot_title"]
 
 
-def plot_speedup(rows, path: str) -> None:
-    """Draw each (dtype, block size, pass) as a line of speed-up vs sparsity and save it to ``path``."""
-    try:
-        import matplotlib
+def plot_title(rows, device: str, date: datetime.date | None = None) -> str:
+    """The figure's title: the shapes of ``rows`` (N, C → K, block sizes), ``device``, dtypes, date.
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as error:
-        raise RuntimeError("--plot needs matplotlib: pip install matplotlib") from error
+    Examples
+    --------
+    >>> from bsmm.cli.bench import BenchRow
+    >>> rows = [BenchRow("cpu", "float32", 32, 2048, 1024, 32, d, "fprop", 1.0, 2.0) for d in (0.5, 0.1)]
+    >>> print(plot_title(rows, "CPU (x86_64)", datetime.date(2026, 11, 25)))
+    N=32, C=2048 → K=1024, block 32, float32
+    CPU (x86_64), 2026-11-25
+    """
+    shapes = {(getattr(r, "workload", ""), r.N, r.C, r.K): None for r in rows}
+    shape = "; ".join(f"{workload} N={n}, C={c} → K={k}".strip() for workload, n, c, k in shapes)
+    blocks = sorted({r.block_size for r in rows})
+    dtypes = ", ".join(dict.fromkeys(r.dtype for r in rows))
+    block_words = f"block {blocks[0]}" if len(blocks) == 1 else f"blocks {', '.join(map(str, blocks))}"
+    return f"{shape}, {block_words}, {dtypes}\n{device}, {(date or datetime.date.today()).isoformat()}"
+
+
+def plot_speedup(rows, path: str, device: str = "CPU") -> None:
+    """Draw each (workload, dtype, block size, pass) as a line of speed-up vs sparsity and save it
+    to ``path``, titled by :func:`plot_title` (``device``: the GPU's name, or the CPU's)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     series: dict = {}
     for r in rows:
         key = (getattr(r, "workload", ""), r.dtype, r.block_size, r.pass_name)
@@ -29,6 +49,7 @@ def plot_speedup(rows, path: str) -> None:
     ax.set_xlabel("sparsity (%)")
     ax.set_ylabel("speed-up over dense")
     ax.set_yscale("log")
+    ax.set_title(plot_title(rows, device), fontsize=9)
     ax.legend(fontsize=6, ncol=2)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -32,6 +32,7 @@ from typing import Callable, Iterable
 from bsmm.backends.cuda.kernels import Variant, tiling_problem
 from bsmm.backends.cuda.policy import Policy
 from bsmm.passes import PASSES
+from bsmm.cli.bench import progress_bar
 from bsmm.cli.tuned_file import write_tuned
 
 __all__ = ["Case", "Entry", "EntryResult", "Runner", "Trial", "candidate_tiles", "checking_cases", "tile_fits", "tune",
@@ -284,7 +285,7 @@ class Runner:
 
 
 def tune(cases: Iterable[Case], rounds: int = 2, margin: float = 0.03, runner: Runner | None = None,
-         write: bool = True, progress: Callable[[str], None] | None = None) -> list[EntryResult]:
+         write: bool = True, progress: Callable[[str], None] | None = None, bar: bool = False) -> list[EntryResult]:
     """Refine the launch-table entries that ``cases`` run with on the current GPU (see the module).
 
     Parameters
@@ -296,7 +297,8 @@ def tune(cases: Iterable[Case], rounds: int = 2, margin: float = 0.03, runner: R
         time ratios over the entry's cases), in the search and again in a confirming run
     runner : :class:`Runner` (the default) or a stand-in with its ``survey`` and ``measure``
     write : merge the kept tiles into :func:`bsmm.config.tuned_path`
-    progress : called with one line of text at each step
+    progress : called with one line of text at each step (each tile measured, each decision)
+    bar : show a progress bar of each round's tiles on stderr (:func:`bsmm.cli.bench.progress_bar`)
 
     Returns
     -------
@@ -323,14 +325,14 @@ def tune(cases: Iterable[Case], rounds: int = 2, margin: float = 0.03, runner: R
         result.variants.append(variant)
         result.cases.append(case)
     for number, result in enumerate(results.values(), 1):
-        _tune_entry(result, runner, rounds, margin, survey["max_shared"], say, f"[{number}/{len(results)}]")
+        _tune_entry(result, runner, rounds, margin, survey["max_shared"], say, f"[{number}/{len(results)}]", bar)
     if write and any(r.kept for r in results.values()):
         write_tuned(list(results.values()), survey["device"], survey["arch"])
     return list(results.values())
 
 
 def _tune_entry(result: EntryResult, runner, rounds: int, margin: float, max_shared: int,
-                say: Callable[[str], None], label: str) -> None:
+                say: Callable[[str], None], label: str, bar: bool) -> None:
     tried = {result.current}
     best = Trial(result.current, ratios=[1.0] * len(result.cases))
     extra = result.current[6:]  # a group tile's block columns
@@ -343,13 +345,15 @@ def _tune_entry(result: EntryResult, runner, rounds: int, margin: float, max_sha
             break
         tried.update(tiles)
         done = []
+        with progress_bar(len(tiles), f"{label} round {round_number}", bar, unit="tile") as shown:
 
-        def show(trial: Trial) -> None:
-            done.append(trial)
-            outcome = f"{trial.score:.3f}x time" if trial.error is None else f"skipped: {trial.error[:80]}"
-            say(f"{label} round {round_number} {_bar(len(done), len(tiles))} {list(trial.tile)} {outcome}")
+            def show(trial: Trial) -> None:
+                done.append(trial)
+                shown.update(1)
+                outcome = f"{trial.score:.3f}x time" if trial.error is None else f"skipped: {trial.error[:80]}"
+                say(f"{label} round {round_number}, tile {len(done)}/{len(tiles)}: {list(trial.tile)} {outcome}")
 
-        trials = runner.measure(result.entry, tiles, result.cases, show)
+            trials = runner.measure(result.entry, tiles, result.cases, show)
         result.trials += trials
         winner = min(trials, key=lambda t: t.score)
         if winner.score > (1 - margin) * best.score:
@@ -373,8 +377,3 @@ def _tune_entry(result: EntryResult, runner, rounds: int, margin: float, max_sha
         return
     result.kept = best.tile
     say(f"{label} {result.entry.name}: {list(best.tile)} kept, {confirm.score:.3f}x time on confirming")
-
-
-def _bar(done: int, total: int, width: int = 20) -> str:
-    filled = round(width * done / max(total, 1))
-    return f"[{'#' * filled}{'.' * (width - filled)}] {done}/{total}"

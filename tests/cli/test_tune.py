@@ -51,7 +51,8 @@ def test_settings_read_tuned_architecture_tables_under_bsmm_config_and_overrides
         "[kernels.sm90.tma16.sparse.64]\nlarge = [256, 64, 64, 16, 1, 3]\n"
         '[tuned."sm90.tma16.sparse.64.large"]\ndevice = "a GPU"\n')
     bsmm.config.settings.cache_clear()
-    assert shipped(*fprop64) == [256, 64, 64, 16, 1, 3]
+    with pytest.warns(bsmm.config.BsmmWarning, match=r"keys \['default', 'waves'\]"):
+        assert shipped(*fprop64) == [256, 64, 64, 16, 1, 3]
     assert shipped("sm90", "tma16", "sparse", "128", "large") != [256, 64, 64, 16, 1, 3]  # the rest stays
     assert shipped("waves") == waves and shipped("default", "tensor16", "sparse", "64", "large") != [1, 2, 3, 4, 5, 6]
     assert tuned_file.in_effect() == 1
@@ -236,7 +237,8 @@ def test_tune_moves_towards_the_fastest_tile_and_writes_what_it_kept(cache):
     assert runner.measured[0] == tune.candidate_tiles(TMA64, H100_SHARED)
     assert all(set(later).isdisjoint(runner.measured[0]) for later in runner.measured[1:-1]), "no tile twice"
     assert any("skipped: CompileException" in line for line in lines)
-    assert any("[####################]" in line for line in lines)
+    first_round = len(runner.measured[0])
+    assert any(f"round 1, tile {first_round}/{first_round}:" in line for line in lines)
     bsmm.config.settings.cache_clear()
     assert shipped("sm90", "tma16", "sparse", "64", "large") == [256, 64, 64, 16, 1, 5]
     record = tuned_file.tuned_entries()["sm90.tma16.sparse.64.large"]
@@ -334,14 +336,47 @@ def test_worker_lines_are_read_as_they_come_and_a_silent_worker_is_killed(monkey
     assert status != 0 and "no result for 1 s" in errors and lines == [{"trying": [1]}]
 
 
+def test_tune_draws_a_bar_a_round_through_tqdm(monkeypatch):
+    """Each round's tiles advance a ``tqdm.auto`` bar on stderr, drawn only where asked."""
+    import tqdm.auto
+
+    bars = []
+
+    class Recorder:
+        def __init__(self, total, desc, disable, **kwargs):
+            self.total, self.desc, self.disable, self.steps = total, desc, disable, 0
+            bars.append(self)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def update(self, steps):
+            self.steps += steps
+
+    monkeypatch.setattr(tqdm.auto, "tqdm", Recorder)
+    runner = StandIn(ENTRY64, TMA64, best=(256, 64, 64, 16, 1, 5))
+    tune.tune(CASES, rounds=2, runner=runner, progress=None, write=False, bar=True)
+    rounds = runner.measured[:-1]  # the last measurement confirms the pick, without a bar
+    assert [(b.total, b.steps, b.disable) for b in bars] == [(len(tiles), len(tiles), False) for tiles in rounds]
+    assert [b.desc for b in bars] == [f"[1/1] round {n}" for n in range(1, len(rounds) + 1)]
+    bars.clear()
+    tune.tune(CASES, rounds=1, runner=StandIn(ENTRY64, TMA64, best=(256, 64, 64, 16, 1, 5)), progress=None,
+              write=False)
+    assert bars and all(b.disable for b in bars)
+
+
 def test_command_line_without_a_gpu(cache, monkeypatch, capsys):
     from bsmm.cli import main as cli
 
-    monkeypatch.setattr(cli, "gpu_available", lambda: False)
+    monkeypatch.setattr(cli, "gpu_problem", lambda: "CuPy finds no CUDA GPU here")
     assert cli.main(["tune", "--workload", "T"]) == 2
-    assert "CUDA GPU" in capsys.readouterr().err
+    assert capsys.readouterr().err == "bsmm tune: error: tune measures kernels on a CUDA GPU: CuPy finds no CUDA GPU here\n"
     assert cli.main(["tune", "--dtype", "float64"]) == 2
-    assert "--dtype float64: expected some of" in capsys.readouterr().err
+    assert "argument --dtype: float64 runs on the CPU backend only; expected some of float32, tf32" in (
+        capsys.readouterr().err)
     assert cli.main(["tune", "--show"]) == 0 and "no tuned launch tiles" in capsys.readouterr().out
     tuned_file.write_tuned([tune.EntryResult(ENTRY64, [TMA64], CASES[:1], tuple(TMA64.tile.as_list()), kept=(256, 64, 64, 16, 1, 4),
                                        confirmed=0.9)], "Stand-in GPU", "sm90")
@@ -361,10 +396,10 @@ def test_tune_cases_follow_the_workload_and_the_arguments():
     shapes = {(c.N, c.C, c.K, c.block_size, c.density, c.dtype) for c in default}
     assert shapes == {(4096, 8192, 8192, 32, 0.1, "float16")}
     assert [c.pass_name for c in default] == ["fprop", "bprop", "updat"]
-    assert cases(workload="S", K=4096, block_size="32,64", densities="2", dtype="tf32", passes="updat",
+    assert cases(workload="S", K=4096, block_size=(32, 64), densities=(0.02,), dtype=("tf32",), passes=("updat",),
                  feature_axis=0) == [tune.Case("updat", 32, 12288, 4096, bs, 0.02, "tf32", 0) for bs in (32, 64)]
     assert len(cases(workload="T")) == 3 * 4 * 3 * 4  # passes x dtypes x densities x block sizes
-    rectangular = cases(workload="F", block_size="128", densities="10", dtype="bfloat16", passes="fprop")
+    rectangular = cases(workload="F", block_size=(128,), densities=(0.1,), dtype=("bfloat16",), passes=("fprop",))
     assert [(c.N, c.C, c.K) for c in rectangular] == [(8192, 4096, 16384), (8192, 16384, 4096)]
     assert {(c.C, c.K) for c in cases(workload="F", C=2048)} == {(2048, 2048)}
 
