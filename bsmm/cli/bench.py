@@ -153,18 +153,6 @@ def progress_bar(total: int, description: str, show: bool, unit: str = "row"):
                 dynamic_ncols=True)
 
 
-def _median_seconds(fn: Callable[[], object], repeats: int, warmup: int = 1) -> float:
-    """Median seconds of ``repeats`` calls of ``fn`` after ``warmup`` calls (tools/gpu/bench_conv.py)."""
-    for _ in range(warmup):
-        fn()
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
-
-
 def _interleaved_seconds(dense: Callable[[], object], sparse: Callable[[], object], repeats: int,
                          warmup: int = 1) -> tuple[list[float], list[float]]:
     """Seconds of ``repeats`` calls of ``dense`` and of ``sparse`` taken in turns (dense, sparse,

@@ -13,7 +13,7 @@ import types
 import numpy as np
 import pytest
 
-from bsmm.cli import bench, main as cli
+from bsmm.cli import arguments, bench, main as cli
 
 
 @pytest.fixture
@@ -31,12 +31,12 @@ def no_work(monkeypatch):
 @pytest.fixture
 def gpu(monkeypatch):
     """A machine where CuPy finds a GPU, as far as the argument checks can tell."""
-    monkeypatch.setattr(cli, "gpu_problem", lambda: None)
+    monkeypatch.setattr(arguments, "gpu_problem", lambda: None)
 
 
 @pytest.fixture
 def no_gpu(monkeypatch):
-    monkeypatch.setattr(cli, "gpu_problem", lambda: "CuPy finds no CUDA GPU here")
+    monkeypatch.setattr(arguments, "gpu_problem", lambda: "CuPy finds no CUDA GPU here")
 
 
 def refused(capsys, argv) -> str:
@@ -109,7 +109,7 @@ def test_an_unknown_argument_or_command_is_one_line_and_status_2(capsys):
 
 def test_the_gpu_backend_without_cupy_says_what_to_install(capsys, no_work, monkeypatch):
     monkeypatch.setitem(sys.modules, "cupy", None)  # import cupy raises ImportError
-    assert cli.gpu_problem().startswith("CuPy is not installed")
+    assert arguments.gpu_problem().startswith("CuPy is not installed")
     line = refused(capsys, ["bench", "--backend", "gpu"])
     assert "--backend gpu: CuPy is not installed: pip install 'bsmm[cuda12]'" in line and "'bsmm[cuda13]'" in line
     # --backend auto falls back to the CPU, where the arguments are then checked.
@@ -147,7 +147,7 @@ def test_a_bad_framework_bench_argument_is_one_line_and_status_2(capsys, no_work
 def test_the_framework_bench_needs_a_gpu_and_the_framework(capsys, no_work, no_gpu, monkeypatch):
     assert "--framework needs a CUDA GPU: CuPy finds no CUDA GPU here" in refused(capsys, ["bench", "--framework",
                                                                                             "torch"])
-    monkeypatch.setattr(cli, "gpu_problem", lambda: None)
+    monkeypatch.setattr(arguments, "gpu_problem", lambda: None)
     monkeypatch.setitem(sys.modules, "jax", None)  # find_spec("jax") is then None: not installed
     line = refused(capsys, ["bench", "--framework", "torch,jax"])
     assert "--framework jax: jax is not installed: pip install 'bsmm[jax]'" in line

@@ -369,9 +369,9 @@ def test_tune_draws_a_bar_a_round_through_tqdm(monkeypatch):
 
 
 def test_command_line_without_a_gpu(cache, monkeypatch, capsys):
-    from bsmm.cli import main as cli
+    from bsmm.cli import arguments, main as cli
 
-    monkeypatch.setattr(cli, "gpu_problem", lambda: "CuPy finds no CUDA GPU here")
+    monkeypatch.setattr(arguments, "gpu_problem", lambda: "CuPy finds no CUDA GPU here")
     assert cli.main(["tune", "--workload", "T"]) == 2
     assert capsys.readouterr().err == "bsmm tune: error: tune measures kernels on a CUDA GPU: CuPy finds no CUDA GPU here\n"
     assert cli.main(["tune", "--dtype", "float64"]) == 2
@@ -385,12 +385,14 @@ def test_command_line_without_a_gpu(cache, monkeypatch, capsys):
 
 
 def test_tune_cases_follow_the_workload_and_the_arguments():
-    from bsmm.cli import main as cli
+    import argparse
+
+    from bsmm.cli.arguments import _tune_cases
 
     def cases(**given):
         arguments = dict(workload=None, N=None, C=None, K=None, block_size=None, densities=None, dtype=None,
                          passes=None, feature_axis=1)
-        return cli._tune_cases(cli.argparse.Namespace(**{**arguments, **given}))
+        return _tune_cases(argparse.Namespace(**{**arguments, **given}))
 
     default = cases()
     shapes = {(c.N, c.C, c.K, c.block_size, c.density, c.dtype) for c in default}

@@ -22,7 +22,9 @@ C=K=256, stride 2) exercises the phase-split canvas.
 Efficiency = dense time × density / bsmm time: 100 % is cuDNN's speed per useful FLOP.
 
 CPU (``--cpu``): a small shape, bsmm's CPU backend against a dense NumPy convolution
-(one matrix product per kernel offset), with the same correctness check.
+(one matrix product per kernel offset), with the same correctness check. The two are
+timed in turns (as ``bsmm bench`` does), and the table adds their spread: a * after the
+speed-up marks a row whose repeated times spread over 25 %, taken on a busy machine.
 """
 
 from __future__ import annotations
@@ -30,12 +32,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import platform
+import statistics
 import sys
 
 import numpy as np
 
 from bsmm.passes import PASS_NAMES as PASSES
-from bsmm.cli.bench import BenchRow, _fmt_time, _gpu_seconds, _median_seconds, write_json
+from bsmm.cli.bench import (SPREAD_LIMIT, BenchRow, _fmt_time, _gpu_seconds, _interleaved_seconds, relative_spread,
+                            write_json)
 from bsmm.nn.conv import BlocksparseConv
 from bsmm.layouts import random_layout
 
@@ -51,20 +55,27 @@ TOLERANCE = {"float32": 1e-4, "tf32": 3e-3, "float16": 1e-2, "bfloat16": 2e-2}
 
 @dataclasses.dataclass
 class ConvRow(BenchRow):
-    """A :class:`bsmm.cli.bench.BenchRow` (N, C, K describe the convolution's tensors) with its shape
-    and the pass's relative error against the dense reference."""
+    """A :class:`bsmm.cli.bench.BenchRow` (N, C, K describe the convolution's tensors) with its shape,
+    the pass's relative error against the dense reference and, on the CPU, the spread of its times
+    (the larger :func:`bsmm.cli.bench.relative_spread` of bsmm's and dense's; None on the GPU)."""
 
     shape: str
     error: float
+    spread: float | None = None
 
 
 def format_table(rows: list[ConvRow]) -> str:
-    lines = ["| shape | dtype | block | density | pass | bsmm | dense | speed-up | efficiency | rel. error |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    """Markdown table, a line per row; a spread column where the rows have one (the CPU's)."""
+    spreads = any(r.spread is not None for r in rows)
+    lines = ["| shape | dtype | block | density | pass | bsmm | dense | speed-up | efficiency | rel. error |"
+             + (" spread |" if spreads else ""),
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |" + (" --- |" if spreads else "")]
     for r in rows:
+        busy = "*" if r.spread is not None and r.spread > SPREAD_LIMIT else ""
         lines.append(f"| {r.shape} | {r.dtype} | {r.block_size} | {r.density:.0%} | {r.pass_name} | "
-                     f"{_fmt_time(r.sparse_s)} | {_fmt_time(r.dense_s)} | {r.speedup:.2f}x | {r.efficiency:.0%} | "
-                     f"{r.error:.1e} |")
+                     f"{_fmt_time(r.sparse_s)} | {_fmt_time(r.dense_s)} | {r.speedup:.2f}x{busy} | "
+                     f"{r.efficiency:.0%} | {r.error:.1e} |"
+                     + ("" if not spreads else " - |" if r.spread is None else f" {r.spread:.0%} |"))
     return "\n".join(lines)
 
 
@@ -141,9 +152,12 @@ def bench_cpu(densities, block_size: int, repeats: int, seed: int) -> list[ConvR
             errors[name] = _rel_error(runs[name](), expected)
         _check(errors, f"cpu float32 density {density}", TOLERANCE["float32"])
         for name in PASSES:
+            # In turns, so that a busy moment of the machine slows both sides (bsmm.cli.bench.bench_cpu).
+            dense_s, sparse_s = _interleaved_seconds(timed_dense[name], runs[name], repeats)
+            spreads = [s for s in (relative_spread(sparse_s), relative_spread(dense_s)) if s is not None]
             rows.append(ConvRow("cpu", "float32", spec["N"], spec["C"], spec["K"], block_size, conv.density, name,
-                                _median_seconds(runs[name], repeats), _median_seconds(timed_dense[name], repeats),
-                                _describe(spec), errors[name]))
+                                statistics.median(sparse_s), statistics.median(dense_s), _describe(spec),
+                                errors[name], max(spreads, default=None)))
     return rows
 
 
