@@ -11,7 +11,6 @@ NumPy (CPU backend) and, marked ``gpu``, on CuPy.
 from __future__ import annotations
 
 import pickle
-
 import time
 
 import numpy as np
