@@ -16,6 +16,8 @@ from typing import Any, Callable
 
 import numpy as np
 
+from bsmm.backends.cuda.environment import check_environment
+
 __all__ = ["Operand", "array_module", "as_operand", "check_plain_ndarray", "check_same_place", "empty_aligned",
            "output_array", "overlaps"]
 
@@ -162,6 +164,8 @@ def as_operand(array, argument: str) -> Operand:
             f"PyTorch, JAX or TensorFlow tensor); got {type(array).__name__}"
         )
     device_type, device_id = (int(v) for v in array.__dlpack_device__())
+    if device_type in (_DLPACK_CUDA, _DLPACK_CUDA_MANAGED):
+        check_environment()  # before CuPy's first driver call, whose error would read as a DLPack one below
     try:
         if device_type in (_DLPACK_CPU, _DLPACK_CUDA_HOST):
             return Operand(np.from_dlpack(array), "cpu", library, None)

@@ -36,6 +36,12 @@ def gpu_problem() -> str | None:
         return f"CuPy is not installed: {_INSTALL_GPU}"
     except Exception as error:  # noqa: BLE001 - a CuPy that fails to load is reported, not raised
         return f"CuPy does not load ({type(error).__name__}: {error})"
+    from bsmm.backends.cuda.environment import check_environment
+
+    try:
+        check_environment()  # a CuPy newer than the driver: its message names the extra to install
+    except RuntimeError as error:
+        return str(error)
     try:
         if cupy.cuda.is_available():
             return None

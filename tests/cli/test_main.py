@@ -116,9 +116,27 @@ def test_the_gpu_backend_without_cupy_says_what_to_install(capsys, no_work, monk
     assert "--C 1000: expected a multiple" in refused(capsys, ["bench", "--C", "1000"])
 
 
+def _fake_cuda_versions(monkeypatch, runtime_version: int, driver_version: int) -> None:
+    from bsmm.backends.cuda import environment
+
+    monkeypatch.setattr(environment, "_cuda_versions", lambda: (runtime_version, driver_version))
+    monkeypatch.setattr(environment, "cupy_distributions", lambda: ["cupy-cuda13x"])
+    environment.check_environment.cache_clear()
+    monkeypatch.setattr(environment, "check_environment", functools.cache(environment.check_environment.__wrapped__))
+
+
+def test_a_cupy_newer_than_the_driver_names_the_extra_to_install(capsys, no_work, monkeypatch):
+    pytest.importorskip("cupy")
+    _fake_cuda_versions(monkeypatch, 13000, 12080)
+    line = refused(capsys, ["bench", "--backend", "gpu"])
+    assert "CuPy is built for CUDA 13.0 but the NVIDIA driver supports CUDA up to 12.8" in line
+    assert "pip install 'bsmm[cuda12]'" in line
+
+
 def test_the_gpu_backend_without_a_gpu_says_so(capsys, no_work, monkeypatch):
     no_device = types.SimpleNamespace(cuda=types.SimpleNamespace(is_available=lambda: False))
     monkeypatch.setitem(sys.modules, "cupy", no_device)
+    _fake_cuda_versions(monkeypatch, 13000, 0)  # no driver loaded: nothing to compare
     assert "--backend gpu: CuPy finds no CUDA GPU here" in refused(capsys, ["bench", "--backend", "gpu"])
     assert "tune measures kernels on a CUDA GPU: CuPy finds no CUDA GPU" in refused(capsys, ["tune", "--workload", "S"])
 

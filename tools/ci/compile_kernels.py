@@ -1,17 +1,29 @@
-"""Compile every kernel variant of the launch table for sm_80 and sm_90a, as the library does
-at run time (same NVRTC options), and print the register/spill report. Needs no GPU.
+"""Compile every kernel variant of the launch tables for sm_80 and sm_90a, as the library does at
+run time (same NVRTC options, through ``compile_variant``), and check each: no NVRTC error, no
+serialized wgmma, no register spills unnoticed. Needs no GPU.
 
-    python tools/ci/compile_kernels.py [--arch sm_80 --arch sm_90a] [--jobs 2] [--out report.txt]
+    python tools/ci/compile_kernels.py [--arch sm_80 --arch sm_90a] [--jobs 2] [--sample N]
+                                       [--report build/compile_report.txt] [--quiet]
+
+Prints a summary (compiles per architecture and kernel kind, failures and spills in full, the
+slowest variants, the total time), its last line the totals; the per-variant listing (registers,
+stack, spills, seconds) goes to the ``--report`` file. ``--sample N`` compiles a representative
+subset instead of all (:func:`representative_sample` says how it is picked).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import collections
+import contextlib
 import concurrent.futures
+import itertools
+import json
 import re
 import sys
 import time
+import zlib
+from pathlib import Path
 
 from bsmm.config import settings
 from bsmm.dtypes import SUPPORTED_DTYPES
@@ -20,6 +32,10 @@ from bsmm.backends.cuda.kernels import (ARCH_ONLY_MODES, GATHER_UNITS, BlockTran
 from bsmm.backends.cuda.policy import current_policy
 from bsmm.backends.cuda.selection import math_mode
 from bsmm.passes import PASS_NAMES, PASSES
+
+DEFAULT_REPORT = Path(__file__).resolve().parents[2] / "build" / "compile_report.txt"
+#: Slowest compiles named in the summary.
+SLOWEST = 5
 
 
 def all_variants() -> list[Variant | GatherVariant | TransposeVariant | BlockTransposeVariant]:
@@ -85,6 +101,66 @@ def all_variants() -> list[Variant | GatherVariant | TransposeVariant | BlockTra
     return sorted(variants, key=repr)
 
 
+AnyVariant = Variant | GatherVariant | TransposeVariant | BlockTransposeVariant
+
+#: What tells two kernels apart for the sample (:func:`describe`).
+FIELDS = ("kind", "pass", "block_size", "dtype", "tma", "streamed", "groups", "act_transposed", "feature_axis",
+          "aligned")
+#: The fields every combination of which a large enough sample holds.
+COMBINATION = ("kind", "pass", "block_size", "dtype", "tma", "streamed", "groups", "act_transposed")
+
+
+def describe(variant: AnyVariant) -> dict:
+    """The fields of :data:`FIELDS`: the kernel kind (math mode, or the copy kernel's class), pass,
+    block size, dtype and flags. A copy kernel carries its one parameter as the block size
+    (``BlockTransposeVariant``) or as the dtype (bytes an access), and None elsewhere."""
+    if isinstance(variant, Variant):
+        return {"kind": variant.math, "pass": variant.pass_name, "block_size": variant.block_size,
+                "dtype": variant.dtype, "tma": variant.tma, "streamed": variant.grouped, "groups": variant.cols > 1,
+                "act_transposed": variant.act_transposed, "feature_axis": variant.feature_axis,
+                "aligned": variant.aligned}
+    fields = dict.fromkeys(FIELDS)
+    fields["kind"] = type(variant).__name__
+    fields["block_size"] = getattr(variant, "block_size", None)
+    fields["dtype"] = getattr(variant, "unit_bytes", getattr(variant, "element_bytes", None))
+    return fields
+
+
+def representative_sample(variants: list[AnyVariant], size: int) -> list[AnyVariant]:
+    """``size`` of ``variants``, picked greedily. While some combination of the :data:`COMBINATION`
+    fields is missing from the sample, each pick brings a missing one, and among those the variant
+    that brings the most value pairs of two :data:`FIELDS` not yet in it (pairwise coverage: each
+    kernel kind meets each pass, block size, dtype, flag, feature axis and alignment it is built
+    with, and so on for every two fields); ties go to the smallest CRC-32 of the variant's repr, so
+    the sample is the same on every run and machine. In today's launch tables 34 picks hold every
+    pair and 151 every combination; further picks follow the CRC order. Returned in the order of
+    ``variants``.
+    """
+    if size >= len(variants):
+        return list(variants)
+    order = sorted(variants, key=lambda v: zlib.crc32(repr(v).encode()))
+    features = {}
+    for variant in order:
+        fields = describe(variant)
+        pairs = frozenset((a, fields[a], b, fields[b]) for a, b in itertools.combinations(FIELDS, 2))
+        features[variant] = (pairs, tuple(fields[name] for name in COMBINATION))
+    pairs_in, combinations_in, chosen = set(), set(), set()
+    for _ in range(size):
+        pick = max((v for v in order if v not in chosen),
+                   key=lambda v: (features[v][1] not in combinations_in, len(features[v][0] - pairs_in)))
+        chosen.add(pick)
+        pairs_in |= features[pick][0]
+        combinations_in.add(features[pick][1])
+    return [v for v in variants if v in chosen]
+
+
+def arch_jobs(variants: list[AnyVariant], archs: list[str]) -> list[tuple[AnyVariant, str]]:
+    """(variant, arch) for every architecture a variant is built for: wgmma and TMA kernels exist
+    for sm_90a only."""
+    return [(v, a) for v in variants for a in archs
+            if ARCH_ONLY_MODES.get(v.math, "sm_90a" if getattr(v, "tma", False) else a) == a]
+
+
 def _compile(args):
     variant, arch, populate_cache = args
     start = time.perf_counter()
@@ -94,8 +170,8 @@ def _compile(args):
             log = json.loads(path.with_suffix(".json").read_text())["log"]
         else:
             _, _, log = compile_variant(variant, arch)
-    except RuntimeError as error:
-        return variant, arch, None, str(error), time.perf_counter() - start
+    except Exception as error:  # any failure fails the check, named with its variant (not a bare traceback)
+        return variant, arch, None, f"{type(error).__name__}: {error}", time.perf_counter() - start
     return variant, arch, log, None, time.perf_counter() - start
 
 
@@ -105,28 +181,71 @@ def _compile(args):
 _WGMMA_SERIALIZED = "wgmma.mma_async instructions are serialized"
 
 
-def _summary(log: str) -> str:
+def ptxas_report(log: str) -> tuple[str, bool]:
+    """(registers, stack and spills as one line, whether it spilled) from ptxas's -v log.
+
+    >>> ptxas_report("ptxas info : Used 96 registers, used 1 barriers, 16 bytes stack frame, "
+    ...              "8 bytes spill stores, 8 bytes spill loads")
+    ('regs 96, stack 16 B, spills 8/8 B', True)
+    """
     regs = re.search(r"Used (\d+) registers", log)
     stack = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", log)
-    return (f"regs {regs.group(1) if regs else '?'}, stack {stack.group(1)} B, spills {stack.group(2)}/{stack.group(3)} B"
-            if stack else "no ptxas report")
+    if not stack:
+        return "no ptxas report", False
+    line = f"regs {regs.group(1) if regs else '?'}, stack {stack.group(1)} B, spills {stack.group(2)}/{stack.group(3)} B"
+    return line, stack.group(2) != "0" or stack.group(3) != "0"
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--arch", action="append", default=None)
-    parser.add_argument("--jobs", type=int, default=2)
-    parser.add_argument("--limit", type=int, default=0, help="compile only the first N variants (smoke)")
+def nvrtc_version() -> str:
+    """The NVRTC version the compiles go through ("12.9"): CuPy's, the one bsmm uses at run time."""
+    from cupy_backends.cuda.libs import nvrtc
+
+    return ".".join(map(str, nvrtc.getVersion()))
+
+
+def _kind(variant: AnyVariant) -> str:
+    return describe(variant)["kind"]
+
+
+def summary(rows: list[tuple], wall_seconds: float, slowest: int = SLOWEST) -> list[str]:
+    """The summary's lines: compiles per architecture and per kernel kind, the slowest variants.
+    ``rows`` are (arch, status, seconds, ptxas line, variant), status "ok", "SPILL" or "FAIL"."""
+    lines = []
+    for arch in sorted({row[0] for row in rows}):
+        mine = [row for row in rows if row[0] == arch]
+        status = collections.Counter(row[1] for row in mine)
+        lines.append(f"{arch:7s} {status['ok'] + status['SPILL']} compiled, {status['FAIL']} failed, "
+                     f"{status['SPILL']} with spills; {sum(row[2] for row in mine):.0f} s of compile time")
+    kinds = collections.Counter(_kind(row[4]) for row in rows)
+    lines.append("by kind: " + ", ".join(f"{kind} {count}" for kind, count in sorted(kinds.items())))
+    lines.append(f"slowest {min(slowest, len(rows))} of {len(rows)} (wall time {wall_seconds:.0f} s):")
+    for arch, _, seconds, _, variant in sorted(rows, key=lambda row: -row[2])[:slowest]:
+        lines.append(f"  {seconds:5.1f} s  {arch:7s} {variant.name_expression}")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--arch", action="append", default=None,
+                        help="an architecture to compile for, repeatable (default: sm_80 and sm_90a)")
+    parser.add_argument("--jobs", type=int, default=2, help="compiles at once (default 2; 1: in this process)")
+    parser.add_argument("--sample", type=int, default=0, metavar="N",
+                        help="compile N representative variants instead of all: every kernel kind, pass, block "
+                             "size, dtype and flag, pairwise, then each combination (see representative_sample)")
     parser.add_argument("--populate-cache", action="store_true", help="write the cubins to bsmm's kernel cache")
-    parser.add_argument("--quiet", action="store_true", help="print failures and the summary only")
-    args = parser.parse_args()
+    parser.add_argument("--report", type=Path, default=DEFAULT_REPORT,
+                        help=f"the per-variant listing (default: {DEFAULT_REPORT})")
+    parser.add_argument("--quiet", action="store_true", help="print failures, spills and the totals line only")
+    args = parser.parse_args(argv)
     archs = args.arch or ["sm_80", "sm_90a"]
     variants = all_variants()
-    if args.limit:
-        variants = variants[: args.limit]
-    jobs = [(v, a, args.populate_cache) for v in variants for a in archs
-            if ARCH_ONLY_MODES.get(v.math, "sm_90a" if getattr(v, "tma", False) else a) == a]
-    failures, spills = 0, 0
+    if args.sample:
+        variants = representative_sample(variants, args.sample)
+    jobs = arch_jobs(variants, archs)
+    what = (f"{len(jobs)} variant x arch ({len(variants)} variants{' sampled' if args.sample else ''}, "
+            f"{', '.join(archs)}) with NVRTC {nvrtc_version()}")
+    listing = [f"# {what}; columns: arch, status, seconds, ptxas -v (registers, stack, spills), template instance"]
+    rows, failures = [], 0
     # The planner refuses a tile that tiling_problem rejects: every tile the tables hold must pass
     # it, and NVRTC's static_asserts below check the same rules from the kernel's side.
     for variant in variants:
@@ -134,24 +253,39 @@ def main() -> int:
         if problem:
             failures += 1
             print(f"FAIL {variant.name_expression}: {problem}", flush=True)
+            listing.append(f"{'-':7s} FAIL   {0:6.2f} s  {problem}  {variant.name_expression}")
+    if not args.quiet:
+        print(f"compiling {what}, {args.jobs} at once; the listing goes to {args.report}", flush=True)
     start = time.perf_counter()
-    with concurrent.futures.ProcessPoolExecutor(args.jobs) as pool:
-        for variant, arch, log, error, seconds in pool.map(_compile, jobs, chunksize=4):
-            if error:
+    work = [(variant, arch, args.populate_cache) for variant, arch in jobs]
+    with contextlib.ExitStack() as stack:
+        if args.jobs > 1:
+            pool = stack.enter_context(concurrent.futures.ProcessPoolExecutor(args.jobs))
+            results = pool.map(_compile, work, chunksize=4)
+        else:
+            results = map(_compile, work)
+        for variant, arch, log, error, seconds in results:
+            if error or _WGMMA_SERIALIZED in log:
                 failures += 1
-                print(f"FAIL {arch} {variant.name_expression}\n{error}", flush=True)
+                reason = error or "ptxas serialized its wgmma (C7520)"
+                print(f"FAIL {arch} {variant.name_expression}\n{reason}", flush=True)
+                rows.append((arch, "FAIL", seconds, reason.splitlines()[0], variant))
                 continue
-            if _WGMMA_SERIALIZED in log:
-                failures += 1
-                print(f"FAIL {arch} {variant.name_expression}: ptxas serialized its wgmma (C7520)", flush=True)
-                continue
-            line = _summary(log)
-            spilled = "spill stores" in log and not re.search(r" 0 bytes spill stores", log)
-            spills += spilled
-            if not args.quiet or spilled:
-                print(f"{arch:7s} {variant.name_expression:151s} {line} ({seconds:.1f}s)", flush=True)
-    print(f"compiled {len(jobs) - failures}/{len(jobs)} variant x arch in {time.perf_counter() - start:.0f}s; "
-          f"{failures} failed; {spills} with spills")
+            line, spilled = ptxas_report(log)
+            if spilled:
+                print(f"SPILL {arch} {variant.name_expression}: {line}", flush=True)
+            rows.append((arch, "SPILL" if spilled else "ok", seconds, line, variant))
+    wall = time.perf_counter() - start
+    listing += [f"{arch:7s} {status:6s} {seconds:6.2f} s  {line:38s} {variant.name_expression}"
+                for arch, status, seconds, line, variant in rows]
+    args.report.parent.mkdir(parents=True, exist_ok=True)
+    args.report.write_text("\n".join(listing) + "\n")
+    if not args.quiet:
+        print("\n".join(summary(rows, wall)))
+    compiled = sum(row[1] != "FAIL" for row in rows)
+    spills = sum(row[1] == "SPILL" for row in rows)
+    print(f"compiled {compiled}/{len(jobs)} variant x arch in {wall:.0f}s; {failures} failed; {spills} with spills; "
+          f"listing in {args.report}")
     return 1 if failures else 0
 
 

@@ -18,11 +18,14 @@ from bsmm.block_index import BlockIndex
 from bsmm.passes import PASSES
 from bsmm.dtypes import DTYPE_NAMES
 from bsmm.backends.cuda import plans
+from bsmm.backends.cuda.environment import check_environment
 from bsmm.backends.cuda.kernels import GatherVariant, load_kernel
 from bsmm.backends.cuda.plans import Plan, plan_for
 from bsmm.backends.strided import BlockOrder, check_strided_operands, virtual_width
 
 __all__ = ["FastCall", "fprop", "bprop", "updat", "strided_pass", "shifted_pass", "gather_rows", "recording_paths"]
+
+check_environment()  # once, where CuPy arrays first reach the GPU backend
 
 _VEC_BYTES = 16
 # Bound once: the per-call path looks these up on every launch.

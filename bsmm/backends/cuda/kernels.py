@@ -285,10 +285,16 @@ def arch_for(compute_capability: str | int) -> str:
 
 @functools.cache
 def cuda_include_dirs() -> tuple[str, ...]:
-    """Directories holding cuda_fp16.h and friends: the NVIDIA wheels, else the toolkit."""
+    """Directories holding cuda_fp16.h and friends: the NVIDIA wheels, else the toolkit; the headers
+    of NVRTC's own CUDA major version first (an environment may hold both wheels' folders)."""
+    from cupy_backends.cuda.libs import nvrtc
+
+    wheel_dirs = {13: ("nvidia/cu13/include",), 12: ("nvidia/cuda_runtime/include", "nvidia/cu12/include")}
+    major = nvrtc.getVersion()[0]
+    subs = (*wheel_dirs.get(major, ()), *(d for m, dirs in wheel_dirs.items() if m != major for d in dirs))
     found = []
     for entry in sys.path:
-        for sub in ("nvidia/cu13/include", "nvidia/cuda_runtime/include", "nvidia/cu12/include"):
+        for sub in subs:
             candidate = Path(entry) / sub
             if (candidate / "cuda_fp16.h").is_file():
                 found.append(str(candidate))
@@ -298,7 +304,7 @@ def cuda_include_dirs() -> tuple[str, ...]:
     if not found:
         raise RuntimeError(
             "CUDA headers (cuda_fp16.h) not found: install the nvidia-cuda-runtime wheel "
-            "(pip install 'bsmm[cuda]') or set CUDA_PATH"
+            "(pip install 'bsmm[cuda12]' or 'bsmm[cuda13]', the one of your driver's CUDA) or set CUDA_PATH"
         )
     return tuple(dict.fromkeys(found))[:1]
 
@@ -312,7 +318,8 @@ def compile_options(arch: str) -> tuple[str, ...]:
 
 
 def _source(source_file: str) -> str:
-    return (CUDA_DIR / source_file).read_text()
+    # UTF-8 whatever the locale: NVRTC 12.4 changes the process's locale at its first compile.
+    return (CUDA_DIR / source_file).read_text(encoding="utf-8")
 
 
 def _source_digest() -> str:
