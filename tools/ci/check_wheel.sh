@@ -10,7 +10,7 @@ set -euo pipefail
 PYTHON=${PYTHON:-python3}
 here=$(cd "$(dirname "$0")/../.." && pwd)
 work=$(mktemp -d)
-trap 'kill $(jobs -p) 2>/dev/null; rm -rf "$work"' EXIT
+trap 'kill $(jobs -p) 2>/dev/null || true; rm -rf "$work"' EXIT
 start=$SECONDS
 
 # Build from a copy of what the wheel is made of: in the checkout, setuptools would also pack
