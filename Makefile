@@ -42,6 +42,9 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(PY) -m bsmm bench -v
 
+wheel-check: $(STAMP)
+	PYTHON=$(PY) bash tools/ci/check_wheel.sh
+
 docs: $(STAMP)
 	PYTHON=$(PY) bash tools/ci/build_docs.sh
 

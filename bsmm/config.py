@@ -20,6 +20,7 @@ import logging
 import os
 import re
 import sys
+import threading
 import tomllib
 import warnings
 from collections.abc import Hashable
@@ -54,8 +55,9 @@ class BsmmWarning(UserWarning):
     category=bsmm.BsmmWarning)`` silences them all)."""
 
 
-def warn(message: str, category: type[Warning] = BsmmWarning) -> None:
-    """``warnings.warn`` pointing at the user's line: the first caller outside the bsmm package.
+def warn(message: str, category: type[Warning] = BsmmWarning, also_skip: tuple[str, ...] = ()) -> None:
+    """``warnings.warn`` pointing at the user's line: the first caller outside the bsmm package
+    and outside the folders ``also_skip`` (a framework that calls bsmm while tracing, e.g. JAX's).
 
     Examples
     --------
@@ -66,13 +68,15 @@ def warn(message: str, category: type[Warning] = BsmmWarning) -> None:
     >>> caught[0].category.__name__, str(caught[0].message)
     ('BsmmWarning', 'act on this')
     """
+    skipped = (_PACKAGE_DIR, *also_skip)
     frame, level = sys._getframe(1), 2  # level 2: warn's caller
-    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIR):
+    while frame is not None and frame.f_code.co_filename.startswith(skipped):
         frame, level = frame.f_back, level + 1
     warnings.warn(message, category, stacklevel=level)
 
 
 _TOLD: set = set()
+_TOLD_LOCK = threading.Lock()  # plans are also built on other threads (PyTorch's autograd engine)
 
 
 def once(cause: Hashable) -> bool:
@@ -85,10 +89,11 @@ def once(cause: Hashable) -> bool:
     >>> [bsmm.config.once(("doctest", "example")) for _ in range(2)]
     [True, False]
     """
-    if cause in _TOLD:
-        return False
-    _TOLD.add(cause)
-    return True
+    with _TOLD_LOCK:
+        if cause in _TOLD:
+            return False
+        _TOLD.add(cause)
+        return True
 
 
 def _merge(base: dict, override: dict) -> dict:

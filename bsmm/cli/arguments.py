@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
+import sys
 
 from bsmm.cli.bench import SPREAD_LIMIT, WORKLOADS, gpu_plan
 from bsmm.cli.framework_bench import SHAPES
@@ -208,7 +209,10 @@ def _check_bench(args) -> None:
         if problem:
             raise Refused(f"--backend gpu: {problem}")
     elif args.backend == "auto":
-        args.backend = "gpu" if gpu_problem() is None else "cpu"
+        problem = gpu_problem()
+        args.backend = "gpu" if problem is None else "cpu"
+        if problem and importlib.util.find_spec("cupy") is not None:  # CuPy is there but cannot run
+            print(f"note: the GPU is not used: {problem}", file=sys.stderr)
     if args.backend == "gpu":
         _check_bench_gpu(args)
     else:

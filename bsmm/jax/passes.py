@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 
 import jax
 import jax.numpy as jnp
@@ -163,9 +164,10 @@ def _warn_if_a_gpu_sits_idle() -> None:
     except Exception:  # noqa: BLE001 - no CuPy or no driver: no GPU bsmm could use
         return
     if gpus:
+        jax_dirs = (os.path.dirname(jax.__file__) + os.sep,)  # tracing calls bsmm from inside JAX
         warn(f"JAX runs on the CPU ({jax.__version__} without a CUDA plugin?) while {gpus} GPU(s) are "
              "visible: bsmm's passes run on the CPU backend. Install JAX with its plugin, "
-             "pip install 'bsmm[jax-cuda12]' or 'bsmm[jax-cuda13]', to run them on the GPU.")
+             "pip install 'bsmm[jax-cuda12]' or 'bsmm[jax-cuda13]', to run them on the GPU.", also_skip=jax_dirs)
 
 
 def _call(op, pass_name: str, batch_shape: tuple, out_shape: tuple, a, b):

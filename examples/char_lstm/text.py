@@ -326,32 +326,36 @@ def train(model: CharLanguageModel, params, corpus: CharCorpus, *, batch_size: i
         if log is not None:
             log(f"update {updates:6d}  {trained:7.1f} s  train {train_bpc:.3f}  valid {valid_bpc:.3f} bpc")
 
-    done = False
-    while not done:
-        state = (None, None)
-        for x, y in stream_chunks(corpus.train, batch_size, steps, xp):
-            loss, state = train_step(model, params, optimizer, x, y, state, clip)
-            running.append(loss)
-            updates += 1
-            chars += x.size
-            trained = time.perf_counter() - start
-            bar.update()
-            if not bar.disable and time.perf_counter() - shown >= 1.0:
-                postfix["loss"] = f"{float(loss):.3f}"
-                bar.set_postfix(postfix, refresh=False)
-                shown = time.perf_counter()
-            done = (max_updates is not None and updates >= max_updates) or (
-                time_limit is not None and trained >= time_limit)
-            if done:
-                break
-            if eval_every and updates % eval_every == 0:
-                float(loss)  # as below: the GPU's queued updates count as training, not evaluation
+    try:
+        done = False
+        while not done:
+            state = (None, None)
+            for x, y in stream_chunks(corpus.train, batch_size, steps, xp):
+                loss, state = train_step(model, params, optimizer, x, y, state, clip)
+                running.append(loss)
+                updates += 1
+                chars += x.size
                 trained = time.perf_counter() - start
-                record(evaluate(final=False))
-                start = time.perf_counter() - trained  # evaluation time is not training time
-                bar.unpause()  # nor part of the bar's rate
-    float(loss)  # waits for the GPU's queued work, which belongs to the training time
-    trained = time.perf_counter() - start
+                bar.update()
+                if not bar.disable and time.perf_counter() - shown >= 1.0:
+                    postfix["loss"] = f"{float(loss):.3f}"
+                    bar.set_postfix(postfix, refresh=False)
+                    shown = time.perf_counter()
+                done = (max_updates is not None and updates >= max_updates) or (
+                    time_limit is not None and trained >= time_limit)
+                if done:
+                    break
+                if eval_every and updates % eval_every == 0:
+                    float(loss)  # as below: the GPU's queued updates count as training, not evaluation
+                    trained = time.perf_counter() - start
+                    record(evaluate(final=False))
+                    start = time.perf_counter() - trained  # evaluation time is not training time
+                    bar.unpause()  # nor part of the bar's rate
+        float(loss)  # waits for the GPU's queued work, which belongs to the training time
+        trained = time.perf_counter() - start
+    except BaseException:
+        bar.close()  # an interrupted or failed run leaves no bar behind
+        raise
     bar.close()  # before the final evaluation: the bar's rate is of training
     final = evaluate(final=True)
     # The curve's last point on the same characters as its others.

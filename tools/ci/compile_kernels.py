@@ -224,12 +224,25 @@ def summary(rows: list[tuple], wall_seconds: float, slowest: int = SLOWEST) -> l
     return lines
 
 
+def _count(minimum: int):
+    """An argparse type: a whole number of at least ``minimum``."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a whole number; got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"expected {minimum} or more; got {value}")
+        return value
+    return parse
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--arch", action="append", default=None,
                         help="an architecture to compile for, repeatable (default: sm_80 and sm_90a)")
-    parser.add_argument("--jobs", type=int, default=2, help="compiles at once (default 2; 1: in this process)")
-    parser.add_argument("--sample", type=int, default=0, metavar="N",
+    parser.add_argument("--jobs", type=_count(1), default=2, help="compiles at once (default 2; 1: in this process)")
+    parser.add_argument("--sample", type=_count(0), default=0, metavar="N",
                         help="compile N representative variants instead of all: every kernel kind, pass, block "
                              "size, dtype and flag, pairwise, then each combination (see representative_sample)")
     parser.add_argument("--populate-cache", action="store_true", help="write the cubins to bsmm's kernel cache")

@@ -25,9 +25,13 @@ run() {
   echo $((SECONDS - began)) >"$logs/$name.seconds"
 }
 
-run compile "$PYTHON" tools/ci/compile_kernels.py --arch sm_80 --arch sm_90a --jobs 2 --quiet \
-  --report build/compile_report.txt &
+# In a session of its own (setsid), so that one signal stops the compiler and its worker processes:
+# a background job of a non-interactive shell ignores Ctrl-C, and would run on after make stops.
+setsid bash -c "$(declare -f run); logs=$logs; run compile \"\$@\"" compile \
+  "$PYTHON" tools/ci/compile_kernels.py --arch sm_80 --arch sm_90a --jobs 2 --quiet --report build/compile_report.txt &
 compile_pid=$!
+trap 'kill -- -$compile_pid 2>/dev/null || true' EXIT
+trap 'exit 130' INT TERM
 
 steps=(tests docs wheel cuda12)
 echo "test suite (pytest) ..."
@@ -38,7 +42,7 @@ run docs env PYTHON="$PYTHON" bash tools/ci/build_docs.sh
 echo "wheel (Python 3.11 and 3.12) ..."
 run wheel env PYTHON="$PYTHON" bash tools/ci/check_wheel.sh
 echo "CUDA 12 compile sample ..."
-run cuda12 bash tools/ci/compile_cuda12.sh --quiet
+run cuda12 env PYTHON="$PYTHON" bash tools/ci/compile_cuda12.sh --quiet
 echo "waiting for the kernel compile check ..."
 wait "$compile_pid"
 steps+=(compile)

@@ -20,7 +20,7 @@ import re
 
 from bsmm.config import warn
 
-__all__ = ["EXTRAS", "MINIMUM_DRIVERS", "check_environment", "cuda_version_text", "cupy_distributions",
+__all__ = ["EXTRAS", "MINIMUM_DRIVERS", "check_environment", "check_gpu", "cuda_version_text", "cupy_distributions",
            "driver_problem"]
 
 #: CUDA major version -> the bsmm extra that installs CuPy, NVRTC and the runtime headers for it.
@@ -112,3 +112,37 @@ def check_environment() -> None:
     problem = driver_problem(*_cuda_versions())
     if problem:
         raise RuntimeError(problem)
+
+
+def check_gpu() -> str:
+    """Whether bsmm's GPU backend can run here: one line naming CuPy, the CUDA versions, NVRTC and
+    the GPU; or a RuntimeError saying why not and what to install. Call it first after installing a
+    CUDA extra: with a CuPy newer than the driver, CuPy's own first call (``cupy.ones``) fails with a
+    bare ``cudaErrorInsufficientDriver``, before bsmm sees any array.
+
+    Examples
+    --------
+    >>> import bsmm
+    >>> try:
+    ...     line = bsmm.check_gpu()
+    ... except RuntimeError as error:
+    ...     line = f"no GPU backend here: {error}"
+    >>> line.startswith(("CuPy ", "no GPU backend here: "))
+    True
+    """
+    check_environment()
+    runtime_version, driver_version = _cuda_versions()
+    if driver_version == 0:
+        raise RuntimeError("no NVIDIA driver is loaded (a machine without a GPU, or a container started "
+                           "without one): bsmm runs on its CPU backend")
+    import cupy
+    from cupy_backends.cuda.libs import nvrtc
+
+    if cupy.cuda.runtime.getDeviceCount() == 0:
+        raise RuntimeError("the NVIDIA driver sees no GPU (nvidia-smi lists them): bsmm runs on its CPU backend")
+    device = cupy.cuda.Device()
+    name = cupy.cuda.runtime.getDeviceProperties(device.id)["name"].decode()
+    return (f"CuPy {cupy.__version__} (CUDA {cuda_version_text(runtime_version)}), driver for CUDA up to "
+            f"{cuda_version_text(driver_version)}, NVRTC {'.'.join(map(str, nvrtc.getVersion()))}; "
+            f"GPU {device.id}: {name} (sm_{device.compute_capability})")
+

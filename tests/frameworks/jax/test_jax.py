@@ -768,4 +768,5 @@ def test_jax_on_the_cpu_beside_a_gpu_warns_once(monkeypatch, gpus):
     assert len(told) == gpus, [str(w.message) for w in told]
     if gpus:
         assert "bsmm[jax-cuda12]" in str(told[0].message) and "1 GPU(s)" in str(told[0].message)
+        assert told[0].filename == __file__, told[0].filename  # the user's call, not JAX's tracing
     assert_close(np.asarray(y), ref_fprop(layout, np.asarray(w), 8, np.asarray(x), 1), "float32")
