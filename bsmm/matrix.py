@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import numbers
+
 import numpy as np
 import scipy.sparse
 
@@ -26,6 +28,31 @@ def _check_data(data) -> None:
     if not data.flags.c_contiguous:
         raise ValueError(
             f"data must be C-contiguous; got strides {data.strides} (pass np.ascontiguousarray(data))"
+        )
+
+
+def _real_scalar(value, expression: str):
+    """``value`` as a scalar NumPy arithmetic keeps real, or raise naming ``other`` in ``expression``."""
+    if isinstance(value, np.ndarray) and value.ndim == 0:
+        value = value[()]
+    if isinstance(value, np.generic) and value.dtype.kind in "biuf":
+        return value
+    if isinstance(value, (int, float)):  # bool too
+        return value
+    if isinstance(value, numbers.Real):  # e.g. fractions.Fraction, which NumPy would take as an object
+        return float(value)
+    raise TypeError(
+        f"{expression} needs other a real scalar (int, float, a NumPy real scalar or 0-d array); "
+        f"got {type(value).__name__}"
+    )
+
+
+def _check_zero_shift(other, expression: str) -> None:
+    """Raise unless ``other`` is a zero scalar: any other shift makes the absent blocks non-zero."""
+    if _real_scalar(other, expression) != 0:
+        raise NotImplementedError(
+            f"{expression} with a non-zero scalar makes the absent blocks non-zero (a dense result), so it is "
+            f"not supported, as in scipy.sparse; got other={other!r} (compute it on W.toarray())"
         )
 
 
@@ -54,6 +81,14 @@ class BlockSparseMatrix:
     passes; ``X`` may be 1-D or 2-D (a leading stack of rows on the left, too).
     ``.T`` is a view: it shares ``data`` and flips how the passes read it.
 
+    SciPy's BSR names are here too: ``toarray()``, ``nnz``, ``blocksize``,
+    ``data``, ``indices``, ``indptr`` and ``copy()``, so that
+    ``scipy.sparse.bsr_array((W.data, W.indices, W.indptr), shape=W.shape)`` is
+    ``W`` for NumPy data (see :attr:`indptr` for ``.T`` views). ``W * s``, ``s * W``, ``W / s``
+    and ``-W`` scale the present blocks into a new matrix of the same layout and
+    dtype; ``W + s`` and ``W - s`` are refused for ``s != 0``, as SciPy refuses
+    them, since the absent blocks would stop being zero.
+
     Examples
     --------
     >>> import numpy as np, bsmm
@@ -66,6 +101,10 @@ class BlockSparseMatrix:
     >>> x = rng.standard_normal((5, 32)).astype(np.float32)
     >>> bool(np.allclose(x @ W, x @ dense, atol=1e-4)), bool(np.allclose(W.T @ x.T, dense.T @ x.T, atol=1e-4))
     (True, True)
+    >>> W.blocksize, W.nnz, W.indptr.tolist(), W.indices.tolist()
+    ((16, 16), 1024, [0, 1, 4], [0, 0, 1, 2])
+    >>> bool(np.array_equal((-2 * W / 4).toarray(), dense * -0.5))
+    True
     """
 
     # NumPy and CuPy arrays return NotImplemented from ``array @ W`` so Python calls __rmatmul__.
@@ -111,6 +150,45 @@ class BlockSparseMatrix:
         return self.index.density
 
     @property
+    def blocksize(self) -> tuple[int, int]:
+        """``(block_size, block_size)``, SciPy's name for the shape of a block."""
+        return (self.index.block_size, self.index.block_size)
+
+    @property
+    def nnz(self) -> int:
+        """Stored elements, ``nnzb * block_size ** 2`` (SciPy's ``nnz`` of a BSR matrix: zeros in blocks count)."""
+        return self.index.nnzb * self.index.block_size ** 2
+
+    @property
+    def indptr(self) -> np.ndarray:
+        """(C // block_size + 1,) int32, read-only: block row ``r``'s blocks are ``data[indptr[r]:indptr[r + 1]]``.
+
+        With :attr:`indices` and ``data`` this is SciPy's BSR triple, shared with
+        the block index (not copied). A ``.T`` view has none: it shares ``data``
+        in the stored matrix's order, which no index of the view's rows describes.
+
+        Raises
+        ------
+        ValueError
+            On a ``.T`` view; ``view.to_scipy()`` is a BSR copy in the view's
+            order, ``view.T.indptr`` the index of the shared ``data``.
+        """
+        return self._stored_table("indptr")
+
+    @property
+    def indices(self) -> np.ndarray:
+        """(nnzb,) int32, read-only: the block column of each block of ``data``; see :attr:`indptr`."""
+        return self._stored_table("indices")
+
+    def _stored_table(self, name: str) -> np.ndarray:
+        if self.transposed:
+            raise ValueError(
+                f"{name} of a .T view is not defined: the view shares data in the stored matrix's block order; "
+                f"use view.to_scipy() for a BSR copy of the view, or view.T.{name} for the order of data"
+            )
+        return getattr(self.index, name)
+
+    @property
     def T(self) -> "BlockSparseMatrix":
         """The transpose, sharing ``data`` (no copy)."""
         return BlockSparseMatrix(None, self.data, _index=self.index, _transposed=not self.transposed)
@@ -126,6 +204,20 @@ class BlockSparseMatrix:
         """The dense matrix, of ``data``'s library and dtype; absent blocks are zero."""
         dense = blocks_to_dense(self.index, self.data)
         return dense.T if self.transposed else dense
+
+    def toarray(self):
+        """The dense matrix, as :meth:`to_dense` (SciPy's name)."""
+        return self.to_dense()
+
+    def copy(self) -> "BlockSparseMatrix":
+        """A matrix of the same layout, orientation and dtype holding a copy of ``data``."""
+        return self._with_data(self.data.copy())
+
+    def _with_data(self, data) -> "BlockSparseMatrix":
+        """A matrix of this layout and orientation over ``data``, cast back to this matrix's dtype."""
+        if data.dtype != self.data.dtype:
+            data = data.astype(self.data.dtype)
+        return BlockSparseMatrix(None, data, _index=self.index, _transposed=self.transposed)
 
     def astype(self, dtype) -> "BlockSparseMatrix":
         """A copy with block data cast to ``dtype`` (float32, float16 or bfloat16; float64 for NumPy data)."""
@@ -231,6 +323,47 @@ class BlockSparseMatrix:
             dtype = bsr.dtype if bsr.dtype in (np.float32, np.float64) else np.float32
         data = np.ascontiguousarray(bsr.data, dtype=canonical_dtype(dtype, "dtype", "cpu"))
         return cls(layout, data)
+
+    # -- arithmetic with scalars -----------------------------------------------------------------
+    # Results keep this matrix's dtype (the kernels' dtypes), where SciPy would promote as NumPy
+    # does (float32 * np.float64(2) is float64 there; W / 2 too). Only the present blocks change:
+    # W * nan leaves absent blocks zero, as in SciPy.
+    def __mul__(self, other) -> "BlockSparseMatrix":
+        return self._with_data(self.data * _real_scalar(other, "W * other"))
+
+    def __rmul__(self, other) -> "BlockSparseMatrix":
+        return self._with_data(_real_scalar(other, "other * W") * self.data)
+
+    def __truediv__(self, other) -> "BlockSparseMatrix":
+        divisor = _real_scalar(other, "W / other")
+        if divisor == 0:  # the absent blocks would be 0 / 0 = nan: not block-sparse (SciPy raises for a 0 too)
+            raise ZeroDivisionError(f"W / other needs other != 0; got {other!r}")
+        return self._with_data(self.data / divisor)
+
+    def __rtruediv__(self, other):
+        raise TypeError(
+            f"other / W is not supported: dividing by a block-sparse matrix divides by its absent zeros "
+            f"(SciPy refuses it too); got other of type {type(other).__name__}"
+        )
+
+    def __neg__(self) -> "BlockSparseMatrix":
+        return self._with_data(-self.data)
+
+    def __add__(self, other) -> "BlockSparseMatrix":
+        _check_zero_shift(other, "W + other")
+        return self.copy()
+
+    def __radd__(self, other) -> "BlockSparseMatrix":
+        _check_zero_shift(other, "other + W")
+        return self.copy()
+
+    def __sub__(self, other) -> "BlockSparseMatrix":
+        _check_zero_shift(other, "W - other")
+        return self.copy()
+
+    def __rsub__(self, other) -> "BlockSparseMatrix":
+        _check_zero_shift(other, "other - W")
+        return -self
 
     # -- products ----------------------------------------------------------------------------
     def _op(self, feature_axis: int) -> BlocksparseMatMul:

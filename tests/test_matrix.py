@@ -8,7 +8,7 @@ import scipy.sparse
 
 import bsmm
 from conftest import require_dtype, to_numpy, to_xp
-from reference import DTYPES, as_float64, assert_close, dense_weight, random_data, random_layout
+from reference import DTYPES, as_float64, assert_close, dense_weight, random_data, random_layout, skewed_layout
 
 BS = 8
 CB, KB = 5, 3  # W is (40, 24): C != K
@@ -388,3 +388,169 @@ def test_layout_values_other_than_one_mean_present():
     layout = np.array([[2.0, 0.0], [-0.5, 3.0]])
     matrix = bsmm.BlockSparseMatrix(layout, np.ones((3, BS, BS), np.float32))
     assert matrix.layout.tolist() == [[1, 0], [1, 1]] and matrix.nnzb == 3
+
+
+# -- SciPy's BSR names and scalar arithmetic -------------------------------------------------------------------
+def scipy_bsr_of(layout: np.ndarray, data: np.ndarray, bs: int) -> scipy.sparse.bsr_array:
+    """SciPy's BSR array of ``data`` in row-major block order over ``layout``, its index built here."""
+    rows, cols = np.nonzero(layout)
+    indptr = np.concatenate([[0], np.cumsum(np.bincount(rows, minlength=layout.shape[0]))])
+    return scipy.sparse.bsr_array((data, cols, indptr), shape=(layout.shape[0] * bs, layout.shape[1] * bs))
+
+
+LAYOUTS = {
+    "random": lambda rng: random_layout(rng, CB, KB, 0.5),
+    "skewed": lambda rng: skewed_layout(rng, 6, 5),
+    "empty": lambda rng: np.zeros((CB, KB), np.uint8),
+    "one block": lambda rng: np.ones((1, 1), np.uint8),
+}
+
+
+def layout_and_data(xp, dtype: str, kind: str, seed: int):
+    """A layout of ``kind``, fresh blocks for it (host) and the matrix over them (``xp``)."""
+    if xp is not np and dtype == "float64":
+        pytest.skip("float64 block data is the CPU backend's only")
+    rng = np.random.default_rng([seed, len(kind), np.dtype(dtype).num])
+    layout = LAYOUTS[kind](rng)
+    data = random_data(rng, (int(layout.sum()), BS, BS), np.dtype(dtype))
+    return layout, data, bsmm.BlockSparseMatrix(layout, to_xp(xp, data))
+
+
+@pytest.mark.parametrize("kind", list(LAYOUTS))
+@pytest.mark.parametrize("dtype_name", ["float32", "float64"])
+def test_scipy_names_match_bsr_array(xp, dtype_name, kind):
+    """toarray, nnz, blocksize, indptr, indices and data are scipy's for the same blocks; the triple rebuilds W."""
+    layout, data, matrix = layout_and_data(xp, dtype_name, kind, 20)
+    reference = scipy_bsr_of(layout, data, BS)
+    assert matrix.blocksize == reference.blocksize == (BS, BS)
+    assert matrix.nnz == reference.nnz == int(layout.sum()) * BS * BS
+    assert np.array_equal(matrix.indptr, reference.indptr) and np.array_equal(matrix.indices, reference.indices)
+    assert to_numpy(matrix.data).tobytes() == reference.data.tobytes()
+    dense = matrix.toarray()
+    assert type(dense) is type(matrix.data) and dense.dtype == np.dtype(dtype_name)
+    assert to_numpy(dense).tobytes() == reference.toarray().tobytes()
+    rebuilt = scipy.sparse.bsr_array((to_numpy(matrix.data), matrix.indices, matrix.indptr), shape=matrix.shape)
+    assert np.array_equal(rebuilt.toarray(), dense_weight(layout, data, BS))
+    if xp is np and data.size:
+        assert np.shares_memory(rebuilt.data, matrix.data), "data is the block array itself, not a copy"
+    for table in (matrix.indptr, matrix.indices):
+        with pytest.raises(ValueError, match="read-only"):
+            table[0] = 1  # the block index is cached and shared: it cannot be changed through W
+
+
+def test_scipy_names_on_a_transposed_view(xp):
+    """A .T view: toarray, nnz and blocksize of the view; no index of its own (data is in the stored order)."""
+    layout, data, matrix = layout_and_data(xp, "float32", "random", 21)
+    view = matrix.T
+    assert to_numpy(view.toarray()).tobytes() == np.ascontiguousarray(dense_weight(layout, data, BS).T,
+                                                                          np.float32).tobytes()
+    assert view.nnz == matrix.nnz and view.blocksize == (BS, BS) and view.data is matrix.data
+    for name in ("indptr", "indices"):
+        with pytest.raises(ValueError, match=rf"{name} of a \.T view .* view\.to_scipy\(\)"):
+            getattr(view, name)
+        assert getattr(view.T, name) is getattr(matrix, name)
+    bsr = view.to_scipy()  # the view's own BSR triple, a copy
+    assert np.array_equal(bsr.toarray(), dense_weight(layout, data, BS).T)
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_copy(xp, dtype, transposed):
+    """copy() holds new data, equal to the old, in the same layout and orientation."""
+    layout, data, matrix = layout_and_data(xp, dtype, "random", 22)
+    matrix = matrix.T if transposed else matrix
+    copied = matrix.copy()
+    assert copied.data is not matrix.data and copied.transposed == transposed and copied.dtype == matrix.dtype
+    assert np.array_equal(copied.layout, matrix.layout) and copied.data.flags.c_contiguous
+    assert to_numpy(copied.data).tobytes() == data.tobytes()
+    copied.data[...] = 0
+    assert to_numpy(matrix.data).tobytes() == data.tobytes(), "the copy shares no memory with the original"
+
+
+SCALARS = [2.5, -3, np.float32(0.75), np.float64(-1.25), np.array(4.0), True]
+OPERATIONS = {
+    "W * s": lambda W, s: W * s,
+    "s * W": lambda W, s: s * W,
+    "W / s": lambda W, s: W / s,
+    "-W": lambda W, s: -W,
+}
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+@pytest.mark.parametrize("kind", ["random", "empty"])
+@pytest.mark.parametrize("dtype_name", ["float32", "float64"])
+@pytest.mark.parametrize("operation", list(OPERATIONS))
+def test_scalar_arithmetic_matches_scipy(xp, dtype_name, kind, operation, transposed):
+    """Each operation by each kind of scalar: the float64 dense result in W's dtype and layout, into new
+    data, and SciPy's result for the same blocks."""
+    layout, data, matrix = layout_and_data(xp, dtype_name, kind, 23)
+    reference, dense = scipy_bsr_of(layout, data, BS), dense_weight(layout, data, BS)
+    if transposed:
+        matrix, reference, dense = matrix.T, reference.T, dense.T
+    run = OPERATIONS[operation]
+    for scalar in SCALARS:
+        what = f"{operation}, {scalar!r}"
+        result = run(matrix, scalar)
+        assert isinstance(result, bsmm.BlockSparseMatrix), what
+        assert result.dtype == np.dtype(dtype_name), f"{what}: W's dtype must be kept"
+        assert result.transposed == transposed and np.array_equal(result.layout, matrix.layout)
+        assert result.data is not matrix.data and type(result.data) is type(matrix.data)
+        assert_close(to_numpy(result.toarray()), run(dense, float(scalar)), dtype_name, what)
+        # SciPy promotes as NumPy does and divides through a reciprocal rounded to the scalar's
+        # dtype (1. / np.float32(0.75) is float32): the same values up to float32 rounding.
+        assert_close(to_numpy(result.toarray()), run(reference, scalar).toarray(), "float32", f"{what} (SciPy)")
+    assert to_numpy(matrix.data).tobytes() == data.tobytes(), "the operand must not change"
+
+
+def test_scalar_arithmetic_in_half_precision(xp):
+    """float16 and bfloat16 data stay in their dtype; scaling by a power of two is exact."""
+    for name in ("float16", "bfloat16"):
+        layout, data, matrix = layout_and_data(xp, name, "random", 24)
+        for result in (matrix * 4, 0.5 * matrix, matrix / np.float64(8), -matrix):
+            assert result.dtype == DTYPES[name]
+        expected = as_float64(data) * 4
+        assert np.array_equal(as_float64(to_numpy((matrix * 4).data)), expected)
+        assert np.array_equal(as_float64(to_numpy((matrix / np.float64(8)).data)), as_float64(data) / 8)
+
+
+def test_adding_zero_is_a_copy_and_non_zero_is_refused_as_in_scipy(xp):
+    """W ± 0 and 0 ± W are copies (0 - W negated); a non-zero scalar raises NotImplementedError, as SciPy does."""
+    layout, data, matrix = layout_and_data(xp, "float32", "random", 25)
+    reference = scipy_bsr_of(layout, data, BS)
+    for result, expected in ((matrix + 0, data), (0.0 + matrix, data), (matrix - np.float32(0), data),
+                             (0 - matrix, -data)):
+        assert result.data is not matrix.data and to_numpy(result.data).tobytes() == expected.tobytes()
+    refusals = {"W + other": lambda W: W + 1, "other + W": lambda W: 2.5 + W, "W - other": lambda W: W - 1,
+                "other - W": lambda W: np.float64(1) - W}
+    for expression, run in refusals.items():
+        with pytest.raises(NotImplementedError):
+            run(reference)  # what is mirrored: SciPy refuses these too
+        with pytest.raises(NotImplementedError, match=rf"{expression.replace('+', '[+]')} with a non-zero scalar"):
+            run(matrix)
+
+
+def test_scalar_arithmetic_refusals(xp):
+    """Non-scalars, complex numbers, a scalar over W and division by zero are refused, naming the operand."""
+    _, _, matrix = layout_and_data(xp, "float32", "random", 26)
+    with pytest.raises(TypeError, match=r"W \* other needs other a real scalar .* got list"):
+        matrix * [2.0]
+    with pytest.raises(TypeError, match=r"other \* W needs other a real scalar .* got ndarray"):
+        np.ones(3) * matrix
+    with pytest.raises(TypeError, match=r"W \* other needs other a real scalar .* got complex"):
+        matrix * 1j
+    with pytest.raises(TypeError, match=r"W \+ other needs other a real scalar .* got BlockSparseMatrix"):
+        matrix + matrix
+    with pytest.raises(TypeError, match=r"other / W is not supported"):
+        2 / matrix
+    with pytest.raises(ZeroDivisionError, match=r"W / other needs other != 0; got 0"):
+        matrix / 0
+    with pytest.raises(ZeroDivisionError, match=r"W / other needs other != 0"):
+        matrix / np.float32(0)
+
+
+def test_scaling_by_nan_leaves_absent_blocks_zero():
+    """Only the present blocks are scaled, as in SciPy: absent blocks stay zero even for W * nan."""
+    layout, data, matrix = layout_and_data(np, "float32", "skewed", 27)
+    scaled = (matrix * np.nan).toarray()
+    mask = np.kron(layout, np.ones((BS, BS))).astype(bool)
+    assert np.isnan(scaled[mask]).all() and not scaled[~mask].any()
+    assert np.array_equal(np.isnan(scaled), np.isnan((scipy_bsr_of(layout, data, BS) * np.nan).toarray()))

@@ -11,7 +11,9 @@ import math
 import numpy as np
 import torch
 
+from bsmm.block_index import check_block_size
 from bsmm.matmul import BlocksparseMatMul
+from bsmm.matrix import BlockSparseMatrix
 from bsmm.nn.conv import BlocksparseConv
 from bsmm.torch.checks import check_dtype
 from bsmm.torch.conv_ops import conv_spec
@@ -178,6 +180,114 @@ class BlockSparseLinear(_BlockSparseLayer):
         ``nn.Linear`` stores the transpose: ``nn.Linear.weight`` equals ``to_dense_weight().T``.
         """
         return self._dense_blocks().permute(0, 2, 1, 3).reshape(self.in_features, self.out_features)
+
+    @classmethod
+    def from_linear(cls, linear: torch.nn.Linear, layout=None, *, density: float | None = None,
+                    block_size: int = 32, feature_axis: int = 1, tf32: bool = False) -> "BlockSparseLinear":
+        """A layer computing what ``linear`` computes, with only some blocks of its weight kept.
+
+        Parameters
+        ----------
+        linear : torch.nn.Linear (out_features × in_features weight)
+            Both sizes multiples of ``block_size``. The new layer has its
+            dtype, device and bias (copied); its weight blocks are copied exactly.
+        layout : (in_features // block_size, out_features // block_size) array or tensor, optional
+            The blocks to keep, in bsmm's ``W`` (in × out) orientation, which is
+            the transpose of ``linear.weight``'s.
+        density : float in [0, 1], optional
+            Keep the ``round(density × blocks)`` blocks of largest Frobenius norm
+            (magnitude pruning; :meth:`bsmm.BlockSparseMatrix.from_dense`). Equal
+            norms keep the block earlier in row-major order over ``layout``, that
+            is, of the lower input block, then the lower output block.
+            With neither ``layout`` nor ``density``, the blocks holding a
+            non-zero are kept (a weight pruned elsewhere, e.g. by ``torch.nn.utils.prune``).
+        block_size, feature_axis, tf32
+            As for :class:`BlockSparseLinear`.
+
+        Raises
+        ------
+        TypeError
+            If ``linear`` is not an ``nn.Linear``, or its dtype is not one bsmm runs on its device.
+        ValueError
+            If both ``layout`` and ``density`` are given, its sizes are not
+            multiples of ``block_size``, ``layout`` has the wrong shape or
+            ``density`` is out of range.
+
+        Notes
+        -----
+        The ranking runs on a host copy of the weight (exact, in float32, or
+        float64 for a float64 layer). The random number generators are left as they
+        were. At density 1 the weight and bias are ``linear``'s exactly, and the
+        outputs equal ``linear``'s up to the rounding of a different order of
+        summation (bsmm's kernels against PyTorch's GEMM).
+
+        Examples
+        --------
+        >>> import torch, bsmm.torch
+        >>> linear = torch.nn.Linear(64, 32)
+        >>> layer = bsmm.torch.BlockSparseLinear.from_linear(linear, density=0.5, block_size=16)
+        >>> layer.op.blocks, layer.weight.dtype
+        (4, torch.float32)
+        >>> kept = layer.layout.bool().repeat_interleave(16, 0).repeat_interleave(16, 1)  # (64, 32)
+        >>> torch.equal(layer.to_dense_weight(), torch.where(kept, linear.weight.T, 0))
+        True
+        >>> torch.equal(layer.to_linear().weight, torch.where(kept.T, linear.weight, 0))
+        True
+        """
+        if not isinstance(linear, torch.nn.Linear):
+            raise TypeError(f"linear must be a torch.nn.Linear; got {type(linear).__name__}")
+        if layout is not None and density is not None:
+            raise ValueError("give layout or density, not both")
+        block_size = check_block_size(block_size)
+        weight = linear.weight.detach()  # (out_features, in_features)
+        blocks = (linear.in_features // block_size, linear.out_features // block_size)
+        if linear.in_features % block_size or linear.out_features % block_size:
+            raise ValueError(
+                f"linear's in_features {linear.in_features} and out_features {linear.out_features} must be "
+                f"multiples of block_size {block_size}"
+            )
+        check_dtype(weight.dtype, weight.device, "linear.weight")
+        if layout is None:
+            # float32 holds float16 and bfloat16 exactly: the norms are those of the weight itself.
+            host = weight.T.to("cpu", torch.float64 if weight.dtype == torch.float64 else torch.float32).numpy()
+            layout = BlockSparseMatrix.from_dense(host, block_size, density=density).layout
+        else:
+            layout = _layout_array(layout)
+            if layout.shape != blocks:
+                raise ValueError(
+                    f"layout must have shape (in_features // block_size, out_features // block_size) = {blocks}, "
+                    f"the transpose of linear.weight's blocks; got {layout.shape}"
+                )
+        devices = [weight.device] if weight.device.type != "cpu" else []
+        with torch.random.fork_rng(devices, device_type=weight.device.type):  # the draws of reset_parameters
+            layer = cls(linear.in_features, linear.out_features, layout, block_size, linear.bias is not None,
+                        feature_axis, tf32, weight.device, weight.dtype)
+        index = layer.op.index
+        rows = torch.tensor(index.rows, dtype=torch.long, device=weight.device)
+        cols = torch.tensor(index.indices, dtype=torch.long, device=weight.device)
+        # W (in, out) blocked as (CB, KB, bs, bs): block (c, k) is weight.T[c*bs:(c+1)*bs, k*bs:(k+1)*bs].
+        grid = weight.T.reshape(blocks[0], block_size, blocks[1], block_size).transpose(1, 2)
+        with torch.no_grad():
+            layer.weight.copy_(grid[rows, cols])
+            if linear.bias is not None:
+                layer.bias.copy_(linear.bias)
+        return layer
+
+    def to_linear(self) -> torch.nn.Linear:
+        """An ``nn.Linear`` with this layer's dense weight (zeros where blocks are absent) and bias.
+
+        Of this layer's dtype and device; a copy, not linked to this layer. The
+        ``nn.Linear`` takes features last whatever this layer's ``feature_axis``.
+        See :meth:`from_linear` for an example.
+        """
+        linear = torch.nn.utils.skip_init(torch.nn.Linear, self.in_features, self.out_features,
+                                          bias=self.bias is not None, device=self.weight.device,
+                                          dtype=self.weight.dtype)
+        with torch.no_grad():
+            linear.weight.copy_(self.to_dense_weight().T)
+            if self.bias is not None:
+                linear.bias.copy_(self.bias)
+        return linear
 
     def extra_repr(self) -> str:
         text = (
