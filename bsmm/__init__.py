@@ -9,6 +9,7 @@
 import logging
 
 from bsmm import initializers, layouts
+from bsmm.backends.cuda.environment import check_gpu
 from bsmm.block_index import BlockIndex, block_index
 from bsmm.config import BsmmWarning
 from bsmm.nn.conv import BlocksparseConv
@@ -16,6 +17,8 @@ from bsmm.dtypes import SUPPORTED_DTYPES
 from bsmm.nn.lstm import BlocksparseLSTM
 from bsmm.matmul import BlocksparseMatMul, blocks_to_dense, dense_to_blocks
 from bsmm.matrix import BlockSparseMatrix
+from bsmm import openai_format
+from bsmm.normalization import l2_normalize, l2_normalize_grad
 
 __all__ = [
     "BlockIndex",
@@ -26,10 +29,14 @@ __all__ = [
     "BsmmWarning",
     "SUPPORTED_DTYPES",
     "block_index",
+    "check_gpu",
     "blocks_to_dense",
     "dense_to_blocks",
     "initializers",
+    "l2_normalize",
+    "l2_normalize_grad",
     "layouts",
+    "openai_format",
 ]
 __version__ = "0.1.0"
 

@@ -19,10 +19,12 @@ from bsmm.layouts.checks import as_generator
 __all__ = ["normal", "identity", "orthogonal"]
 
 
-def _check_factor(value, name: str) -> float:
+def _check_factor(value, name: str, signed: bool = False) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
         raise TypeError(f"{name} must be a real number; got {type(value).__name__}")
-    if not 0.0 <= value < np.inf:  # also rejects NaN
+    if signed and not -np.inf < value < np.inf:  # also rejects NaN
+        raise ValueError(f"{name} must be finite; got {value}")
+    if not signed and not 0.0 <= value < np.inf:
         raise ValueError(f"{name} must be finite and >= 0; got {value}")
     return float(value)
 
@@ -78,21 +80,29 @@ def normal(layout, block_size, scale=1.0, dtype=np.float32, seed=None) -> np.nda
     return data.astype(dtype)
 
 
-def identity(layout, block_size, dtype=np.float32, seed=None) -> np.ndarray:
-    """Identity blocks on the diagonal of a square layout, zero blocks elsewhere.
+def identity(layout, block_size, dtype=np.float32, seed=None, scale=1.0) -> np.ndarray:
+    """The identity, repeated along the longer side of a non-square layout, times ``scale``.
 
-    Block ``(c, k)`` is ``I`` if ``c == k`` and 0 otherwise; with every
-    diagonal block present, ``W`` is the identity matrix.
+    Block ``(c, k)`` of a ``(CB, KB)`` layout is ``scale * I`` if
+    ``c % KB == k % CB`` and 0 otherwise, the rule of the seed's
+    ``identity_init``. On a square layout that is the diagonal; on a wide one
+    (``CB < KB``) the ``C × C`` identity repeated to the right (``W[i, j] = scale``
+    where ``i == j % C``), on a tall one the ``K × K`` identity repeated
+    downwards (``i % K == j``); absent blocks drop out. With every such block
+    present, ``x·W`` copies (sums, on a tall layout) feature ``i`` of ``x`` into
+    every output feature ``j`` congruent to it.
 
     Parameters
     ----------
-    layout : (n, n) array of 0/1
+    layout : (C // block_size, K // block_size) array of 0/1
     block_size : int
         8, 16, 32, 64 or 128.
     dtype : float32, float16 or bfloat16, or its name
     seed : int, None or numpy.random.Generator
         Unused, as the result is deterministic; accepted (and checked) so that
         every initializer takes the same arguments.
+    scale : float
+        The diagonal's value (the seed's ``scale``), finite; negative allowed.
 
     Returns
     -------
@@ -101,11 +111,11 @@ def identity(layout, block_size, dtype=np.float32, seed=None) -> np.ndarray:
     Raises
     ------
     TypeError
-        If ``block_size`` is not an int, ``dtype`` is not supported or
-        ``seed`` is of another type.
+        If ``block_size`` is not an int, ``dtype`` is not supported,
+        ``seed`` is of another type or ``scale`` is not a real number.
     ValueError
-        If ``layout`` is not a square 2-D array of 0/1, ``block_size`` is not
-        supported or ``seed`` < 0.
+        If ``layout`` is not a 2-D array of 0/1, ``block_size`` is not
+        supported, ``seed`` < 0 or ``scale`` is not finite.
 
     Examples
     --------
@@ -113,16 +123,19 @@ def identity(layout, block_size, dtype=np.float32, seed=None) -> np.ndarray:
     >>> w = identity(np.array([[1, 1], [0, 1]]), 8)
     >>> [bool((block == np.eye(8)).all()) for block in w], float(w[1].max())
     ([True, False, True], 0.0)
+    >>> wide = identity(np.ones((1, 3)), 8, scale=0.5)      # one block row: I I I
+    >>> [bool((block == 0.5 * np.eye(8)).all()) for block in wide]
+    [True, True, True]
     """
     checked = check_layout(layout)
-    if checked.shape[0] != checked.shape[1]:
-        raise ValueError(f"layout must be square for an identity; got shape {checked.shape}")
     block_size = check_block_size(block_size)
     dtype = canonical_dtype(dtype, "dtype")
     as_generator(seed)  # for the same seed errors as the random initializers
+    scale = _check_factor(scale, "scale", signed=True)
+    n_rows, n_cols = checked.shape
     rows, cols = np.nonzero(checked)
     data = np.zeros((rows.size, block_size, block_size))
-    data[rows == cols] = np.eye(block_size)
+    data[rows % n_cols == cols % n_rows] = scale * np.eye(block_size)
     return data.astype(dtype)
 
 

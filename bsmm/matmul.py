@@ -185,9 +185,10 @@ class BlocksparseMatMul:
         """Block data from :func:`bsmm.initializers.normal` (std = scale / sqrt(fan-in))."""
         return initializers.normal(self.layout, self.block_size, scale=scale, dtype=dtype, seed=seed)
 
-    def identity_init(self, dtype=np.float32) -> np.ndarray:
-        """Block data from :func:`bsmm.initializers.identity` (square layouts)."""
-        return initializers.identity(self.layout, self.block_size, dtype=dtype)
+    def identity_init(self, dtype=np.float32, scale: float = 1.0) -> np.ndarray:
+        """Block data from :func:`bsmm.initializers.identity` (any layout: the seed's identity,
+        repeated along the longer side of a non-square layout), times ``scale``."""
+        return initializers.identity(self.layout, self.block_size, dtype=dtype, scale=scale)
 
     def ortho_init(self, gain: float = 1.0, dtype=np.float32, seed=None) -> np.ndarray:
         """Block data from :func:`bsmm.initializers.orthogonal` (orthonormal per block column)."""

@@ -111,9 +111,65 @@ def test_identity_with_full_diagonal_is_the_identity_matrix():
     assert (dense.reshape(48, 48) == np.eye(48)).all()
 
 
-def test_identity_rejects_non_square_layouts():
-    with pytest.raises(ValueError, match=r"layout must be square for an identity; got shape \(2, 3\)"):
-        identity(np.ones((2, 3)), 8)
+def _tiled_identity(n_rows: int, n_cols: int) -> np.ndarray:
+    """The seed's identity as a dense (n_rows, n_cols) matrix: the identity of the shorter side
+    repeated along the longer one (np.tile, then cut), without any block arithmetic."""
+    side = min(n_rows, n_cols)
+    return np.tile(np.eye(side), (-(-n_rows // side), -(-n_cols // side)))[:n_rows, :n_cols]
+
+
+def _dense(layout, data, block_size):
+    dense = np.zeros((layout.shape[0], block_size, layout.shape[1], block_size))
+    rows, cols = np.nonzero(layout)
+    dense[rows, :, cols, :] = data.astype(np.float64)
+    return dense.reshape(layout.shape[0] * block_size, layout.shape[1] * block_size)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 9), st.integers(1, 9), st.floats(0, 1), st.sampled_from([8, 16]), st.integers(0, 2**32 - 1))
+def test_identity_is_the_tiled_identity_on_present_blocks(n_rows, n_cols, density, block_size, seed):
+    layout = random_layout(n_rows, n_cols, density=density, seed=seed)
+    dense = _dense(layout, identity(layout, block_size), block_size)
+    mask = np.kron(layout, np.ones((block_size, block_size)))
+    assert (dense == _tiled_identity(n_rows * block_size, n_cols * block_size) * mask).all()
+
+
+@pytest.mark.parametrize("shape", [(2, 6), (6, 2), (2, 5), (5, 3), (1, 4), (4, 1)])
+def test_identity_on_full_non_square_layouts(shape):
+    """Wide: x·W copies each input feature to every output feature congruent to it mod C;
+    tall: it sums the input features congruent mod K."""
+    layout = np.ones(shape, np.uint8)
+    w = _dense(layout, identity(layout, 8, dtype="float16"), 8)
+    x = np.random.default_rng(0).standard_normal((3, shape[0] * 8))
+    features_in, features_out = shape[0] * 8, shape[1] * 8
+    expected = np.zeros((3, features_out))
+    for i in range(features_in):
+        for j in range(features_out):
+            if i % min(features_in, features_out) == j % min(features_in, features_out):
+                expected[:, j] += x[:, i]
+    assert np.allclose(x @ w, expected, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("scale", [2.5, -1.0, 0.0])
+def test_identity_scale(scale):
+    layout = random_layout(4, 7, density=0.6, seed=2)
+    scaled = identity(layout, 8, scale=scale)
+    assert (scaled == scale * identity(layout, 8)).all()
+    assert (identity(layout, 8, scale=1) == identity(layout, 8)).all()
+
+
+@pytest.mark.parametrize(
+    "value, error, message",
+    [
+        (math.nan, ValueError, r"scale must be finite; got nan"),
+        (-math.inf, ValueError, r"scale must be finite; got -inf"),
+        ("1", TypeError, r"scale must be a real number; got str"),
+        (True, TypeError, r"scale must be a real number; got bool"),
+    ],
+)
+def test_identity_scale_validation(value, error, message):
+    with pytest.raises(error, match=message):
+        identity(np.eye(3), 8, scale=value)
 
 
 # -- orthogonal --------------------------------------------------------------------

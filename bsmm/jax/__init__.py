@@ -6,6 +6,7 @@ through ``jax.custom_vjp``), ``jax.vmap``, ``lax.scan`` and ``jax.checkpoint``;
 Import it explicitly (``import bsmm.jax``); ``import bsmm`` alone does not import JAX. Modules:
 :mod:`~bsmm.jax.functional`, :mod:`~bsmm.jax.layers`, :mod:`~bsmm.jax.autodiff` (the VJPs),
 :mod:`~bsmm.jax.passes` (each pass an XLA custom call on XLA's own buffers), :mod:`~bsmm.jax.checks`.
+:func:`l2_normalize` (:mod:`~bsmm.jax.normalization`) is the seed's weight normalization in ``jnp``.
 
 Examples
 --------
@@ -36,5 +37,6 @@ except ImportError as error:  # pragma: no cover
 
 from bsmm.jax.functional import blocksparse_conv, blocksparse_matmul  # noqa: E402
 from bsmm.jax.layers import BlockSparseConv, BlockSparseDense  # noqa: E402
+from bsmm.jax.normalization import l2_normalize  # noqa: E402
 
-__all__ = ["BlockSparseConv", "BlockSparseDense", "blocksparse_conv", "blocksparse_matmul"]
+__all__ = ["BlockSparseConv", "BlockSparseDense", "blocksparse_conv", "blocksparse_matmul", "l2_normalize"]
