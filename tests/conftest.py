@@ -115,3 +115,33 @@ def _fresh_torch_compiler():
     if dynamo is not None:
         dynamo.reset()
     yield
+
+
+@pytest.fixture
+def tqdm_bars(monkeypatch) -> list:
+    """The progress bars the test makes through ``tqdm.auto.tqdm``, in order, each keeping what
+    it was made with (``total``, ``desc``, ``disable``, ``file``) and told (``steps``, ``descriptions``)."""
+    import tqdm.auto
+
+    bars = []
+
+    class Recorder:
+        def __init__(self, total, desc, disable, file=None, **kwargs):
+            self.total, self.desc, self.disable, self.file = total, desc, disable, file
+            self.steps, self.descriptions = 0, []
+            bars.append(self)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def update(self, steps):
+            self.steps += steps
+
+        def set_description(self, text):
+            self.descriptions.append(text)
+
+    monkeypatch.setattr(tqdm.auto, "tqdm", Recorder)
+    return bars

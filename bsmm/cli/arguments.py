@@ -12,7 +12,8 @@ import importlib.util
 import os
 import sys
 
-from bsmm.cli.bench import SPREAD_LIMIT, WORKLOADS, gpu_plan
+from bsmm.cli.bench import SPREAD_LIMIT
+from bsmm.cli.bench_gpu import WORKLOADS, gpu_plan
 from bsmm.cli.framework_bench import SHAPES
 from bsmm.config import settings
 from bsmm.dtypes import CPU_ONLY_DTYPES, GPU_KINDS, KIND_DTYPES
@@ -30,7 +31,15 @@ _FRAMEWORK_MODULES = {"torch": ("torch", "torch"), "jax": ("jax", "jax"), "cupy"
 
 
 def gpu_problem() -> str | None:
-    """None where CuPy runs on a CUDA GPU here, else why not and what to install."""
+    """None where CuPy runs on a CUDA GPU here, else why not and what to install.
+
+    Examples
+    --------
+    >>> problem = gpu_problem()  # e.g. "CuPy is not installed: pip install 'bsmm[cuda12]' ..."
+    >>> backend = "gpu" if problem is None else "cpu"  # as bench --backend auto picks
+    >>> backend in ("gpu", "cpu")
+    True
+    """
     try:
         import cupy
     except ImportError:

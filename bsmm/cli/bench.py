@@ -1,18 +1,20 @@
-"""Benchmarks: each pass of bsmm side by side with the dense product, in one run.
+"""Benchmarks: each pass of bsmm side by side with the dense product, in one run; here the CPU's,
+and what the GPU's (:mod:`bsmm.cli.bench_gpu`) shares with it.
 
 ``python -m bsmm bench`` times the three passes at several densities against the dense matrix
 product of the same shape and dtype: NumPy's BLAS on the CPU (:func:`bench_cpu`; by default the
-seed's shape, N = 32, C = K = 12288, block 32), cuBLAS on the GPU (:func:`bench_gpu`, the
-workloads of :data:`WORKLOADS`). Every input is fresh random data; the dense weight of the same
-size as the sparse one is random too, and calls rotate through as many weights as it takes to
+seed's shape, N = 32, C = K = 12288, block 32), cuBLAS on the GPU
+(:func:`bsmm.cli.bench_gpu.bench_gpu`). Every input is fresh random data; the dense weight of the
+same size as the sparse one is random too, and calls rotate through as many weights as it takes to
 outgrow the caches (:func:`weight_sets`), so that neither side times a weight kept in cache.
 Times are medians over repeated calls after a warm-up; on the CPU the dense product is timed
 between bsmm's calls, so that both are measured at the same moments.
 
-The columns of the tables are explained under them (:data:`CPU_LEGEND`, :data:`GPU_LEGEND`):
-*speed-up* is dense time over bsmm time; *eff.*, the efficiency per useful FLOP, is speed-up ×
-density: bsmm's rate of useful FLOPs (2·N·blocks·block² a pass, the products of present blocks
-only; = 2·N·C·K·density) as a fraction of the dense product's FLOP rate (2·N·C·K a pass).
+The columns of the tables are explained under them (:data:`CPU_LEGEND`,
+:data:`bsmm.cli.bench_gpu.GPU_LEGEND`): *speed-up* is dense time over bsmm time; *eff.*, the
+efficiency per useful FLOP, is speed-up × density: bsmm's rate of useful FLOPs (2·N·blocks·block²
+a pass, the products of present blocks only; = 2·N·C·K·density) as a fraction of the dense
+product's FLOP rate (2·N·C·K a pass).
 """
 
 from __future__ import annotations
@@ -35,15 +37,15 @@ from bsmm.layouts import random_layout
 from bsmm.matmul import BlocksparseMatMul
 from bsmm.passes import PASS_NAMES
 
-__all__ = ["BenchRow", "CpuRow", "GpuRow", "GpuLayer", "WORKLOADS", "CPU_LEGEND", "GPU_LEGEND", "SPREAD_LIMIT",
-           "bench_cpu", "bench_gpu", "gpu_plan", "format_table", "format_gpu_table", "progress_bar",
-           "relative_spread", "weight_sets", "write_json"]
+__all__ = ["BenchRow", "CpuRow", "CPU_LEGEND", "SPREAD_LIMIT", "bench_cpu", "format_table", "pass_calls",
+           "progress_bar", "relative_spread", "weight_sets", "write_json"]
 
 #: A CPU row whose times spread more than this (:func:`relative_spread`) is flagged: the machine was busy.
 SPREAD_LIMIT = 0.25
 #: The L2 of the GPUs measured (an H100's 50 MiB): the weights of GPU rows rotate to outgrow it.
 _L2_BYTES = 50 * 2**20
 
+# Under both tables: CPU_LEGEND here, GPU_LEGEND in bsmm.cli.bench_gpu.
 _EFFICIENCY_WORDS = ("eff.: speed-up × density, the efficiency per useful FLOP: bsmm's rate of useful FLOPs\n"
                      "  (2·N·C·K·density a pass: present blocks only) as a fraction of the dense product's FLOP "
                      "rate (2·N·C·K a pass);")
@@ -57,16 +59,6 @@ CPU_LEGEND = "\n".join((
     "  other programs on the cores: re-run with OPENBLAS_NUM_THREADS=1 to tell).",
     "spread: interquartile range / median of the repeated times, the larger of bsmm's and dense's;",
     f"  * over {SPREAD_LIMIT * 100:g} %: the machine was busy, re-run.",
-))
-
-#: The lines printed under a GPU table (:func:`format_gpu_table`).
-GPU_LEGEND = "\n".join((
-    "bsmm: median time a call into a kept output (out=), by CUDA events around batches of calls; allocating:",
-    "  the same call allocating its output, as y = op(x, w) does; graph: replayed from a CUDA graph;",
-    "  dense: cuBLAS (through PyTorch where installed), same shape and dtype; load: the workload (bench --help).",
-    "speed-up: dense / bsmm; graph speed-up: dense / graph.",
-    _EFFICIENCY_WORDS,
-    "  † over 100 %: faster per useful FLOP than cuBLAS is per FLOP at this shape.",
 ))
 
 
@@ -193,7 +185,15 @@ def _copies_to_outgrow(nbytes: int, cache_bytes: int) -> int:
 def weight_sets(op: BlocksparseMatMul, dtype, rng, cache_bytes: int = _L2_BYTES) -> list:
     """Random weight arrays for ``op`` (made where ``rng``, NumPy's or CuPy's, makes arrays), as
     many as it takes (up to 8) to hold twice ``cache_bytes`` (by default the GPU's L2), so that
-    calls rotating through them do not time small weights kept in the cache."""
+    calls rotating through them do not time small weights kept in the cache.
+
+    Examples
+    --------
+    >>> op = BlocksparseMatMul(np.ones((2, 2), dtype=bool), block_size=32)  # 4 blocks: 16 KiB in float32
+    >>> ws = weight_sets(op, "float32", np.random.default_rng(0), cache_bytes=2**14)
+    >>> len(ws), ws[0].shape  # two sets hold twice the 16 KiB
+    (2, (4, 32, 32))
+    """
     w_bytes = op.blocks * op.block_size ** 2 * np.dtype(dtype).itemsize
     return [rng.standard_normal(op.w_shape, dtype=np.float32).astype(dtype)
             for _ in range(_copies_to_outgrow(w_bytes, cache_bytes))]
@@ -202,7 +202,19 @@ def weight_sets(op: BlocksparseMatMul, dtype, rng, cache_bytes: int = _L2_BYTES)
 def pass_calls(op: BlocksparseMatMul, x, dy, ws: list, outputs: dict | None) -> dict[str, Callable[[], object]]:
     """The three passes of ``op`` as argument-less calls into ``outputs[pass]`` (``None``: the
     allocating calls a user's loop makes), fprop and bprop taking the next of the weight sets
-    ``ws`` at each call."""
+    ``ws`` at each call.
+
+    Examples
+    --------
+    >>> op = BlocksparseMatMul(np.ones((2, 2), dtype=bool), block_size=32)
+    >>> x = dy = np.ones((4, 64), dtype=np.float32)
+    >>> ws = weight_sets(op, "float32", np.random.default_rng(0), cache_bytes=2**14)
+    >>> calls = pass_calls(op, x, dy, ws, None)
+    >>> [calls[p]().shape for p in ("fprop", "bprop", "updat")]
+    [(4, 64), (4, 64), (4, 32, 32)]
+    >>> bool(np.array_equal(calls["fprop"](), calls["fprop"]()))  # the next weight set at each call
+    False
+    """
     turn = itertools.count()
     out = outputs or {}
     return {
@@ -315,248 +327,3 @@ def _fmt_time(seconds: float) -> str:
 def write_json(rows: list[BenchRow], path: str, meta: dict | None = None) -> None:
     with open(path, "w") as f:
         json.dump({"meta": meta or {}, "rows": [r.as_dict() for r in rows]}, f, indent=1)
-
-
-# ---- GPU -------------------------------------------------------------------------------------
-#: The GPU workloads (``--workloads``): N, the layers (C input, K output features), block sizes,
-#: densities, dtypes ("tf32" = float32 on tensor cores). S is the seed's shape, T a training batch,
-#: I an inference batch, F a transformer's feed-forward pair (C -> 4C, 4C -> C).
-WORKLOADS = {
-    "S": dict(N=32, layers=((12288, 12288),), block_sizes=(32,), densities=(0.5, 0.25, 0.1, 0.05, 0.02),
-              dtypes=("float32", "float16", "bfloat16")),
-    "T": dict(N=4096, layers=((8192, 8192),), block_sizes=(16, 32, 64, 128), densities=(0.5, 0.25, 0.1),
-              dtypes=("float16", "bfloat16", "float32", "tf32")),
-    "I": dict(N=256, layers=((8192, 8192),), block_sizes=(32, 64), densities=(0.25, 0.1, 0.05),
-              dtypes=("float16", "bfloat16")),
-    "F": dict(N=8192, layers=((4096, 16384), (16384, 4096)), block_sizes=(64, 128), densities=(0.5, 0.25, 0.1),
-              dtypes=("float16", "bfloat16")),
-}
-#: float32 rows of T are measured at the block sizes the targets name, to keep a run short.
-_T_FLOAT32_BLOCKS = {"float32": (32, 64), "tf32": (64,)}
-
-
-#: Seconds of calls before a pass is timed (at least three calls).
-WARM_UP_SECONDS = 0.05
-
-
-def _warm_up(fn, seconds: float = WARM_UP_SECONDS) -> None:
-    """Calls ``fn`` until ``seconds`` have passed, three times at least, never more than four
-    calls ahead of the GPU. Three calls alone were not enough for the first pass timed after a
-    new operator: T block 128 fprop at 10 % read 150.7 µs a call eager and 135.0 µs in the graph
-    replay timed right after it, run after run (v13, v14), while its bprop read 135.4/134.1 µs.
-    The host's set-up (layout, plans) leaves the GPU idle before it, as the steady state of an
-    eager loop does not."""
-    import cupy
-
-    stream = cupy.cuda.get_current_stream()
-    start, calls = time.perf_counter(), 0
-    while calls < 3 or time.perf_counter() - start < seconds:
-        fn()
-        calls += 1
-        if calls % 4 == 0:
-            stream.synchronize()
-    stream.synchronize()
-
-
-def _gpu_seconds(fn, calls: int, batches: int) -> float:
-    """Median per-call time of back-to-back calls from Python, by CUDA events, warm-up excluded."""
-    import cupy
-
-    start, end = cupy.cuda.Event(), cupy.cuda.Event()
-    _warm_up(fn)
-    samples = []
-    for _ in range(batches):
-        start.record()
-        for _ in range(calls):
-            fn()
-        end.record()
-        end.synchronize()
-        samples.append(cupy.cuda.get_elapsed_time(start, end) * 1e-3 / calls)
-    return statistics.median(samples)
-
-
-def _graph_seconds(fn, calls: int, batches: int) -> float | None:
-    """Median per-call time when ``calls`` calls are replayed from one CUDA graph."""
-    import cupy
-
-    stream = cupy.cuda.Stream(non_blocking=True)
-    with stream:
-        for _ in range(2):
-            fn()  # plans, scratch and output buffers exist before capture
-        stream.synchronize()
-        try:
-            stream.begin_capture()
-            for _ in range(calls):
-                fn()
-            graph = stream.end_capture()
-        except Exception:  # noqa: BLE001 - a pass that cannot be captured simply has no graph figure
-            return None
-        graph.launch(stream)
-        stream.synchronize()
-        start, end = cupy.cuda.Event(), cupy.cuda.Event()
-        samples = []
-        for _ in range(batches):
-            start.record(stream)
-            graph.launch(stream)
-            end.record(stream)
-            end.synchronize()
-            samples.append(cupy.cuda.get_elapsed_time(start, end) * 1e-3 / calls)
-    return statistics.median(samples)
-
-
-def _dense_matmul(tf32: bool):
-    """Dense cuBLAS: through PyTorch where it is installed (every dtype, an explicit TF32 switch,
-    zero-copy through DLPack), else through CuPy."""
-    import cupy
-
-    try:
-        import torch
-    except ImportError:
-        return cupy.matmul
-    torch.backends.cuda.matmul.allow_tf32 = tf32
-    return lambda a, b: torch.matmul(torch.from_dlpack(a), torch.from_dlpack(b))
-
-
-@dataclasses.dataclass
-class GpuRow(BenchRow):
-    """A GPU row: ``sparse_s`` is the call into a kept output (``out=``); adds the allocating
-    call's time and the CUDA-graph replay time of bsmm's pass."""
-
-    graph_s: float | None = None
-    workload: str = ""
-    alloc_s: float | None = None
-
-
-@dataclasses.dataclass(frozen=True)
-class GpuLayer:
-    """One layer of a workload in one dtype, as :func:`bench_gpu` measures it: a row per pass,
-    block size and density."""
-
-    workload: str
-    kind: str  # a dtype, or "tf32"
-    N: int
-    C: int
-    K: int
-    block_sizes: tuple
-    densities: tuple
-
-    @property
-    def rows(self) -> int:
-        return len(PASS_NAMES) * len(self.block_sizes) * len(self.densities)
-
-
-def gpu_plan(workloads=("S", "T", "I"), quick: bool = False, only_dtypes=None, only_block_sizes=None,
-             only_densities=None) -> list[GpuLayer]:
-    """The layers :func:`bench_gpu` measures for these arguments (none of them left without a row).
-
-    Examples
-    --------
-    >>> plan = gpu_plan(("S",), only_dtypes=("float16",), only_densities=(0.1, 0.02))
-    >>> [(layer.N, layer.C, layer.K, layer.densities, layer.rows) for layer in plan]
-    [(32, 12288, 12288, (0.1, 0.02), 6)]
-    """
-    plan = []
-    for name in workloads:
-        spec = WORKLOADS[name]
-        for kind in spec["dtypes"]:
-            if only_dtypes and kind not in only_dtypes:
-                continue
-            block_sizes = _T_FLOAT32_BLOCKS.get(kind, spec["block_sizes"]) if name == "T" else spec["block_sizes"]
-            if quick:
-                block_sizes = block_sizes[:1]
-            if only_block_sizes:
-                block_sizes = tuple(bs for bs in block_sizes if bs in only_block_sizes)
-            densities = spec["densities"][:2] if quick else spec["densities"]
-            if only_densities:
-                densities = tuple(d for d in densities if any(abs(d - o) < 1e-9 for o in only_densities))
-            if block_sizes and densities:
-                plan += [GpuLayer(name, kind, spec["N"], C, K, tuple(block_sizes), tuple(densities))
-                         for C, K in spec["layers"]]
-    return plan
-
-
-def bench_gpu(workloads=("S", "T", "I"), calls: int = 20, batches: int = 11, seed: int = 0,
-              progress: Callable[[str], None] | None = None, quick: bool = False,
-              only_dtypes=None, only_block_sizes=None, only_densities=None, bar: bool = False) -> list[GpuRow]:
-    """Each pass of bsmm beside dense cuBLAS on the workloads of :data:`WORKLOADS` (needs a GPU).
-
-    ``only_dtypes`` ("float16", "tf32", ...), ``only_block_sizes`` and ``only_densities`` (fractions)
-    restrict the rows run (:func:`gpu_plan`); ``progress`` is called with each row's table line as
-    it is measured; ``bar`` shows a progress bar on stderr (:func:`progress_bar`).
-    """
-    import cupy
-
-    plan = gpu_plan(workloads, quick, only_dtypes, only_block_sizes, only_densities)
-    rng = cupy.random.default_rng(seed)
-    rows: list[GpuRow] = []
-    with progress_bar(sum(layer.rows for layer in plan), "bench gpu", bar) as shown:
-        for layer in plan:
-            shown.set_description(f"bench gpu {layer.workload} {layer.kind} {layer.C} → {layer.K}")
-            rows += _bench_layer(layer, rng, calls, batches, seed, progress, shown)
-    return rows
-
-
-def _dense_gpu_seconds(matmul, x, dy, rng, calls: int, batches: int) -> dict[str, float]:
-    """Median seconds of each dense product of ``x``'s and ``dy``'s shape, with a random weight
-    that is freed on return."""
-    weight = rng.standard_normal((x.shape[1], dy.shape[1]), dtype=np.float32).astype(x.dtype)
-    runs = {"fprop": lambda: matmul(x, weight), "bprop": lambda: matmul(dy, weight.T),
-            "updat": lambda: matmul(x.T, dy)}
-    return {pass_name: _gpu_seconds(run, calls, batches) for pass_name, run in runs.items()}
-
-
-def _bench_layer(layer: GpuLayer, rng, calls: int, batches: int, seed: int, progress, shown) -> list[GpuRow]:
-    """The rows of one layer (C -> K features) of a workload: dense cuBLAS once, then each block
-    size and density, each pass into a kept output, allocating, and replayed from a CUDA graph;
-    ``shown`` (a progress bar) advances a step a row."""
-    import cupy
-
-    N, C, K = layer.N, layer.C, layer.K
-    tf32 = layer.kind == "tf32"
-    np_dtype = canonical_dtype("float32" if tf32 else layer.kind, "dtype")
-    x = rng.standard_normal((N, C), dtype=np.float32).astype(np_dtype)
-    dy = rng.standard_normal((N, K), dtype=np.float32).astype(np_dtype)
-    dense = _dense_gpu_seconds(_dense_matmul(tf32), x, dy, rng, calls, batches)
-    rows = []
-    for bs in layer.block_sizes:
-        for density in layer.densities:
-            op = BlocksparseMatMul(random_layout(C // bs, K // bs, density=density, seed=seed), block_size=bs,
-                                   tf32=tf32)
-            ws = weight_sets(op, np_dtype, rng)
-            outputs = {"fprop": cupy.empty((N, K), dtype=np_dtype), "bprop": cupy.empty((N, C), dtype=np_dtype),
-                       "updat": cupy.empty(op.w_shape, dtype=np_dtype)}
-            kept, allocating = pass_calls(op, x, dy, ws, outputs), pass_calls(op, x, dy, ws, None)
-            for pass_name, run in kept.items():
-                row = GpuRow("cuda", layer.kind, N, C, K, bs, op.density, pass_name, _gpu_seconds(run, calls, batches),
-                             dense[pass_name], _graph_seconds(run, calls, batches), layer.workload,
-                             _gpu_seconds(allocating[pass_name], calls, batches))
-                rows.append(row)
-                shown.update(1)
-                if progress:
-                    progress(format_gpu_table([row], header=False))
-            del ws, outputs
-    return rows
-
-
-def format_gpu_table(rows: list, header: bool = True) -> str:
-    """Markdown table: one line per (workload, dtype, layer, block size, density, pass); with
-    ``header``, :data:`GPU_LEGEND` under it."""
-    lines = []
-    if header:
-        lines += [
-            "| load | dtype | N | C → K | block | density | pass | bsmm | allocating | graph | dense | speed-up | "
-            "graph speed-up | eff. |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
-        ]
-    for r in rows:
-        graph = _fmt_time(r.graph_s) if r.graph_s else "-"
-        graph_speedup = f"{r.dense_s / r.graph_s:.2f}x" if r.graph_s else "-"
-        allocating = _fmt_time(r.alloc_s) if getattr(r, "alloc_s", None) else "-"
-        lines.append(
-            f"| {r.workload} | {r.dtype} | {r.N} | {r.C} → {r.K} | {r.block_size} | {r.density:.0%} | {r.pass_name} | "
-            f"{_fmt_time(r.sparse_s)} | {allocating} | {graph} | {_fmt_time(r.dense_s)} | {r.speedup:.2f}x | "
-            f"{graph_speedup} | {_fmt_efficiency(r.efficiency)} |"
-        )
-    if header:
-        lines += ["", GPU_LEGEND]
-    return "\n".join(lines)

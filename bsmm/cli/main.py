@@ -27,7 +27,8 @@ def _demo(args) -> int:
     import numpy as np
 
     import bsmm
-    from bsmm.cli.bench import bench_cpu, bench_gpu, format_gpu_table, format_table
+    from bsmm.cli.bench import bench_cpu, format_table
+    from bsmm.cli.bench_gpu import bench_gpu, format_gpu_table
 
     # The seed's example, line by line, with arrays in place of TensorFlow placeholders.
     hidden_size, block_size, minibatch_size = 4096, 32, 64
@@ -76,7 +77,8 @@ def _torch_step() -> str:
 
 
 def _bench(args) -> int:
-    from bsmm.cli.bench import bench_cpu, bench_gpu, format_gpu_table, format_table, write_json
+    from bsmm.cli.bench import bench_cpu, format_table, write_json
+    from bsmm.cli.bench_gpu import bench_gpu, format_gpu_table
 
     log = _say if args.verbose else None
     meta = {"machine": platform.platform(), "processor": platform.processor()}

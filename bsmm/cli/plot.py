@@ -28,7 +28,20 @@ def plot_title(rows, device: str, date: datetime.date | None = None) -> str:
 
 def plot_speedup(rows, path: str, device: str = "CPU") -> None:
     """Draw each (workload, dtype, block size, pass) as a line of speed-up vs sparsity and save it
-    to ``path``, titled by :func:`plot_title` (``device``: the GPU's name, or the CPU's)."""
+    to ``path``, titled by :func:`plot_title` (``device``: the GPU's name, or the CPU's).
+
+    Examples
+    --------
+    >>> import importlib.util, pathlib, tempfile
+    >>> from bsmm.cli.bench import BenchRow
+    >>> rows = [BenchRow("cpu", "float32", 32, 2048, 1024, 32, d, p, 1.0, 0.5 / d)
+    ...         for d in (0.5, 0.1) for p in ("fprop", "updat")]
+    >>> if importlib.util.find_spec("matplotlib"):  # drawing needs it: pip install matplotlib
+    ...     with tempfile.TemporaryDirectory() as folder:
+    ...         path = pathlib.Path(folder, "speedup.png")
+    ...         plot_speedup(rows, str(path), "CPU (x86_64)")
+    ...         assert path.read_bytes()[1:4] == b"PNG"
+    """
     import matplotlib
 
     matplotlib.use("Agg")

@@ -26,7 +26,8 @@ import numpy as np
 
 from bsmm.backends.cuda import plans as cuda_plans
 from bsmm.backends.cuda.policy import Policy, current_policy, planning, recording_table_lookups
-from bsmm.cli.bench import _gpu_seconds, pass_calls, weight_sets
+from bsmm.cli.bench import pass_calls, weight_sets
+from bsmm.cli.bench_gpu import _gpu_seconds
 from bsmm.dtypes import TOLERANCES, canonical_dtype
 from bsmm.layouts import random_layout
 from bsmm.matmul import BlocksparseMatMul

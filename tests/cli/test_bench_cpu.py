@@ -7,8 +7,9 @@ import datetime
 
 import pytest
 
-from bsmm.cli import bench
-from bsmm.cli.bench import CpuRow, GpuRow, bench_cpu, format_gpu_table, format_table
+from bsmm.cli import bench, bench_gpu
+from bsmm.cli.bench import CpuRow, bench_cpu, format_table
+from bsmm.cli.bench_gpu import GpuRow, format_gpu_table
 from bsmm.passes import PASS_NAMES
 
 
@@ -119,37 +120,15 @@ def test_tables_end_with_a_legend_of_their_columns():
     assert "eff.: speed-up × density" in gpu
 
 
-def test_bench_cpu_draws_a_bar_of_its_rows_on_stderr_where_asked(monkeypatch):
-    import tqdm.auto
-
-    bars = []
-
-    class Recorder:
-        def __init__(self, total, desc, disable, file, **kwargs):
-            self.total, self.disable, self.file, self.steps, self.descriptions = total, disable, file, 0, []
-            bars.append(self)
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            return False
-
-        def update(self, steps):
-            self.steps += steps
-
-        def set_description(self, text):
-            self.descriptions.append(text)
-
-    monkeypatch.setattr(tqdm.auto, "tqdm", Recorder)
+def test_bench_cpu_draws_a_bar_of_its_rows_on_stderr_where_asked(tqdm_bars):
     lines = []
     bench_cpu(N=4, C=256, K=256, densities=(0.5, 0.25), repeats=1, bar=True, progress=lines.append)
-    (bar,) = bars
+    (bar,) = tqdm_bars
     assert (bar.total, bar.steps, bar.disable, bar.file) == (6, 6, False, bench.sys.stderr)
     assert bar.descriptions[:2] == ["bench cpu 50% fprop", "bench cpu 50% bprop"]
     assert len(lines) == 6 and all(line.startswith("| cpu | float32 | 4 | 256 → 256 |") for line in lines)
     bench_cpu(N=4, C=256, K=256, densities=(0.5,), repeats=1)
-    assert bars[1].disable
+    assert tqdm_bars[1].disable
 
 
 def test_weights_rotate_until_they_outgrow_the_cache():
@@ -175,13 +154,13 @@ def test_the_plot_is_titled_with_shape_device_dtype_and_date(tmp_path):
 
 
 def test_gpu_plan_counts_the_rows_bench_gpu_runs():
-    plan = bench.gpu_plan(("T",), only_dtypes=("float32", "tf32"))
+    plan = bench_gpu.gpu_plan(("T",), only_dtypes=("float32", "tf32"))
     assert [(layer.kind, layer.block_sizes) for layer in plan] == [("float32", (32, 64)), ("tf32", (64,))]
     assert sum(layer.rows for layer in plan) == 3 * 3 * (2 + 1)
-    assert bench.gpu_plan(("F",), quick=True, only_dtypes=("float16",)) == [
-        bench.GpuLayer("F", "float16", 8192, 4096, 16384, (64,), (0.5, 0.25)),
-        bench.GpuLayer("F", "float16", 8192, 16384, 4096, (64,), (0.5, 0.25))]
-    assert bench.gpu_plan(("I",), only_block_sizes=(128,)) == []
+    assert bench_gpu.gpu_plan(("F",), quick=True, only_dtypes=("float16",)) == [
+        bench_gpu.GpuLayer("F", "float16", 8192, 4096, 16384, (64,), (0.5, 0.25)),
+        bench_gpu.GpuLayer("F", "float16", 8192, 16384, 4096, (64,), (0.5, 0.25))]
+    assert bench_gpu.gpu_plan(("I",), only_block_sizes=(128,)) == []
 
 
 def test_the_cpu_bench_refuses_dtypes_without_a_blas_baseline():

@@ -1,9 +1,10 @@
 """``python -m bsmm``: every refused argument is one line on stderr and exit status 2, checked
-before any work; --help gives defaults and what the columns mean; the demo's CPU path."""
+before any work; --help gives defaults and what the columns mean; the demo's CPU and GPU paths."""
 
 from __future__ import annotations
 
 import functools
+import importlib.machinery
 import json
 import re
 import subprocess
@@ -13,7 +14,7 @@ import types
 import numpy as np
 import pytest
 
-from bsmm.cli import arguments, bench, main as cli
+from bsmm.cli import arguments, bench, bench_gpu, main as cli
 
 
 @pytest.fixture
@@ -23,8 +24,8 @@ def no_work(monkeypatch):
     def work(*args, **kwargs):
         raise AssertionError("work started before the arguments were checked")
 
-    for name in ("bench_cpu", "bench_gpu"):
-        monkeypatch.setattr(bench, name, work)
+    monkeypatch.setattr(bench, "bench_cpu", work)
+    monkeypatch.setattr(bench_gpu, "bench_gpu", work)
     monkeypatch.setattr("bsmm.cli.tune.tune", work)
 
 
@@ -36,7 +37,8 @@ def gpu(monkeypatch):
 
 @pytest.fixture
 def no_gpu(monkeypatch):
-    monkeypatch.setattr(arguments, "gpu_problem", lambda: "CuPy finds no CUDA GPU here")
+    """A machine without CuPy (import cupy raises ImportError): the CPU's, wherever the tests run."""
+    monkeypatch.setitem(sys.modules, "cupy", None)
 
 
 def refused(capsys, argv) -> str:
@@ -141,6 +143,17 @@ def test_the_gpu_backend_without_a_gpu_says_so(capsys, no_work, monkeypatch):
     assert "tune measures kernels on a CUDA GPU: CuPy finds no CUDA GPU" in refused(capsys, ["tune", "--workload", "S"])
 
 
+def test_the_auto_backend_says_why_an_installed_cupy_is_not_used(capsys, no_work, monkeypatch):
+    cupy = types.ModuleType("cupy")  # installed, as importlib finds it
+    cupy.__spec__ = importlib.machinery.ModuleSpec("cupy", None)
+    monkeypatch.setitem(sys.modules, "cupy", cupy)
+    monkeypatch.setattr(arguments, "gpu_problem", lambda: "CuPy finds no CUDA GPU here")
+    assert cli.main(["bench", "--C", "1000"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "note: the GPU is not used: CuPy finds no CUDA GPU here",
+        "bsmm bench: error: --C 1000: expected a multiple of the block size 32 (e.g. 992 or 1024)"]
+
+
 def test_plot_without_matplotlib_is_refused_before_the_run(capsys, no_work, no_gpu, monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     line = refused(capsys, ["bench", "--backend", "cpu", "--plot", str(tmp_path / "speedup.png")])
@@ -163,8 +176,7 @@ def test_a_bad_framework_bench_argument_is_one_line_and_status_2(capsys, no_work
 
 
 def test_the_framework_bench_needs_a_gpu_and_the_framework(capsys, no_work, no_gpu, monkeypatch):
-    assert "--framework needs a CUDA GPU: CuPy finds no CUDA GPU here" in refused(capsys, ["bench", "--framework",
-                                                                                            "torch"])
+    assert "--framework needs a CUDA GPU: CuPy is not installed" in refused(capsys, ["bench", "--framework", "torch"])
     monkeypatch.setattr(arguments, "gpu_problem", lambda: None)
     monkeypatch.setitem(sys.modules, "jax", None)  # find_spec("jax") is then None: not installed
     line = refused(capsys, ["bench", "--framework", "torch,jax"])
@@ -217,7 +229,7 @@ def test_help_gives_defaults_columns_and_workloads(capsys, monkeypatch):
     for column in ("speed-up ", "eff. ", "spread (CPU)", "allocating (GPU)", "graph (GPU)", "--plot "):
         assert re.search(rf"^  {re.escape(column)}", text, re.M), column
     assert "(2·N·blocks·block² a pass" in text and "speed-up × density" in text
-    for name, spec in bench.WORKLOADS.items():
+    for name, spec in bench_gpu.WORKLOADS.items():
         assert re.search(rf"^  {name}  .*: N={spec['N']}, ", text, re.M), name
     assert re.search(r"^     D  N=8, 8192 → 8192, block 32: decoding", text, re.M)
     assert cli.main(["tune", "--help"]) == 0
@@ -246,7 +258,8 @@ def test_cpu_bench_prints_a_table_with_its_legend_rows_as_measured_json_and_plot
 
 
 def test_import_bsmm_imports_no_tqdm():
-    code = "import sys, bsmm, bsmm.cli.main, bsmm.cli.bench, bsmm.cli.tune; print('tqdm' in sys.modules)"
+    code = ("import sys, bsmm, bsmm.cli.main, bsmm.cli.bench, bsmm.cli.bench_gpu, bsmm.cli.tune; "
+            "print('tqdm' in sys.modules)")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.stdout.strip() == "False", done.stderr
 
@@ -260,7 +273,7 @@ def test_the_cpu_demo_prints_the_seed_example_and_a_speed_table(capsys, no_gpu, 
     assert out.startswith("seed example: BlocksparseMatMul(")
     error = float(re.search(r"on the CPU: shape \(64, 4096\), relative error vs float64 dense (\S+)", out)[1])
     assert error < 1e-5
-    assert "no GPU here: CuPy finds no CUDA GPU here.\n" in out
+    assert "no GPU here: CuPy is not installed: pip install 'bsmm[cuda12]'" in out
     table = [line for line in out.splitlines() if line.startswith("| cpu |")]
     assert [line.split("|")[6:8] for line in table] == [[f" {d} ", f" {p} "] for d in ("25%", "10%", "2%")
                                                         for p in ("fprop", "bprop", "updat")]
@@ -314,7 +327,7 @@ def test_the_training_step_with_an_optimizer_updates_the_weight():
 # ---- the GPU bench's code, on a stand-in CuPy over NumPy ---------------------------------------
 class _Event:
     def record(self, stream=None):
-        self.seconds = bench.time.perf_counter()
+        self.seconds = bench_gpu.time.perf_counter()
 
     def synchronize(self):
         pass
@@ -337,9 +350,32 @@ class _Stream:
         raise RuntimeError("a stand-in captures no graph")
 
 
+class _DeviceArray:
+    """A stand-in CuPy array, with CuPy's ``get``: NumPy memory that bsmm reaches through DLPack
+    (its CPU backend computes). bsmm hands a result back through ``from_dlpack`` of the module
+    the operands' type names, as for any DLPack library's arrays: here :data:`_DEVICE_MODULE`'s."""
+
+    __module__ = "stand_in_device"
+
+    def __init__(self, array):
+        self.array = np.asarray(array)
+
+    def __dlpack__(self, *args, **kwargs):
+        return self.array.__dlpack__(*args, **kwargs)
+
+    def __dlpack_device__(self):
+        return self.array.__dlpack_device__()
+
+    def get(self):
+        return self.array.copy()
+
+
+_DEVICE_MODULE = types.SimpleNamespace(from_dlpack=_DeviceArray)
+
+
 @pytest.fixture
 def stand_in_cupy(monkeypatch, gpu):
-    """CuPy as far as the GPU bench uses it, on NumPy arrays (the CPU backend computes), with
+    """CuPy as far as the GPU bench and the demo use it, on NumPy memory (the CPU backend computes), with
     workload S made tiny; dense products through PyTorch's CPU build where it is installed
     (whose TF32 switch the bench sets, and this fixture puts back)."""
     cuda = types.SimpleNamespace(
@@ -348,9 +384,10 @@ def stand_in_cupy(monkeypatch, gpu):
         Device=lambda: types.SimpleNamespace(id=0),
         runtime=types.SimpleNamespace(getDeviceProperties=lambda device: {"name": b"Stand-in GPU"}))
     monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(
-        cuda=cuda, random=np.random, empty=np.empty, matmul=np.matmul))
-    monkeypatch.setitem(bench.WORKLOADS, "S", dict(N=4, layers=((256, 128),), block_sizes=(32, 64),
-                                                   densities=(0.5, 0.25), dtypes=("float32", "tf32")))
+        cuda=cuda, random=np.random, empty=np.empty, matmul=np.matmul, asarray=_DeviceArray))
+    monkeypatch.setitem(sys.modules, _DeviceArray.__module__, _DEVICE_MODULE)
+    monkeypatch.setitem(bench_gpu.WORKLOADS, "S", dict(N=4, layers=((256, 128),), block_sizes=(32, 64),
+                                                       densities=(0.5, 0.25), dtypes=("float32", "tf32")))
     try:
         import torch
     except ImportError:
@@ -378,6 +415,27 @@ def test_the_gpu_bench_runs_its_rows_with_a_legend_json_and_plot(capsys, stand_i
     assert saved["meta"]["gpu"] == "Stand-in GPU" and len(saved["rows"]) == 12
     assert all(r["alloc_s"] > 0 and r["graph_s"] is None and r["workload"] == "S" for r in saved["rows"])
     assert image.stat().st_size > 0
+
+
+def test_the_gpu_demo_checks_the_seed_example_on_the_gpu_then_times_workload_s(capsys, stand_in_cupy, monkeypatch):
+    # Smaller still than the stand-in's workload S (the demo times all of it), dense through NumPy:
+    # PyTorch's CPU threads took 13 ms a product on a busy machine.
+    monkeypatch.setitem(bench_gpu.WORKLOADS, "S", dict(N=4, layers=((256, 128),), block_sizes=(32,), densities=(0.5,),
+                                                       dtypes=("float32",)))
+    monkeypatch.setitem(sys.modules, "torch", None)  # import torch raises ImportError
+    assert cli.main(["demo"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("seed example: BlocksparseMatMul(") and "no GPU here" not in out
+    error = float(re.search(r"^  the same on the GPU: relative error (\S+)$", out, re.M)[1])
+    assert error < 1e-5
+    assert "\nspeed, GPU kernels vs dense cuBLAS (workload S: N=32, C=K=12288, block 32):\n" in out
+    table = [line for line in out.splitlines() if line.startswith("| S |")]
+    assert [line.split("|")[2:8] for line in table] == [
+        [" float32 ", " 4 ", " 256 → 128 ", " 32 ", " 50% ", f" {p} "] for p in ("fprop", "bprop", "updat")]
+    assert "\n\nbsmm: median time a call into a kept output (out=)" in out
+    # PyTorch's training step last: here, how to get it.
+    assert out.rstrip().endswith("PyTorch is not installed: pip install 'bsmm[torch]' to see a BlockSparseLinear "
+                                 "training step here")
 
 
 def test_tune_runs_the_checked_cases_with_lines_and_a_bar_unless_quiet(capsys, gpu, monkeypatch):

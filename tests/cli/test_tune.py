@@ -336,36 +336,17 @@ def test_worker_lines_are_read_as_they_come_and_a_silent_worker_is_killed(monkey
     assert status != 0 and "no result for 1 s" in errors and lines == [{"trying": [1]}]
 
 
-def test_tune_draws_a_bar_a_round_through_tqdm(monkeypatch):
+def test_tune_draws_a_bar_a_round_through_tqdm(tqdm_bars):
     """Each round's tiles advance a ``tqdm.auto`` bar on stderr, drawn only where asked."""
-    import tqdm.auto
-
-    bars = []
-
-    class Recorder:
-        def __init__(self, total, desc, disable, **kwargs):
-            self.total, self.desc, self.disable, self.steps = total, desc, disable, 0
-            bars.append(self)
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            return False
-
-        def update(self, steps):
-            self.steps += steps
-
-    monkeypatch.setattr(tqdm.auto, "tqdm", Recorder)
     runner = StandIn(ENTRY64, TMA64, best=(256, 64, 64, 16, 1, 5))
     tune.tune(CASES, rounds=2, runner=runner, progress=None, write=False, bar=True)
     rounds = runner.measured[:-1]  # the last measurement confirms the pick, without a bar
-    assert [(b.total, b.steps, b.disable) for b in bars] == [(len(tiles), len(tiles), False) for tiles in rounds]
-    assert [b.desc for b in bars] == [f"[1/1] round {n}" for n in range(1, len(rounds) + 1)]
-    bars.clear()
+    assert [(b.total, b.steps, b.disable) for b in tqdm_bars] == [(len(tiles), len(tiles), False) for tiles in rounds]
+    assert [b.desc for b in tqdm_bars] == [f"[1/1] round {n}" for n in range(1, len(rounds) + 1)]
+    tqdm_bars.clear()
     tune.tune(CASES, rounds=1, runner=StandIn(ENTRY64, TMA64, best=(256, 64, 64, 16, 1, 5)), progress=None,
               write=False)
-    assert bars and all(b.disable for b in bars)
+    assert tqdm_bars and all(b.disable for b in tqdm_bars)
 
 
 def test_command_line_without_a_gpu(cache, monkeypatch, capsys):

@@ -6,15 +6,16 @@ from __future__ import annotations
 
 import importlib.util
 import itertools
-import sys
 
 import pytest
 
 from bsmm.backends.cuda.kernels import Variant
 from conftest import REPO_ROOT
 
-sys.path.insert(0, str(REPO_ROOT / "tools" / "ci"))
-import compile_kernels as ck  # noqa: E402  (a script's module, found through the path above)
+# The script's module, loaded from its file: tools/ci stays off sys.path for the other tests.
+_SPEC = importlib.util.spec_from_file_location("compile_kernels", REPO_ROOT / "tools" / "ci" / "compile_kernels.py")
+ck = importlib.util.module_from_spec(_SPEC)
+_SPEC.loader.exec_module(ck)
 
 
 @pytest.fixture(scope="module")

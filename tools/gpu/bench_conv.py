@@ -38,8 +38,8 @@ import sys
 import numpy as np
 
 from bsmm.passes import PASS_NAMES as PASSES
-from bsmm.cli.bench import (SPREAD_LIMIT, BenchRow, _fmt_time, _gpu_seconds, _interleaved_seconds, relative_spread,
-                            write_json)
+from bsmm.cli.bench import SPREAD_LIMIT, BenchRow, _fmt_time, _interleaved_seconds, relative_spread, write_json
+from bsmm.cli.bench_gpu import _gpu_seconds
 from bsmm.nn.conv import BlocksparseConv
 from bsmm.layouts import random_layout
 

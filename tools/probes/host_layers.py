@@ -13,7 +13,7 @@ import numpy as np
 
 import bsmm
 from bsmm.backends.cuda import plans as cuda_plans
-from bsmm.cli.bench import _gpu_seconds
+from bsmm.cli.bench_gpu import _gpu_seconds
 
 
 def host_time(fn, calls=200, rounds=30):

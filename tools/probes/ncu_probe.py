@@ -9,7 +9,7 @@ import cupy
 import numpy as np
 
 import bsmm
-from bsmm.cli.bench import WORKLOADS
+from bsmm.cli.bench_gpu import WORKLOADS
 
 workload, dtype, bs, density, pass_name = sys.argv[1], sys.argv[2], int(sys.argv[3]), float(sys.argv[4]), sys.argv[5]
 name, _, layer = workload.partition(".")

@@ -10,7 +10,7 @@ import cupy
 import numpy as np
 
 import bsmm
-from bsmm.cli.bench import _dense_matmul, _gpu_seconds
+from bsmm.cli.bench_gpu import _dense_matmul, _gpu_seconds
 from bsmm.layouts import random_layout
 
 parser = argparse.ArgumentParser()

@@ -8,7 +8,7 @@ import cupy
 import numpy as np
 
 import bsmm
-import bsmm.cli.bench as bench
+import bsmm.cli.bench_gpu as bench
 from bsmm.backends.cuda import plans as cuda_plans
 from bsmm.backends.cuda.policy import current_policy, planning
 from bsmm.cli.tune import Entry

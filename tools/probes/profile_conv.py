@@ -15,7 +15,7 @@ import numpy as np
 import bsmm
 from bsmm.backends.cuda import backend as cuda_backend
 from bsmm.nn import row_maps
-from bsmm.cli.bench import _gpu_seconds
+from bsmm.cli.bench_gpu import _gpu_seconds
 
 
 def main() -> None:

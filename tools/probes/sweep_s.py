@@ -11,7 +11,7 @@ import cupy
 import numpy as np
 
 import bsmm
-from bsmm.cli import bench
+from bsmm.cli import bench_gpu as bench
 from bsmm.backends.cuda import plans as cuda_plans
 from bsmm.config import settings
 
