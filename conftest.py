@@ -12,6 +12,9 @@ _ADAPTERS = {
     "bsmm/torch": "torch",
     "bsmm/jax": "jax",
     "bsmm/tf": "tensorflow",
+    "bsmm/flax.py": "flax",
+    "bsmm/equinox.py": "equinox",
+    "bsmm/keras.py": "keras",
 }
 
 collect_ignore = [path for path, module in _ADAPTERS.items() if importlib.util.find_spec(module) is None]
