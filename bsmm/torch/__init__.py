@@ -7,6 +7,9 @@
 
 - :mod:`~bsmm.torch.functional`: :func:`blocksparse_matmul` and :func:`blocksparse_conv`, under autocast.
 - :mod:`~bsmm.torch.layers`: :class:`BlockSparseLinear`, :class:`BlockSparseConv1d`, ``2d`` and ``3d``.
+- :mod:`~bsmm.torch.lstm`: :class:`BlockSparseLSTM`, one ``nn.LSTM`` layer on block-sparse (small-world) layouts.
+- :mod:`~bsmm.torch.conversions`: :func:`to_sparse_bsr` and :func:`from_sparse_bsr`, between
+  :class:`bsmm.BlockSparseMatrix` and ``torch.sparse_bsr`` tensors, the block values shared.
 - :mod:`~bsmm.torch.ops` and :mod:`~bsmm.torch.conv_ops`: the ``torch.library`` custom operators both run
   (``torch.compile(fullgraph=True)`` traces through them), with their gradient formulas
   (:mod:`~bsmm.torch.autograd`: gradients of any order stay block-sparse), the eager fast path
@@ -19,7 +22,11 @@ from __future__ import annotations
 # First, for its clear ImportError when PyTorch is missing (the modules below import torch).
 from bsmm.torch.ops import lookup, register
 from bsmm.torch.functional import blocksparse_conv, blocksparse_matmul  # noqa: I001  (after ops: see above)
+from bsmm.torch.conversions import from_sparse_bsr, to_sparse_bsr
 from bsmm.torch.layers import BlockSparseConv1d, BlockSparseConv2d, BlockSparseConv3d, BlockSparseLinear
+from bsmm.torch.lstm import BlockSparseLSTM
+from bsmm.torch.normalization import l2_normalize
 
-__all__ = ["BlockSparseConv1d", "BlockSparseConv2d", "BlockSparseConv3d", "BlockSparseLinear", "blocksparse_conv",
-           "blocksparse_matmul", "register", "lookup"]
+__all__ = ["BlockSparseConv1d", "BlockSparseConv2d", "BlockSparseConv3d", "BlockSparseLinear", "BlockSparseLSTM",
+           "blocksparse_conv", "blocksparse_matmul", "register", "lookup",
+           "from_sparse_bsr", "to_sparse_bsr", "l2_normalize"]

@@ -1,0 +1,424 @@
+"""``BlockSparseLSTM``: one ``torch.nn.LSTM`` layer whose gate matrices follow block-sparse layouts.
+
+A sequence runs through one ``torch.autograd.Function`` (:class:`_Sequence`) rather than a
+graph of per-step operators:
+
+- forward: ``x·Wx + b`` of all ``T`` steps is one pass over ``T·N`` rows; each step then adds
+  ``h_{t-1}·Wh`` (a pass over ``N`` rows) into its gates and applies the cell's elementwise math.
+- backward: the steps in reverse give each step's pre-activation gradient ``dz_t`` and
+  ``dh_{t-1} = dz_t·Whᵀ`` (a pass over ``N`` rows). The weight gradients then come from one
+  ``updat`` each over all ``T·N`` rows: ``dWh = Σ_t h_{t-1}ᵀ·dz_t`` from the stacked states,
+  the sum over the steps taken inside the pass's float32 accumulator, into one buffer. Autograd
+  over per-step operators would instead make ``T`` separate ``dWh`` tensors and add them up,
+  rounding every partial sum to the weight's dtype. ``dx`` and ``dWx`` are one pass each as well.
+
+The gates are bsmm's (:mod:`bsmm.nn.lstm_gates`): input, forget, output, candidate along the
+``4H`` columns, so the parameters are those of :class:`bsmm.nn.lstm.BlocksparseLSTM`
+(``wx``, ``wh``, ``b``). ``torch.nn.LSTM`` orders its gates input, forget, candidate, output,
+stores ``Wᵀ`` and has two biases: see :class:`BlockSparseLSTM`'s Notes.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+import torch
+from torch.autograd.function import once_differentiable
+
+from bsmm.block_index import check_block_size, check_layout
+from bsmm.layouts.checks import check_int
+from bsmm.layouts.small_world import small_world_layout
+from bsmm.matmul import BlocksparseMatMul
+from bsmm.nn.lstm_gates import GATES
+from bsmm.torch.checks import check_dtype, check_like
+from bsmm.torch.passes import matmul_operator, run_on
+from bsmm.torch.registry import Registration, register
+
+__all__ = ["BlockSparseLSTM"]
+
+_GATES = len(GATES)
+
+
+class _Plan(NamedTuple):
+    """The passes of one forward call: an operator and its registry key per block-sparse matrix.
+
+    ``input_op`` and ``input_key`` are None where ``Wx`` is dense (plain ``torch.matmul``). The
+    registrations keep both keys resolvable until the backward has run, whatever the caller drops.
+    """
+
+    recurrent_op: BlocksparseMatMul
+    recurrent_key: str
+    input_op: BlocksparseMatMul | None
+    input_key: str | None
+    registrations: tuple
+
+
+def _input_fprop(rows: torch.Tensor, weight: torch.Tensor, plan: _Plan) -> torch.Tensor:
+    if plan.input_op is None:
+        return rows @ weight
+    return run_on(plan.input_op, "fprop", rows, weight, plan.input_key)
+
+
+def _input_bprop(dz: torch.Tensor, weight: torch.Tensor, plan: _Plan) -> torch.Tensor:
+    if plan.input_op is None:
+        return dz @ weight.T
+    return run_on(plan.input_op, "bprop", dz, weight, plan.input_key)
+
+
+def _input_updat(rows: torch.Tensor, dz: torch.Tensor, plan: _Plan) -> torch.Tensor:
+    if plan.input_op is None:
+        return rows.T @ dz
+    return run_on(plan.input_op, "updat", rows, dz, plan.input_key)
+
+
+class _Sequence(torch.autograd.Function):
+    """The layer over a whole sequence: ``(x, h0, c0, Wx, Wh, b)`` -> ``(h_1..h_T, h_T, c_T)``.
+
+    ``x`` is (T, N, I) and contiguous, ``h0`` and ``c0`` (N, H). The cell state and the gate
+    activations are kept in float32 (float64 for float64): in half precision only the products'
+    operands and the returned states are rounded, as in :class:`bsmm.nn.lstm.BlocksparseLSTM`.
+    """
+
+    @staticmethod
+    def forward(ctx, x, h0, c0, weight_ih, weight_hh, bias, plan):
+        steps, n, _ = x.shape
+        hidden = h0.shape[1]
+        master = torch.float64 if x.dtype == torch.float64 else torch.float32
+        z = _input_fprop(x.view(steps * n, -1), weight_ih, plan)
+        # Written in place step after step: the pass's fresh output, or its float32 copy.
+        gates = z.to(master).view(steps, n, _GATES * hidden)
+        if bias is not None:
+            gates += bias
+        out = x.new_empty(steps, n, hidden)
+        cells = gates.new_empty(steps + 1, n, hidden)
+        cells[0] = c0
+        h_prev = h0
+        for t in range(steps):
+            step = gates[t]
+            step += run_on(plan.recurrent_op, "fprop", h_prev, weight_hh, plan.recurrent_key)
+            step[:, :3 * hidden].sigmoid_()
+            step[:, 3 * hidden:].tanh_()
+            i, f, o, g = step.split(hidden, dim=1)
+            torch.addcmul(f * cells[t], i, g, out=cells[t + 1])
+            out[t] = o * torch.tanh(cells[t + 1])
+            h_prev = out[t]
+        ctx.plan = plan
+        ctx.save_for_backward(x, h0, weight_ih, weight_hh, out, cells, gates)
+        # Copies: an output that is a view of a saved tensor could not be changed in place.
+        return out, out[-1].clone(), cells[-1].to(x.dtype, copy=True)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, d_out, d_h_last, d_c_last):
+        x, h0, weight_ih, weight_hh, out, cells, gates = ctx.saved_tensors
+        plan = ctx.plan
+        steps, n, hidden = out.shape
+        dtype, master = out.dtype, cells.dtype
+        d_out = d_out.to(master)
+        dh_next, dc_next = d_h_last.to(master, copy=True), d_c_last.to(master, copy=True)
+        dz = torch.empty_like(gates)
+        for t in reversed(range(steps)):
+            dh = dh_next + d_out[t]
+            i, f, o, g = gates[t].split(hidden, dim=1)
+            tanh_c = torch.tanh(cells[t + 1])
+            dc = torch.addcmul(dc_next, dh * o, 1 - tanh_c * tanh_c)
+            d_i, d_f, d_o, d_g = dz[t].split(hidden, dim=1)
+            torch.mul(dc * g, i * (1 - i), out=d_i)
+            torch.mul(dc * cells[t], f * (1 - f), out=d_f)
+            torch.mul(dh * tanh_c, o * (1 - o), out=d_o)
+            torch.mul(dc * i, 1 - g * g, out=d_g)
+            dc_next = dc * f
+            dh_next = run_on(plan.recurrent_op, "bprop", dz[t].to(dtype), weight_hh, plan.recurrent_key).to(master)
+        needs = ctx.needs_input_grad
+        dz_rows = dz.view(steps * n, _GATES * hidden).to(dtype)
+        d_weight_hh = None
+        if needs[4]:
+            # The states each step read, h_0 ... h_{T-1}, stacked: one updat sums over the steps.
+            h_in = torch.cat((h0.unsqueeze(0), out[:-1])).view(steps * n, hidden)
+            d_weight_hh = run_on(plan.recurrent_op, "updat", h_in, dz_rows, plan.recurrent_key)
+        rows = x.view(steps * n, -1)
+        d_x = _input_bprop(dz_rows, weight_ih, plan).view(x.shape) if needs[0] else None
+        d_weight_ih = _input_updat(rows, dz_rows, plan) if needs[3] else None
+        d_bias = dz.sum(dim=(0, 1)).to(dtype) if needs[5] else None
+        d_h0 = dh_next.to(dtype) if needs[1] else None
+        d_c0 = dc_next.to(dtype) if needs[2] else None
+        return d_x, d_h0, d_c0, d_weight_ih, d_weight_hh, d_bias, None
+
+
+# The passes share memory with NumPy and CuPy through DLPack, which torch.compile cannot trace: a
+# compiled model runs the sequence eagerly, between the graphs of what comes before and after it.
+@torch.compiler.disable
+def _sequence(*args):
+    return _Sequence.apply(*args)
+
+
+def _layout_array(layout) -> np.ndarray:
+    if isinstance(layout, torch.Tensor):
+        return layout.detach().cpu().numpy()
+    return np.asarray(layout)
+
+
+def _gate_layout(layout, argument: str, rows: int, hidden_blocks: int) -> np.ndarray:
+    """The (rows, 4·hidden_blocks) layout of a gate matrix from a per-gate or all-gates ``layout``."""
+    checked = check_layout(_layout_array(layout))
+    widths = (hidden_blocks, _GATES * hidden_blocks)
+    if checked.shape[0] != rows or checked.shape[1] not in widths:
+        raise ValueError(f"{argument} must have shape ({rows}, {widths[0]}) (one gate, tiled) or ({rows}, "
+                         f"{widths[1]}) (all gates); got {checked.shape}")
+    return np.tile(checked, (1, _GATES)) if checked.shape[1] == hidden_blocks else checked
+
+
+def _describe(layout) -> str:
+    """A layout (or None, a dense ``Wx``) in words, for the state_dict's error."""
+    if layout is None:
+        return "none (a dense Wx)"
+    return f"a layout of shape {layout.shape} with {int(np.count_nonzero(layout))} blocks"
+
+
+class BlockSparseLSTM(torch.nn.Module):
+    """One LSTM layer (one direction) whose recurrent, and optionally input, weights are block-sparse.
+
+    Parameters
+    ----------
+    input_size, hidden_size : int
+        ``I`` and ``H``. ``H`` must be a multiple of ``block_size``, and ``I`` too where ``Wx`` is sparse.
+    recurrent_layout : (H/bs, H/bs) or (H/bs, 4H/bs) array or tensor of 0/1, optional
+        Layout of ``Wh`` (H, 4H): one square layout is tiled once per gate (block ``c`` feeds hidden
+        block ``k`` through all four gates exactly when ``layout[c, k]``), a wider one gives each gate
+        its own. Leave out for a small-world layout of ``density``, or, without ``density``, all blocks.
+    block_size : int
+        8, 16, 32, 64 or 128.
+    bias : bool
+        Learn a bias of the gates, ``(4H,)``.
+    batch_first : bool
+        Input and output ``(N, T, ·)`` instead of ``(T, N, ·)``, as ``torch.nn.LSTM``.
+    input_layout : None, "recurrent", or (I/bs, H/bs) or (I/bs, 4H/bs) array or tensor
+        Layout of ``Wx`` (I, 4H). None: ``Wx`` is dense (any ``input_size``). ``"recurrent"``: the
+        layout of ``Wh`` (needs ``input_size == hidden_size``), as the seed's small-world LSTMs.
+    density : float in (0, 1], optional
+        Without ``recurrent_layout``: a symmetric small-world graph among the ``H/bs`` hidden blocks
+        with about ``density · (H/bs)²`` blocks, or the sparsest graph of ``kind`` where that has more
+        (:func:`bsmm.layouts.small_world_layout`).
+    kind : {"barabasi_albert", "watts_strogatz"}
+        The small-world graph of ``density``.
+    seed : int, numpy.random.Generator or None
+        Of the small-world graph.
+    tf32 : bool
+        On the GPU, float32 products on TF32 tensor cores.
+    device, dtype
+        Of the parameters: float32, float16 or bfloat16, or float64 on the CPU.
+
+    Attributes
+    ----------
+    weight_ih : Parameter, block data (nnzb, bs, bs) of ``Wx``'s layout, or dense (I, 4H)
+    weight_hh : Parameter, block data (nnzb, bs, bs) of ``Wh``'s layout
+        Blocks row-major over ``recurrent_layout`` (see :class:`bsmm.BlocksparseMatMul`).
+    bias : Parameter (4H,) or None
+    recurrent_layout : buffer (H/bs, 4H/bs) uint8
+        Every gate's layout side by side; saved in the ``state_dict`` (loading a state_dict of another
+        layout raises). Pass it back as ``recurrent_layout`` to rebuild the layer.
+    input_layout : buffer (I/bs, 4H/bs) uint8, or None where ``Wx`` is dense
+
+    Notes
+    -----
+    Shapes are ``torch.nn.LSTM``'s for one layer and one direction: ``input`` (T, N, I), (N, T, I)
+    with ``batch_first``, or (T, I) unbatched; ``hx = (h0, c0)`` each (1, N, H) or (1, H), zeros if
+    left out; returns ``output`` (T, N, H) (or batch-first, or unbatched) and ``(h_n, c_n)``, each
+    (1, N, H) or (1, H). The input must have the parameters' dtype and device (``torch.autocast``
+    does not cast it: choose ``dtype``).
+
+    The pre-activations are ``z = x·Wx + h·Wh + b`` with bsmm's gate order along the 4H columns,
+    input, forget, output, candidate (:data:`bsmm.nn.lstm.GATES`). For a dense layout the layer is
+    ``torch.nn.LSTM`` with ``weight_ih_l0 = Wx.T`` and ``weight_hh_l0 = Wh.T`` after moving the gate
+    blocks of rows into its order (input, forget, candidate, output), and ``b = bias_ih_l0 + bias_hh_l0``.
+
+    Initialization follows ``torch.nn.LSTM`` with each gate column's true fan-in: the weights of
+    block column ``k`` (in ``Wx`` and ``Wh``) and the bias entries of its features are drawn from
+    U(-1/sqrt(fan_in_k), 1/sqrt(fan_in_k)), ``fan_in_k = block_size ×`` the present blocks of column
+    ``k`` of ``Wh`` (``H`` for an empty column), with PyTorch's generator. For a dense layout this is
+    ``torch.nn.LSTM``'s U(-1/sqrt(H), 1/sqrt(H)).
+
+    A sequence is one ``torch.autograd.Function`` (see the module docstring): the gradients are
+    first-order (no ``create_graph``), and a ``torch.compile``'d model runs it eagerly (a graph break).
+
+    Examples
+    --------
+    >>> import torch, bsmm.torch
+    >>> lstm = bsmm.torch.BlockSparseLSTM(64, 64, block_size=8, density=0.5, seed=0, input_layout="recurrent")
+    >>> lstm
+    BlockSparseLSTM(64, 64, block_size=8, recurrent_density=0.5, input_density=0.5, bias=True)
+    >>> x = torch.randn(5, 3, 64)  # (T, N, I)
+    >>> output, (h_n, c_n) = lstm(x)
+    >>> output.shape, h_n.shape, c_n.shape
+    (torch.Size([5, 3, 64]), torch.Size([1, 3, 64]), torch.Size([1, 3, 64]))
+    >>> torch.equal(output[-1], h_n[0])
+    True
+    >>> output.square().sum().backward()
+    >>> lstm.weight_hh.grad.shape == lstm.weight_hh.shape
+    True
+    """
+
+    def __init__(self, input_size: int, hidden_size: int, recurrent_layout=None, block_size: int = 32,
+                 bias: bool = True, batch_first: bool = False, *, input_layout=None, density=None,
+                 kind: str = "barabasi_albert", seed=None, tf32: bool = False, device=None, dtype=None):
+        super().__init__()
+        self.input_size = check_int(input_size, "input_size", 1)
+        self.hidden_size = check_int(hidden_size, "hidden_size", 1)
+        self.block_size = bs = check_block_size(block_size)
+        self.batch_first, self.tf32 = bool(batch_first), bool(tf32)
+        dtype = torch.get_default_dtype() if dtype is None else dtype
+        check_dtype(dtype, torch.empty(0, device=device).device, "dtype")
+        if self.hidden_size % bs:
+            raise ValueError(f"hidden_size must be a multiple of block_size ({bs}); got {self.hidden_size}")
+        hidden_blocks = self.hidden_size // bs
+        recurrent = _gate_layout(self._recurrent_graph(recurrent_layout, density, kind, seed, hidden_blocks),
+                                 "recurrent_layout", hidden_blocks, hidden_blocks)
+        self._recurrent = register(BlocksparseMatMul(recurrent, bs).index)
+        self._input = self._input_registration(input_layout, recurrent, hidden_blocks)
+        for name, registration in (("recurrent_layout", self._recurrent), ("input_layout", self._input)):
+            self.register_buffer(name, None if registration is None else
+                                 torch.tensor(np.array(registration.index.layout), device=device))
+        factory = {"device": device, "dtype": dtype}
+        ih_shape = (self.input_size, _GATES * self.hidden_size) if self._input is None else self._input.index.w_shape
+        self.weight_ih = torch.nn.Parameter(torch.empty(ih_shape, **factory))
+        self.weight_hh = torch.nn.Parameter(torch.empty(self._recurrent.index.w_shape, **factory))
+        if bias:
+            self.bias = torch.nn.Parameter(torch.empty(_GATES * self.hidden_size, **factory))
+        else:
+            self.register_parameter("bias", None)
+        self.reset_parameters()
+
+    @staticmethod
+    def _recurrent_graph(layout, density, kind: str, seed, hidden_blocks: int):
+        if density is None:
+            return np.ones((hidden_blocks, hidden_blocks), np.uint8) if layout is None else layout
+        if layout is not None:
+            raise ValueError("pass recurrent_layout or density, not both: density makes a small-world recurrent_layout")
+        if isinstance(density, bool) or not isinstance(density, (int, float, np.integer, np.floating)):
+            raise TypeError(f"density must be a real number in (0, 1]; got {type(density).__name__}")
+        if not 0.0 < density <= 1.0:
+            raise ValueError(f"density must be in (0, 1]; got {density}")
+        return small_world_layout(hidden_blocks, round(density * hidden_blocks**2), kind, seed)
+
+    def _input_registration(self, layout, recurrent: np.ndarray, hidden_blocks: int) -> Registration | None:
+        """The registration of ``Wx``'s layout, None where ``Wx`` is dense."""
+        if layout is None:
+            return None
+        if isinstance(layout, str):
+            if layout != "recurrent":
+                raise ValueError(f"input_layout must be None, 'recurrent' or a layout; got {layout!r}")
+            if self.input_size != self.hidden_size:
+                raise ValueError(f"input_layout='recurrent' needs input_size == hidden_size; got {self.input_size} "
+                                 f"and {self.hidden_size}")
+            full = recurrent
+        else:
+            if self.input_size % self.block_size:
+                raise ValueError(f"input_size must be a multiple of block_size ({self.block_size}) for a sparse "
+                                 f"input_layout; got {self.input_size}")
+            full = _gate_layout(layout, "input_layout", self.input_size // self.block_size, hidden_blocks)
+        return register(BlocksparseMatMul(full, self.block_size).index)
+
+    def reset_parameters(self) -> None:
+        """Draw the weights and bias again (see Notes), with PyTorch's random generator."""
+        recurrent = self._recurrent.index
+        fan_in = np.count_nonzero(recurrent.layout, axis=0) * self.block_size
+        bounds = 1.0 / np.sqrt(np.where(fan_in > 0, fan_in, self.hidden_size))  # per block column of the gates
+        with torch.no_grad():
+            for weight, registration in ((self.weight_hh, self._recurrent), (self.weight_ih, self._input)):
+                column_bounds = bounds[registration.index.indices] if registration is not None else \
+                    np.repeat(bounds, self.block_size)
+                scale = torch.tensor(column_bounds, dtype=weight.dtype, device=weight.device)
+                weight.uniform_(-1.0, 1.0).mul_(scale.view(-1, 1, 1) if registration is not None else scale)
+            if self.bias is not None:
+                scale = torch.tensor(np.repeat(bounds, self.block_size), dtype=self.bias.dtype, device=self.bias.device)
+                self.bias.uniform_(-1.0, 1.0).mul_(scale)
+
+    def forward(self, input: torch.Tensor, hx=None):
+        """input (T, N, I) (or batch-first, or (T, I)) -> output, (h_n, c_n) as ``torch.nn.LSTM``."""
+        if not isinstance(input, torch.Tensor):
+            raise TypeError(f"input must be a torch.Tensor; got {type(input).__name__}")
+        batched = input.dim() == 3
+        if input.dim() not in (2, 3) or input.shape[-1] != self.input_size or 0 in input.shape:
+            order = "(N, T, {0})" if self.batch_first else "(T, N, {0})"
+            raise ValueError(f"input must have shape {order.format(self.input_size)} or (T, {self.input_size}) "
+                             f"with T, N >= 1; got {tuple(input.shape)}")
+        check_dtype(input.dtype, input.device, "input")
+        check_like(input, "input", self.weight_hh, "weight_hh")
+        x = input if batched else input.unsqueeze(1)
+        if self.batch_first and batched:
+            x = x.transpose(0, 1)
+        x = x.contiguous()
+        n = x.shape[1]
+        if hx is None:
+            h0 = c0 = x.new_zeros(n, self.hidden_size)
+        else:
+            if not isinstance(hx, (tuple, list)) or len(hx) != 2:
+                raise TypeError(f"hx must be a tuple (h0, c0); got {type(hx).__name__}")
+            h0, c0 = (self._state(state, name, input, batched, n) for state, name in zip(hx, ("h0", "c0")))
+        plan = _Plan(
+            matmul_operator(self._recurrent.key, 1, self.tf32), self._recurrent.key,
+            None if self._input is None else matmul_operator(self._input.key, 1, self.tf32),
+            None if self._input is None else self._input.key, (self._recurrent, self._input),
+        )
+        output, h_n, c_n = _sequence(x, h0, c0, self.weight_ih, self.weight_hh, self.bias, plan)
+        if not batched:  # N = 1: h_n and c_n are (1, H) already
+            return output.squeeze(1), (h_n, c_n)
+        if self.batch_first:
+            output = output.transpose(0, 1)
+        return output, (h_n.unsqueeze(0), c_n.unsqueeze(0))
+
+    def _state(self, state, name: str, input: torch.Tensor, batched: bool, n: int) -> torch.Tensor:
+        """``h0`` or ``c0`` as (N, H), contiguous, or raise naming it."""
+        if not isinstance(state, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor; got {type(state).__name__}")
+        expected = (1, n, self.hidden_size) if batched else (1, self.hidden_size)
+        if tuple(state.shape) != expected:
+            raise ValueError(f"{name} must have shape {expected} for this input; got {tuple(state.shape)}")
+        check_like(state, name, input, "input")
+        return state.reshape(n, self.hidden_size).contiguous()
+
+    def to_dense_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Dense ``Wx`` (I, 4H) and ``Wh`` (H, 4H), zero where blocks are absent; differentiable.
+
+        ``torch.nn.LSTM`` stores their transposes, its gates in another order (see the class Notes).
+        """
+        dense = [self.weight_ih if self._input is None else self._dense(self.weight_ih, self._input.index),
+                 self._dense(self.weight_hh, self._recurrent.index)]
+        return dense[0], dense[1]
+
+    @staticmethod
+    def _dense(weight: torch.Tensor, index) -> torch.Tensor:
+        rows = torch.tensor(index.rows, dtype=torch.long, device=weight.device)
+        cols = torch.tensor(index.indices, dtype=torch.long, device=weight.device)
+        blocks = weight.new_zeros(*index.layout.shape, index.block_size, index.block_size).index_put((rows, cols),
+                                                                                                      weight)
+        return blocks.permute(0, 2, 1, 3).reshape(index.C, index.K)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        for name, registration in (("recurrent_layout", self._recurrent), ("input_layout", self._input)):
+            saved = state_dict.get(prefix + name)
+            saved = None if saved is None else saved.detach().cpu().numpy() != 0
+            own = None if registration is None else registration.index.layout != 0
+            if (saved is None and own is None) or (saved is not None and own is not None and saved.shape == own.shape
+                                                   and np.array_equal(saved, own)):
+                continue
+            moved = " in other places" if saved is not None and own is not None and saved.shape == own.shape and \
+                np.count_nonzero(saved) == np.count_nonzero(own) else ""
+            error_msgs.append(
+                f"{prefix}{name}: the state_dict holds {_describe(saved)}, this BlockSparseLSTM has {_describe(own)}"
+                f"{moved}; "
+                f"build the layer with the saved layouts, BlockSparseLSTM(..., recurrent_layout=state_dict["
+                f"'{prefix}recurrent_layout'], input_layout=state_dict.get('{prefix}input_layout'))"
+            )
+            return
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+
+    def extra_repr(self) -> str:
+        text = (f"{self.input_size}, {self.hidden_size}, block_size={self.block_size}, "
+                f"recurrent_density={self._recurrent.index.density:.3g}, input_density="
+                f"{'dense' if self._input is None else format(self._input.index.density, '.3g')}, "
+                f"bias={self.bias is not None}")
+        return text + (", batch_first=True" if self.batch_first else "") + (", tf32=True" if self.tf32 else "")
