@@ -17,7 +17,8 @@ import jax
 import jax.numpy as jnp
 
 from bsmm.dtypes import canonical_dtype
-from bsmm.jax import BlockSparseDense, blocksparse_matmul
+from bsmm.jax import BlockSparseDense
+from bsmm.jax.layers import _linear
 from bsmm.matmul import BlocksparseMatMul
 
 __all__ = ["BlockSparseLinear"]
@@ -101,9 +102,4 @@ class BlockSparseLinear(eqx.Module):
 
         ``x`` and the parameters are promoted to one dtype; ``key`` is ignored (Equinox's convention).
         """
-        dtype = jnp.result_type(x, self.weight)
-        y = blocksparse_matmul(jnp.asarray(x, dtype), self.weight.astype(dtype), self.op)
-        if self.bias is None:
-            return y
-        bias = self.bias.astype(dtype)
-        return y + (bias if self.op.feature_axis == 1 else bias.reshape((-1,) + (1,) * (y.ndim - 1)))
+        return _linear(self.op, x, self.weight, self.bias, jnp.result_type(x, self.weight))

@@ -16,7 +16,8 @@ except ImportError as error:
 import jax.numpy as jnp
 
 from bsmm.dtypes import canonical_dtype
-from bsmm.jax import BlockSparseDense, blocksparse_matmul
+from bsmm.jax import BlockSparseDense
+from bsmm.jax.layers import _linear
 
 __all__ = ["BlockSparseLinear"]
 
@@ -106,8 +107,4 @@ class BlockSparseLinear(nnx.Module):
         """``x·W + b``: (..., C) -> (..., K), or (C, N) -> (K, N) with ``feature_axis=0``."""
         kernel = self.kernel[...]
         dtype = jnp.result_type(x, kernel) if self.dtype is None else self.dtype
-        y = blocksparse_matmul(jnp.asarray(x, dtype), kernel.astype(dtype), self.op)
-        if self.bias is None:
-            return y
-        bias = self.bias[...].astype(dtype)
-        return y + (bias if self.op.feature_axis == 1 else bias.reshape((-1,) + (1,) * (y.ndim - 1)))
+        return _linear(self.op, x, kernel, None if self.bias is None else self.bias[...], dtype)

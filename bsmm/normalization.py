@@ -58,6 +58,18 @@ def check_epsilon(epsilon) -> float:
     return float(epsilon)
 
 
+def check_w_shape(w, index: BlockIndex) -> None:
+    """Raise ValueError unless ``w`` (any framework's array) has the block data's shape (nnzb, bs, bs)."""
+    if tuple(w.shape) != index.w_shape:
+        raise ValueError(f"w must have shape (nnzb, bs, bs) = {index.w_shape} for this layout; got {tuple(w.shape)}")
+
+
+def check_gain_shape(gain, index: BlockIndex) -> None:
+    """Raise ValueError unless ``gain`` (any framework's array) has one entry per output feature, (K,)."""
+    if tuple(gain.shape) != (index.K,):
+        raise ValueError(f"gain must have shape (K,) = ({index.K},); got {tuple(gain.shape)}")
+
+
 def _operand(value, argument: str):
     """``value`` as an :class:`~bsmm.arrays.Operand`, once it is a NumPy or CuPy array of a float dtype."""
     operand = as_operand(value, argument)
@@ -74,16 +86,14 @@ def _operand(value, argument: str):
 def _check_inputs(w, index: BlockIndex, gain, others: dict) -> None:
     """Raise unless ``w``, ``gain`` and the ``others`` (of w's shape) fit ``index`` and share a library and device."""
     operands = {"w": _operand(w, "w")}
-    if tuple(w.shape) != index.w_shape:
-        raise ValueError(f"w must have shape (nnzb, bs, bs) = {index.w_shape} for this layout; got {tuple(w.shape)}")
+    check_w_shape(w, index)
     for name, value in others.items():
         operands[name] = _operand(value, name)
         if tuple(value.shape) != index.w_shape:
             raise ValueError(f"{name} must have w's shape {index.w_shape}; got {tuple(value.shape)}")
     if gain is not None:
         operands["gain"] = _operand(gain, "gain")
-        if tuple(gain.shape) != (index.K,):
-            raise ValueError(f"gain must have shape (K,) = ({index.K},); got {tuple(gain.shape)}")
+        check_gain_shape(gain, index)
     check_same_place(operands)
 
 

@@ -39,6 +39,16 @@ def _add_bias(params: dict, y, features: int, axis: int):
     return y + b.reshape((-1,) + (1,) * (y.ndim - axis - 1)).astype(y.dtype)
 
 
+def _linear(op: BlocksparseMatMul, x, weight, bias, dtype):
+    """``x·W + b`` in ``dtype`` (``x``, ``weight`` and ``bias`` cast to it), ``bias`` (K,) or None: the forward
+    of the Equinox and Flax layers, which keep their parameters in their own ways."""
+    y = blocksparse_matmul(jnp.asarray(x, dtype), weight.astype(dtype), op)
+    if bias is None:
+        return y
+    bias = bias.astype(dtype)
+    return y + (bias if op.feature_axis == 1 else bias.reshape((-1,) + (1,) * (y.ndim - 1)))
+
+
 class BlockSparseDense:
     """A dense layer ``y = x·W + b`` whose ``W`` (in_features, out_features) is block-sparse.
 

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from bsmm.normalization import DEFAULT_EPSILON, block_index_of, check_epsilon
+from bsmm.normalization import DEFAULT_EPSILON, block_index_of, check_epsilon, check_gain_shape, check_w_shape
 
 __all__ = ["l2_normalize"]
 
@@ -78,14 +78,12 @@ def l2_normalize(w, op, gain=None, epsilon: float = DEFAULT_EPSILON):
     """
     index = block_index_of(op)
     _check_array(w, "w")
-    if tuple(w.shape) != index.w_shape:
-        raise ValueError(f"w must have shape (nnzb, bs, bs) = {index.w_shape} for this layout; got {tuple(w.shape)}")
+    check_w_shape(w, index)
     epsilon = check_epsilon(epsilon)
     blocks_shape = (index.n_block_cols, index.block_size)
     if gain is not None:
         _check_array(gain, "gain")
-        if tuple(gain.shape) != (index.K,):
-            raise ValueError(f"gain must have shape (K,) = ({index.K},); got {tuple(gain.shape)}")
+        check_gain_shape(gain, index)
     compute = jnp.float64 if np.dtype(w.dtype) == np.float64 else jnp.float32
     columns = jnp.asarray(index.indices)
     wc = jnp.asarray(w).astype(compute)

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from bsmm.block_index import BlockIndex
-from bsmm.normalization import DEFAULT_EPSILON, block_index_of, check_epsilon
+from bsmm.normalization import DEFAULT_EPSILON, block_index_of, check_epsilon, check_gain_shape, check_w_shape
 
 __all__ = ["l2_normalize"]
 
@@ -91,14 +91,12 @@ def l2_normalize(w: torch.Tensor, op, gain: torch.Tensor | None = None,
     """
     index = block_index_of(op)
     _check_tensor(w, "w")
-    if tuple(w.shape) != index.w_shape:
-        raise ValueError(f"w must have shape (nnzb, bs, bs) = {index.w_shape} for this layout; got {tuple(w.shape)}")
+    check_w_shape(w, index)
     epsilon = check_epsilon(epsilon)
     blocks_shape = (index.n_block_cols, index.block_size)
     if gain is not None:
         _check_tensor(gain, "gain")
-        if tuple(gain.shape) != (index.K,):
-            raise ValueError(f"gain must have shape (K,) = ({index.K},); got {tuple(gain.shape)}")
+        check_gain_shape(gain, index)
         if gain.device != w.device:
             raise ValueError(f"gain is on {gain.device} but w is on {w.device}; move them to one device")
     compute = torch.float64 if w.dtype == torch.float64 else torch.float32

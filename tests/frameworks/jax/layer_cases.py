@@ -107,17 +107,3 @@ def assert_trains_like_twin(losses, twin_losses, dense_kernel, twin_kernel, bias
     assert_close(dense_kernel, twin_kernel, "float32", "trained kernel")
     assert_close(bias, twin_bias, "float32", "trained bias")
 
-
-def gpu_or_skip():
-    """JAX's first GPU; skips without one or without CuPy (bsmm's GPU backend)."""
-    try:
-        gpus = jax.devices("gpu")
-    except RuntimeError as error:
-        pytest.skip(f"JAX has no GPU backend ({error}): GPU tests skipped")
-    cupy = pytest.importorskip("cupy", reason="CuPy is not installed: GPU tests skipped")
-    try:
-        if not cupy.cuda.is_available():
-            pytest.skip("CuPy sees no CUDA device: GPU tests skipped")
-    except Exception as error:  # noqa: BLE001 - a broken driver/runtime counts as "no GPU"
-        pytest.skip(f"CuPy cannot query CUDA ({type(error).__name__}: {error}): GPU tests skipped")
-    return gpus[0]

@@ -20,7 +20,11 @@ import bsmm.jax as bjax  # noqa: E402
 import bsmm.jax.passes  # noqa: E402
 from bsmm.nn.conv import BlocksparseConv  # noqa: E402
 from reference import assert_close, random_data, random_layout  # noqa: E402
-from test_jax import device, host, passes_in, put, x64  # noqa: E402, F401 (device, x64: fixtures)
+from test_jax import passes_in, put  # noqa: E402
+import jax_cases  # noqa: E402
+from jax_cases import host  # noqa: E402
+
+device, x64 = jax_cases.device, jax_cases.x64  # the fixtures (tests take them by name)
 
 BS = 8
 SPATIAL = {1: "W", 2: "HW", 3: "DHW"}

@@ -20,32 +20,17 @@ optax = pytest.importorskip("optax", reason="optax is not installed: bsmm.equino
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from layer_cases import (  # noqa: E402
-    BS, CASE_IDS, gpu_or_skip, assert_trains_like_twin, head_loss, make_case, reference, train_masked_dense_twin,
+    BS, CASE_IDS, assert_trains_like_twin, head_loss, make_case, reference, train_masked_dense_twin,
     training_data,
 )
 from reference import assert_close, random_data, random_layout  # noqa: E402
+import jax_cases  # noqa: E402
+from jax_cases import host  # noqa: E402
 
 import bsmm.equinox  # noqa: E402
 from conftest import REPO_ROOT  # noqa: E402
 
-
-@pytest.fixture(params=["cpu", pytest.param("gpu", marks=pytest.mark.gpu)])
-def device(request):
-    """The device the layer's parameters and the inputs are created on."""
-    dev = jax.devices("cpu")[0] if request.param == "cpu" else gpu_or_skip()
-    with jax.default_device(dev):
-        yield dev
-
-
-@pytest.fixture
-def x64():
-    """64-bit types on for one test, restored after it."""
-    previous = jax.config.read("jax_enable_x64")
-    jax.config.update("jax_enable_x64", True)
-    try:
-        yield
-    finally:
-        jax.config.update("jax_enable_x64", previous)
+device, x64 = jax_cases.device, jax_cases.x64  # the fixtures (tests take them by name)
 
 
 def linear(layout, axis=1, seed=0, **kwargs):
@@ -57,10 +42,6 @@ def with_random_bias(layer, seed: int):
     """The layer with a N(0, 1) bias, so a bias added on the wrong axis shows."""
     bias = jnp.asarray(random_data(np.random.default_rng(seed), layer.bias.shape, "float32"), layer.bias.dtype)
     return eqx.tree_at(lambda layer: layer.bias, layer, bias)
-
-
-def host(array) -> np.ndarray:
-    return np.asarray(jax.device_get(array))
 
 
 def test_import_bsmm_imports_no_equinox_and_a_missing_equinox_is_named():

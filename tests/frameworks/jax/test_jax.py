@@ -42,6 +42,8 @@ import bsmm
 import bsmm.jax as bjax
 from conftest import REPO_ROOT
 import bsmm.jax.passes
+import jax_cases
+from jax_cases import gpu_or_skip, host
 
 try:
     # Two host devices for the mixed-device test; only possible before JAX starts its backends.
@@ -54,34 +56,11 @@ REPO = str(REPO_ROOT)
 
 
 # -- fixtures and helpers -----------------------------------------------------------------------------
-def _gpu_or_skip():
-    try:
-        gpus = jax.devices("gpu")
-    except RuntimeError as error:
-        pytest.skip(f"JAX has no GPU backend ({error}): GPU tests skipped")
-    cupy = pytest.importorskip("cupy", reason="CuPy is not installed: GPU tests skipped")
-    try:
-        if not cupy.cuda.is_available():
-            pytest.skip("CuPy sees no CUDA device: GPU tests skipped")
-    except Exception as error:  # noqa: BLE001 - a broken driver/runtime counts as "no GPU"
-        pytest.skip(f"CuPy cannot query CUDA ({type(error).__name__}: {error}): GPU tests skipped")
-    return gpus[0]
-
-
-@pytest.fixture(params=["cpu", pytest.param("gpu", marks=pytest.mark.gpu)])
-def device(request):
-    """The device every array of the test lives on (jit then runs there)."""
-    dev = jax.devices("cpu")[0] if request.param == "cpu" else _gpu_or_skip()
-    with jax.default_device(dev):
-        yield dev
+device, x64 = jax_cases.device, jax_cases.x64  # the fixtures (tests take them by name)
 
 
 def put(array, dev):
     return jax.device_put(jnp.asarray(array), dev)
-
-
-def host(array) -> np.ndarray:
-    return np.asarray(jax.device_get(array))
 
 
 def dense_w(op, w):
@@ -232,17 +211,6 @@ def test_check_grads_reverse_mode(device, axis):
                 order=1, modes=["rev"], eps=0.5, atol=1e-3, rtol=1e-3)
 
 
-@pytest.fixture
-def x64():
-    """64-bit types on for one test (float64 arrays stay float64), restored after it."""
-    previous = jax.config.read("jax_enable_x64")
-    jax.config.update("jax_enable_x64", True)
-    try:
-        yield
-    finally:
-        jax.config.update("jax_enable_x64", previous)
-
-
 @AXES
 @pytest.mark.parametrize("n", [1, 7])
 @pytest.mark.parametrize("kind", ["random", "empty"])
@@ -284,7 +252,7 @@ def test_float64_needs_x64():
 
 @pytest.mark.gpu
 def test_float64_is_refused_on_the_gpu(x64):
-    gpu = _gpu_or_skip()
+    gpu = gpu_or_skip()
     op, x, _, w = make_case(40, 1, 3, np.float64)
     with pytest.raises(TypeError, match="x has dtype float64, which runs only on the CPU backend"):
         bjax.blocksparse_matmul(put(x, gpu), put(w, gpu), op)
@@ -602,7 +570,7 @@ def test_gpu_jitted_passes_allocate_only_their_outputs():
     """Device memory statistics: a jitted pass adds exactly its output to the memory in use,
     and the peak never exceeds what was in use plus the outputs (no copies of inputs);
     inputs are unchanged."""
-    dev = _gpu_or_skip()
+    dev = gpu_or_skip()
     if dev.memory_stats() is None:
         pytest.skip("this JAX GPU client reports no memory statistics")
     rng = np.random.default_rng(90)
@@ -639,7 +607,7 @@ def test_gpu_jitted_passes_allocate_only_their_outputs():
 def test_gpu_pass_is_ordered_on_xla_stream():
     """Inside one jit, XLA writes x*2+1 just before the pass and reads the result right after:
     on another stream the kernels would read stale input or XLA would read an unfinished output."""
-    dev = _gpu_or_skip()
+    dev = gpu_or_skip()
     rng = np.random.default_rng(91)
     op = bsmm.BlocksparseMatMul(random_layout(rng, 32, 32, 0.5), block_size=32)
     x = random_data(rng, (4096, op.C), "float32")
@@ -703,7 +671,7 @@ def test_gpu_passes_replay_from_xla_command_buffers():
     records bsmm's passes into a CUDA graph after their first, uncaptured call and replays them
     without calling Python; every step equals the same step traced with replays off, bitwise,
     and those passes are never captured."""
-    _gpu_or_skip()
+    gpu_or_skip()
     env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
                XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " --xla_gpu_graph_min_graph_size=1").strip(),
                XLA_PYTHON_CLIENT_PREALLOCATE="false")
@@ -725,7 +693,7 @@ def test_gpu_repeated_pass_launches_on_raw_pointers(monkeypatch):
     """A pass XLA calls again with a shape it ran before takes the kept call on the buffers' raw
     pointers (no CuPy arrays): the first call of each pass runs the operator's checked pass,
     no later one does."""
-    dev = _gpu_or_skip()
+    dev = gpu_or_skip()
     taken = []
     for pass_name in ("bprop", "updat"):
         method = getattr(bsmm.BlocksparseMatMul, pass_name)

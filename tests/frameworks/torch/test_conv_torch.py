@@ -21,7 +21,11 @@ import bsmm.torch as bt  # noqa: E402
 from bsmm.torch import conv_ops  # noqa: E402
 from bsmm.nn.conv import BlocksparseConv  # noqa: E402
 from reference import assert_close, dense_to_present_blocks, dense_weight, random_data, random_layout  # noqa: E402
-from test_torch import _cuda_or_skip, _forward_backward, device, host  # noqa: E402, F401 (device: a fixture)
+from test_torch import _forward_backward, host  # noqa: E402
+import torch_cases  # noqa: E402
+from torch_cases import cuda_or_skip  # noqa: E402
+
+device = torch_cases.device  # the fixture (tests take it by name)
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
                 "float64": torch.float64}
@@ -302,7 +306,7 @@ def test_errors_name_the_argument():
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_gpu_layer_in_half_precision_channels_last(dtype):
     """The benchmark's path: a channels_last half-precision layer on CUDA against cuDNN on the dense weight."""
-    device = _cuda_or_skip()
+    device = cuda_or_skip()
     layer = bt.BlockSparseConv2d(64, 64, 3, random_layout(np.random.default_rng(19), 2, 2, 0.5), block_size=32,
                                  padding=1, device=device, dtype=TORCH_DTYPES[dtype])
     x = torch.randn(4, 64, 9, 10, device=device, dtype=TORCH_DTYPES[dtype]).to(memory_format=torch.channels_last)

@@ -16,6 +16,10 @@ import bsmm  # noqa: E402
 import bsmm.torch as bt  # noqa: E402
 from conftest import require_dtype  # noqa: E402
 from reference import as_float64, assert_close, dense_weight, random_data, random_layout, skewed_layout  # noqa: E402
+import torch_cases  # noqa: E402
+from torch_cases import cuda_or_skip  # noqa: E402
+
+device = torch_cases.device  # the fixture (tests take it by name)
 
 BS = 8
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
@@ -28,20 +32,6 @@ LAYOUTS = {
 }
 
 pytestmark = pytest.mark.filterwarnings("ignore:Sparse BSR tensor support is in beta state")
-
-
-def _cuda_or_skip() -> str:
-    if not torch.cuda.is_available():
-        pytest.skip("PyTorch sees no CUDA device: GPU tests skipped")
-    cupy = pytest.importorskip("cupy", reason="CuPy is not installed: GPU tests skipped")
-    if not cupy.cuda.is_available():
-        pytest.skip("CuPy sees no CUDA device: GPU tests skipped")
-    return "cuda"
-
-
-@pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-def device(request) -> str:
-    return "cpu" if request.param == "cpu" else _cuda_or_skip()
 
 
 def on(device: str, array: np.ndarray):
@@ -244,7 +234,7 @@ def test_from_sparse_bsr_refusals():
 
 @pytest.mark.gpu
 def test_from_sparse_bsr_refuses_float64_on_cuda():
-    _cuda_or_skip()
+    cuda_or_skip()
     tensor = torch.randn(16, 16, dtype=torch.float64, device="cuda").to_sparse_bsr((8, 8))
     with pytest.raises(TypeError, match=r"tensor has dtype torch.float64, which bsmm runs only on the CPU"):
         bt.from_sparse_bsr(tensor)
@@ -413,7 +403,7 @@ def test_from_linear_refusals():
 
 @pytest.mark.gpu
 def test_from_linear_refuses_float64_on_cuda():
-    _cuda_or_skip()
+    cuda_or_skip()
     linear = torch.nn.Linear(16, 16, device="cuda", dtype=torch.float64)
     with pytest.raises(TypeError, match=r"linear.weight has dtype torch.float64, which bsmm runs only on the CPU"):
         bt.BlockSparseLinear.from_linear(linear, block_size=BS)

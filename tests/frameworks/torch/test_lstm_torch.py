@@ -26,6 +26,10 @@ from bsmm.layouts.small_world import small_world_layout  # noqa: E402
 from reference import (  # noqa: E402
     dense_to_present_blocks, dense_weight, random_layout, rel_error, skewed_layout, tolerance,
 )
+import torch_cases  # noqa: E402
+from torch_cases import cuda_or_skip  # noqa: E402
+
+device = torch_cases.device  # the fixture (tests take it by name)
 
 TORCH_DTYPES = {"float64": torch.float64, "float32": torch.float32, "float16": torch.float16,
                 "bfloat16": torch.bfloat16}
@@ -33,20 +37,6 @@ TORCH_DTYPES = {"float64": torch.float64, "float32": torch.float32, "float16": t
 #: sequences (T <= 5): 1.2e-15 (float64), 3.6e-7 (float32), 4.9e-4 (float16), 3.6e-3 (bfloat16).
 #: bsmm's gate columns (i, f, o, g) taken from torch.nn.LSTM's gate rows (i, f, g, o), and back: a swap.
 TORCH_GATE_ORDER = (0, 1, 3, 2)
-
-
-def _cuda_or_skip() -> str:
-    if not torch.cuda.is_available():
-        pytest.skip("PyTorch sees no CUDA device: GPU tests skipped")
-    cupy = pytest.importorskip("cupy", reason="CuPy is not installed: GPU tests skipped")
-    if not cupy.cuda.is_available():
-        pytest.skip("CuPy sees no CUDA device: GPU tests skipped")
-    return "cuda"
-
-
-@pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-def device(request) -> str:
-    return "cpu" if request.param == "cpu" else _cuda_or_skip()
 
 
 def gate_permutation(hidden: int) -> np.ndarray:
@@ -497,7 +487,7 @@ def test_call_errors():
 # -- GPU ------------------------------------------------------------------------------------------------------
 @pytest.mark.gpu
 def test_gpu_refuses_float64_and_mixed_devices():
-    cuda = _cuda_or_skip()
+    cuda = cuda_or_skip()
     with pytest.raises(TypeError, match="dtype has dtype torch.float64, which bsmm runs only on the CPU; on cuda"):
         bt.BlockSparseLSTM(16, 16, np.eye(2), 8, device=cuda, dtype=torch.float64)
     lstm = bt.BlockSparseLSTM(16, 16, np.eye(2), 8, device=cuda)
@@ -513,7 +503,7 @@ def test_gpu_refuses_float64_and_mixed_devices():
 def test_gpu_matches_the_cpu_layer_through_training_steps():
     """The same layer on the CPU and on the GPU: outputs and gradients agree, and so do the outputs after
     three SGD steps (the GPU's float32 products are exact, as the CPU's)."""
-    cuda = _cuda_or_skip()
+    cuda = cuda_or_skip()
     torch.manual_seed(11)
     cpu = bt.BlockSparseLSTM(64, 64, block_size=8, density=0.3, seed=2, input_layout="recurrent")
     gpu = copy.deepcopy(cpu).to(cuda)

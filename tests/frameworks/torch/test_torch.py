@@ -26,28 +26,18 @@ import bsmm.torch as bt  # noqa: E402
 from bsmm.torch import ops as torch_ops  # noqa: E402
 from reference import assert_close, dense_to_present_blocks, dense_weight, random_data, random_layout  # noqa: E402
 from reference import ref_bprop, ref_fprop, ref_updat  # noqa: E402
+import torch_cases  # noqa: E402
+from torch_cases import cuda_or_skip  # noqa: E402
+
+device = torch_cases.device  # the fixture (tests take it by name)
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 BS = 8
 
 
-def _cuda_or_skip() -> str:
-    if not torch.cuda.is_available():
-        pytest.skip("PyTorch sees no CUDA device: GPU tests skipped")
-    cupy = pytest.importorskip("cupy", reason="CuPy is not installed: GPU tests skipped")
-    if not cupy.cuda.is_available():
-        pytest.skip("CuPy sees no CUDA device: GPU tests skipped")
-    return "cuda"
-
-
-@pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-def device(request) -> str:
-    return "cpu" if request.param == "cpu" else _cuda_or_skip()
-
-
 @pytest.fixture
 def cuda() -> str:
-    return _cuda_or_skip()
+    return cuda_or_skip()
 
 
 def tensor(array, device="cpu", dtype=None, requires_grad=False) -> torch.Tensor:
@@ -580,7 +570,7 @@ class MaskedLinear(torch.nn.Linear):
 def test_training_matches_a_masked_dense_model(device_kind):
     """8 SGD steps of a two-layer regression model: the losses of bsmm and of masked dense
     nn.Linear layers from the same initial weights agree to 1e-5 relative at every step."""
-    device = "cpu" if device_kind == "cpu" else _cuda_or_skip()
+    device = "cpu" if device_kind == "cpu" else cuda_or_skip()
     sparse = _two_layers(seed=15, device=device)
     dense = torch.nn.Sequential(MaskedLinear(sparse[0]), torch.nn.ReLU(), MaskedLinear(sparse[2]))
     generator = torch.Generator().manual_seed(15)

@@ -1,0 +1,27 @@
+"""Device selection shared by the bsmm.torch tests (test_torch.py, test_conversions.py, test_lstm_torch.py, ...).
+
+Import the ``device`` fixture by name (``from torch_cases import device``) to run a test on the CPU and,
+with the ``gpu`` marker, on CUDA.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="PyTorch is not installed: bsmm.torch tests skipped")
+
+
+def cuda_or_skip() -> str:
+    """``"cuda"``, or skip the test unless both PyTorch and CuPy (bsmm's GPU backend) see a CUDA device."""
+    if not torch.cuda.is_available():
+        pytest.skip("PyTorch sees no CUDA device: GPU tests skipped")
+    cupy = pytest.importorskip("cupy", reason="CuPy is not installed: GPU tests skipped")
+    if not cupy.cuda.is_available():
+        pytest.skip("CuPy sees no CUDA device: GPU tests skipped")
+    return "cuda"
+
+
+@pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def device(request) -> str:
+    """The torch device a test runs on: ``"cpu"``, then ``"cuda"`` (marker ``gpu``)."""
+    return "cpu" if request.param == "cpu" else cuda_or_skip()
