@@ -145,3 +145,15 @@ def tqdm_bars(monkeypatch) -> list:
 
     monkeypatch.setattr(tqdm.auto, "tqdm", Recorder)
     return bars
+
+
+@pytest.fixture
+def x64():
+    """JAX's 64-bit types on for one test (float64 arrays stay float64), restored after it."""
+    jax = pytest.importorskip("jax", reason="JAX is not installed")
+    previous = jax.config.read("jax_enable_x64")
+    jax.config.update("jax_enable_x64", True)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_enable_x64", previous)

@@ -347,15 +347,6 @@ def test_the_three_implementations_agree_at_the_clamp():
 
 
 # -- JAX --------------------------------------------------------------------------------------------------
-@pytest.fixture
-def x64():
-    jax = pytest.importorskip("jax", reason="JAX is not installed")
-    previous = jax.config.read("jax_enable_x64")
-    jax.config.update("jax_enable_x64", True)
-    try:
-        yield
-    finally:
-        jax.config.update("jax_enable_x64", previous)
 
 
 @pytest.fixture(params=["cpu", pytest.param("gpu", marks=pytest.mark.gpu)])

@@ -12,6 +12,7 @@ import pytest
 from bsmm.arrays import as_operand
 from bsmm.backends.cuda import environment
 from bsmm.config import BsmmWarning
+from reference import Producer
 
 
 class _Distribution:
@@ -116,21 +117,8 @@ def test_a_gpu_tensor_meets_the_check_before_cupy(fake):
     assert fake["reads"] == 1
 
 
-class _CpuTensor:
-    """A DLPack producer in host memory (a PyTorch or JAX CPU tensor, as bsmm sees it)."""
-
-    def __init__(self, array):
-        self.array = array
-
-    def __dlpack__(self, **kwargs):
-        return self.array.__dlpack__(**kwargs)
-
-    def __dlpack_device__(self):
-        return self.array.__dlpack_device__()
-
-
 def test_cpu_arrays_never_reach_the_check(fake):
     fake["versions"] = (13000, 12080)
     assert as_operand(np.zeros(3), "x").backend == "cpu"
-    assert as_operand(_CpuTensor(np.arange(3.0)), "x").backend == "cpu"  # through the DLPack branch
+    assert as_operand(Producer(np.arange(3.0)), "x").backend == "cpu"  # through the DLPack branch
     assert fake["reads"] == 0

@@ -36,17 +36,6 @@ def device(request):
         yield dev
 
 
-@pytest.fixture
-def x64():
-    """64-bit types on for one test (float64 arrays stay float64), restored after it."""
-    previous = jax.config.read("jax_enable_x64")
-    jax.config.update("jax_enable_x64", True)
-    try:
-        yield
-    finally:
-        jax.config.update("jax_enable_x64", previous)
-
-
 def host(array) -> np.ndarray:
     """A NumPy copy of a JAX array, from whichever device holds it."""
     return np.asarray(jax.device_get(array))

@@ -24,7 +24,7 @@ from test_jax import passes_in, put  # noqa: E402
 import jax_cases  # noqa: E402
 from jax_cases import host  # noqa: E402
 
-device, x64 = jax_cases.device, jax_cases.x64  # the fixtures (tests take them by name)
+device = jax_cases.device  # the fixture (tests take it by name; x64 is in tests/conftest.py)
 
 BS = 8
 SPATIAL = {1: "W", 2: "HW", 3: "DHW"}

@@ -30,7 +30,7 @@ from jax_cases import host  # noqa: E402
 import bsmm.flax  # noqa: E402
 from conftest import REPO_ROOT  # noqa: E402
 
-device, x64 = jax_cases.device, jax_cases.x64  # the fixtures (tests take them by name)
+device = jax_cases.device  # the fixture (tests take it by name; x64 is in tests/conftest.py)
 
 
 def linear(layout, axis=1, **kwargs):

@@ -56,7 +56,7 @@ REPO = str(REPO_ROOT)
 
 
 # -- fixtures and helpers -----------------------------------------------------------------------------
-device, x64 = jax_cases.device, jax_cases.x64  # the fixtures (tests take them by name)
+device = jax_cases.device  # the fixture (tests take it by name; x64 is in tests/conftest.py)
 
 
 def put(array, dev):
