@@ -19,6 +19,7 @@ from bsmm.matmul import BlocksparseMatMul, blocks_to_dense, dense_to_blocks
 from bsmm.matrix import BlockSparseMatrix
 from bsmm import openai_format
 from bsmm.normalization import l2_normalize, l2_normalize_grad
+from bsmm.sharding import LayoutSplit, split_layout
 
 __all__ = [
     "BlockIndex",
@@ -27,6 +28,7 @@ __all__ = [
     "BlocksparseLSTM",
     "BlocksparseMatMul",
     "BsmmWarning",
+    "LayoutSplit",
     "SUPPORTED_DTYPES",
     "block_index",
     "check_gpu",
@@ -37,6 +39,7 @@ __all__ = [
     "l2_normalize_grad",
     "layouts",
     "openai_format",
+    "split_layout",
 ]
 __version__ = "0.1.0"
 

@@ -8,6 +8,8 @@
 - :mod:`~bsmm.torch.functional`: :func:`blocksparse_matmul` and :func:`blocksparse_conv`, under autocast.
 - :mod:`~bsmm.torch.layers`: :class:`BlockSparseLinear`, :class:`BlockSparseConv1d`, ``2d`` and ``3d``.
 - :mod:`~bsmm.torch.lstm`: :class:`BlockSparseLSTM`, one ``nn.LSTM`` layer on block-sparse (small-world) layouts.
+- :mod:`~bsmm.torch.distributed`: :class:`ShardedBlockSparseLinear`, one layer's blocks spread over a
+  process group (model parallelism); data parallelism is ``DistributedDataParallel`` or ``fully_shard``.
 - :mod:`~bsmm.torch.conversions`: :func:`to_sparse_bsr` and :func:`from_sparse_bsr`, between
   :class:`bsmm.BlockSparseMatrix` and ``torch.sparse_bsr`` tensors, the block values shared.
 - :mod:`~bsmm.torch.ops` and :mod:`~bsmm.torch.conv_ops`: the ``torch.library`` custom operators both run
@@ -25,8 +27,10 @@ from bsmm.torch.functional import blocksparse_conv, blocksparse_matmul  # noqa: 
 from bsmm.torch.conversions import from_sparse_bsr, to_sparse_bsr
 from bsmm.torch.layers import BlockSparseConv1d, BlockSparseConv2d, BlockSparseConv3d, BlockSparseLinear
 from bsmm.torch.lstm import BlockSparseLSTM
+from bsmm.torch.distributed import ShardedBlockSparseLinear
 from bsmm.torch.normalization import l2_normalize
 
 __all__ = ["BlockSparseConv1d", "BlockSparseConv2d", "BlockSparseConv3d", "BlockSparseLinear", "BlockSparseLSTM",
+           "ShardedBlockSparseLinear",
            "blocksparse_conv", "blocksparse_matmul", "register", "lookup",
            "from_sparse_bsr", "to_sparse_bsr", "l2_normalize"]

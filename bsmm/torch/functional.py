@@ -52,12 +52,10 @@ def matmul_by_key(x, w, key: str, features_in: int, features_out: int, feature_a
         raise ValueError(f"x must be contiguous; got shape {tuple(x.shape)}, strides {x.stride()}")
     if x.dim() == 2:  # (the common case: no reshapes)
         return product(x, w, key, feature_axis, tf32)
-    # On a contiguous tensor these reshapes are views.
+    # On a contiguous tensor these reshapes are views; y is made in its final shape.
     if feature_axis == 1:
-        y = product(x.reshape(-1, features_in), w, key, feature_axis, tf32)
-        return y.reshape(*x.shape[:-1], features_out)
-    y = product(x.reshape(features_in, -1), w, key, feature_axis, tf32)
-    return y.reshape(features_out, *x.shape[1:])
+        return product(x.reshape(-1, features_in), w, key, feature_axis, tf32, (*x.shape[:-1], features_out))
+    return product(x.reshape(features_in, -1), w, key, feature_axis, tf32, (features_out, *x.shape[1:]))
 
 
 def _registration_for(op: BlocksparseMatMul) -> Registration:

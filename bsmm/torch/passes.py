@@ -55,31 +55,39 @@ def matmul_operator(key: str, feature_axis: int, tf32: bool) -> BlocksparseMatMu
                                        lambda index: BlocksparseMatMul.from_index(index, feature_axis, tf32))
 
 
-def run_pass(pass_name: str, a: torch.Tensor, b: torch.Tensor, key: str, feature_axis: int, tf32: bool) -> torch.Tensor:
-    """One pass (``fprop``: a = x, b = w; ``bprop``: dy, w; ``updat``: x, dy) into a new tensor.
+def run_pass(pass_name: str, a: torch.Tensor, b: torch.Tensor, key: str, feature_axis: int, tf32: bool,
+             out_shape: tuple | None = None) -> torch.Tensor:
+    """One pass (``fprop``: a = x, b = w; ``bprop``: dy, w; ``updat``: x, dy) into a new tensor,
+    of ``out_shape`` where given (the leading dimensions of an activation the caller flattened).
 
     A CUDA pass the operator has run before for this shape, dtype and device is repeated on raw
     pointers (:func:`_repeat_on_cuda`): no DLPack exchange, no re-validation beyond what could
     differ, the output from ``torch.empty``, one launch. Anything else takes the checked path.
     """
-    return run_on(matmul_operator(key, feature_axis, tf32), pass_name, a, b, key)
+    return run_on(matmul_operator(key, feature_axis, tf32), pass_name, a, b, key, out_shape)
 
 
-def run_on(op: BlocksparseMatMul, pass_name: str, a: torch.Tensor, b: torch.Tensor, key: str) -> torch.Tensor:
-    """:func:`run_pass` with the operator of ``key`` already looked up."""
+def run_on(op: BlocksparseMatMul, pass_name: str, a: torch.Tensor, b: torch.Tensor, key: str,
+           out_shape: tuple | None = None) -> torch.Tensor:
+    """:func:`run_pass` with the operator of ``key`` already looked up.
+
+    ``out_shape`` (same element count as the pass's 2-D result) shapes the new tensor itself, so a
+    caller that flattened leading dimensions returns a tensor of its own rather than a reshaped view:
+    FSDP2 warns about module outputs that are views (an in-place op on one would skip its hooks).
+    """
     if a.is_cuda:
-        out = _repeat_on_cuda(op, pass_name, a, b)
+        out = _repeat_on_cuda(op, pass_name, a, b, out_shape)
         if out is not None:
             return out
     shape = updat_shape(a, b, key, op.feature_axis) if pass_name == "updat" else \
         product_shape(a, b, key, op.feature_axis, pass_name)
-    return into_new(getattr(op, pass_name), a, b, shape)
+    return into_new(getattr(op, pass_name), a, b, shape, out_shape=out_shape)
 
 
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
-def _repeat_on_cuda(op: BlocksparseMatMul, pass_name: str, a: torch.Tensor, b: torch.Tensor):
+def _repeat_on_cuda(op: BlocksparseMatMul, pass_name: str, a: torch.Tensor, b: torch.Tensor, out_shape: tuple | None):
     """The pass through the call ``op`` kept from an earlier checked call of this shape
     (``bsmm.backends.cuda.backend.FastCall``), or None where there is none or anything differs from it."""
     call = op.kept_calls.get((pass_name, a.shape, ARRAY_DTYPES.get(a.dtype), op.feature_axis, op.tf32))
@@ -89,7 +97,8 @@ def _repeat_on_cuda(op: BlocksparseMatMul, pass_name: str, a: torch.Tensor, b: t
     device = a.get_device()
     if b.get_device() != device or device != call.device or launches.current_device() != device:
         return None
-    out = torch.empty(call.out_shape, dtype=a.dtype, device=device)  # (an int is a CUDA device index)
+    # (an int is a CUDA device index; the kernel sees only the pointer, so any shape of its size will do)
+    out = torch.empty(call.out_shape if out_shape is None else out_shape, dtype=a.dtype, device=device)
     a_ptr, b_ptr, out_ptr = a.data_ptr(), b.data_ptr(), out.data_ptr()
     if call.aligned and (a_ptr | b_ptr | out_ptr) & 15:
         return None
@@ -98,9 +107,12 @@ def _repeat_on_cuda(op: BlocksparseMatMul, pass_name: str, a: torch.Tensor, b: t
     return out
 
 
-def into_new(method, a: torch.Tensor, b: torch.Tensor, shape: tuple, **options) -> torch.Tensor:
-    """``method(a, b, out=..., **options)`` on shared NumPy/CuPy views, into a new tensor of ``shape``."""
-    out = torch.empty(shape, dtype=a.dtype, device=a.device)
+def into_new(method, a: torch.Tensor, b: torch.Tensor, shape: tuple, out_shape: tuple | None = None,
+             **options) -> torch.Tensor:
+    """``method(a, b, out=..., **options)`` on shared NumPy/CuPy views, into a new tensor of ``shape``
+    (the method's result), or of ``out_shape`` (as many elements) seen by the method as ``shape``."""
+    result = torch.empty(shape if out_shape is None else out_shape, dtype=a.dtype, device=a.device)
+    out = result if out_shape is None else result.view(shape)
     if a.device.type == "cpu":
         method(_shared_as(np, a), _shared_as(np, b), out=_shared_as(np, out), **options)
     elif a.device.type == "cuda":
@@ -112,4 +124,4 @@ def into_new(method, a: torch.Tensor, b: torch.Tensor, shape: tuple, **options) 
             method(_shared_as(cupy, a), _shared_as(cupy, b), out=_shared_as(cupy, out), **options)
     else:
         raise ValueError(f"tensors are on {a.device}; bsmm runs on the CPU and on CUDA GPUs")
-    return out
+    return result

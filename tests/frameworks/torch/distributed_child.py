@@ -1,0 +1,283 @@
+"""Runs bsmm.torch's multi-process checks on ``--world`` ranks and writes what each rank measured as JSON.
+
+    python tests/frameworks/torch/distributed_child.py --out results.json [--world 2] [--backend gloo|nccl]
+
+test_distributed.py runs it (gloo on the CPU); tools/gpu runs it with NCCL, one GPU a rank. Every
+check compares with one process computing the whole problem from the same seed, in float64 on the
+CPU (float32 on GPUs), and records the largest relative error of each output and gradient:
+
+- ``ddp/...``: DistributedDataParallel over BlockSparseLinear layers, each rank a share of the batch.
+- ``fsdp/...``: fully_shard (FSDP2) over the same model, with and without bf16 parameters; any warning
+  FSDP2 gives is recorded.
+- ``sharded/...``: ShardedBlockSparseLinear, every split, input and output mode, feature axis, a
+  layout whose cut leaves a part without blocks, and a column-split layer feeding a row-split one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import sys
+import traceback
+import warnings
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import bsmm
+import bsmm.torch
+
+C, H, K = 48, 40, 32  # block size 8: 6 x 5 and 5 x 4 block layouts
+
+
+def _relative(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    actual, expected = actual.detach().double().cpu(), expected.detach().double().cpu()
+    if actual.shape != expected.shape:
+        return float("inf")
+    return float((actual - expected).abs().max() / expected.abs().max().clamp_min(1e-30))
+
+
+class Recorder:
+    def __init__(self, rank: int):
+        self.rank, self.results = rank, {}
+
+    def close(self, name: str, actual, expected, tolerance: float) -> None:
+        self.results[name] = {"error": _relative(actual, expected), "tolerance": tolerance}
+
+    def fact(self, name: str, value) -> None:
+        self.results[name] = {"value": value}
+
+
+def _layouts(seed: int):
+    rng = np.random.default_rng(seed)
+    first = rng.random((C // 8, H // 8)) < 0.6
+    second = rng.random((H // 8, K // 8)) < 0.6
+    first[0, 0] = second[0, 0] = True
+    return first, second
+
+
+def _model(dtype, device, seed: int):
+    torch.manual_seed(seed)
+    first, second = _layouts(seed)
+    return torch.nn.Sequential(bsmm.torch.BlockSparseLinear(C, H, first, block_size=8, device=device, dtype=dtype),
+                               torch.nn.GELU(),
+                               bsmm.torch.BlockSparseLinear(H, K, second, block_size=8, device=device, dtype=dtype))
+
+
+def _batch(shape, dtype, device, seed: int):
+    generator = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=generator, dtype=torch.float64).to(device, dtype),
+            torch.randn(*shape[:-1], K, generator=generator, dtype=torch.float64).to(device, dtype))
+
+
+def _train(model, x, r, steps: int, scale: float):
+    """Losses and gradients of ``steps`` SGD steps on loss = sum(model(x) * r) * scale."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses, grads = [], None
+    for _ in range(steps):
+        optimizer.zero_grad()
+        loss = (model(x).to(r.dtype) * r).sum() * scale  # (bf16 parameters give a bf16 y)
+        loss.backward()
+        if grads is None:
+            grads = [p.grad.detach().clone() for p in model.parameters()]
+        optimizer.step()
+        losses.append(loss.detach())
+    return torch.stack(losses), grads
+
+
+def _full(tensor):
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
+def check_data_parallel(record: Recorder, world: int, device, dtype, tolerance: float) -> None:
+    """DDP and FSDP2 against one process on the whole batch: losses, first gradients, trained weights."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.nn.parallel import DistributedDataParallel
+
+    rank = record.rank
+    for shape_name, shape in (("2d", (4 * world, C)), ("3d", (2 * world, 3, C))):
+        x, r = _batch(shape, dtype, device, seed=11)
+        rows = slice(rank * shape[0] // world, (rank + 1) * shape[0] // world)
+        whole = _model(dtype, device, seed=5)
+        losses, grads = _train(whole, x, r, 3, 1.0 / shape[0])
+        # Each rank's share of the loss: DDP and FSDP average the gradients over ranks.
+        local_scale = world / shape[0]
+        ddp = DistributedDataParallel(_model(dtype, device, seed=5))
+        ddp_losses, ddp_grads = _train(ddp, x[rows], r[rows], 3, local_scale)
+        dist.all_reduce(ddp_losses)
+        record.close(f"ddp/{shape_name}/losses", ddp_losses / world, losses, tolerance)
+        for (name, _), grad, expected in zip(whole.named_parameters(), ddp_grads, grads):
+            record.close(f"ddp/{shape_name}/grad/{name}", grad, expected, tolerance)
+        for (name, p), q in zip(whole.named_parameters(), ddp.module.parameters()):
+            record.close(f"ddp/{shape_name}/trained/{name}", q, p, tolerance)
+
+        policies = {"full": None, "bf16-params": MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                                                     reduce_dtype=torch.float32)}
+        for policy_name, policy in policies.items():
+            # bf16 parameters gathered from float32 masters (FSDP2 casts from the masters' dtype)
+            masters = dtype if policy is None else torch.float32
+            sharded = _model(dtype, device, seed=5).to(masters)  # the same initial values as ``whole``
+            options = {} if policy is None else {"mp_policy": policy}
+            for layer in sharded:
+                if isinstance(layer, bsmm.torch.BlockSparseLinear):
+                    fully_shard(layer, **options)
+            fully_shard(sharded, **options)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                fsdp_losses, fsdp_grads = _train(sharded, x[rows].to(masters), r[rows].to(masters), 3, local_scale)
+            record.fact(f"fsdp/{shape_name}/{policy_name}/warnings",
+                        [str(w.message)[:200] for w in caught if "FSDP" in str(w.message)])
+            dist.all_reduce(fsdp_losses)
+            # bf16 rounds y and the gradients: their error against float64 is bf16's, about 2^-8
+            bound = tolerance if policy is None else 2e-2
+            record.close(f"fsdp/{shape_name}/{policy_name}/losses", fsdp_losses / world, losses, bound)
+            for (name, _), grad, expected in zip(whole.named_parameters(), fsdp_grads, grads):
+                record.close(f"fsdp/{shape_name}/{policy_name}/grad/{name}", _full(grad), expected, bound)
+            for (name, p), q in zip(whole.named_parameters(), sharded.parameters()):
+                record.close(f"fsdp/{shape_name}/{policy_name}/trained/{name}", _full(q), p, bound)
+
+
+def _sharded_case(record: Recorder, name: str, layout, by: str, input: str, output: str, feature_axis: int,
+                  bias: bool, x_shape, device, dtype, tolerance: float) -> None:
+    """One ShardedBlockSparseLinear against the whole layer: y, dx, dW, db and full_weight()."""
+    rank = record.rank
+    c, k = layout.shape[0] * 8, layout.shape[1] * 8
+    torch.manual_seed(3)
+    whole = bsmm.torch.BlockSparseLinear(c, k, layout, block_size=8, bias=bias, feature_axis=feature_axis,
+                                         device=device, dtype=dtype)
+    with torch.no_grad():
+        if bias:
+            whole.bias.normal_()
+    part = bsmm.torch.ShardedBlockSparseLinear.from_layer(whole, by=by, input=input, output=output)
+    generator = torch.Generator().manual_seed(4)
+    x = torch.randn(*x_shape, generator=generator, dtype=torch.float64).to(device, dtype)
+    axis = -1 if feature_axis == 1 else 0
+    x_whole = x.clone().requires_grad_()
+    y_whole = whole(x_whole)
+    r = torch.randn(y_whole.shape, generator=generator, dtype=torch.float64).to(device, dtype)
+    (y_whole * r).sum().backward()
+
+    if input == "sharded":
+        features = part.split.features(rank, 8)
+        x_mine = x.narrow(axis, features.start, features.stop - features.start).contiguous().requires_grad_()
+    else:
+        x_mine = x.clone().requires_grad_()
+    y = part(x_mine)
+    if output == "replicated":
+        y_expected, r_mine = y_whole, r
+    else:
+        features = part.split.features(rank, 8) if by == "columns" else part._bias_features()
+        y_expected = y_whole.narrow(axis, features.start, features.stop - features.start)
+        r_mine = r.narrow(axis, features.start, features.stop - features.start)
+    record.close(f"sharded/{name}/y", y, y_expected, tolerance)
+    (y * r_mine).sum().backward()
+    if input == "sharded":
+        features = part.split.features(rank, 8)
+        dx_expected = x_whole.grad.narrow(axis, features.start, features.stop - features.start)
+    else:
+        dx_expected = x_whole.grad
+    record.close(f"sharded/{name}/dx", x_mine.grad, dx_expected, tolerance)
+    index = torch.as_tensor(part.split.weight_index(rank), device=device)
+    if part.weight.numel():
+        record.close(f"sharded/{name}/dw", part.weight.grad, whole.weight.grad[index], tolerance)
+    else:
+        record.fact(f"sharded/{name}/empty_part", True)
+    if bias:
+        record.close(f"sharded/{name}/db", part.bias.grad, whole.bias.grad[part._bias_features()], tolerance)
+    record.close(f"sharded/{name}/full_weight", part.full_weight(), whole.weight, 0.0)
+
+
+def check_sharded(record: Recorder, device, dtype, tolerance: float) -> None:
+    rng = np.random.default_rng(7)
+    square = rng.random((6, 6)) < 0.5
+    square[:, 0] = square[0, :] = True
+    wide = rng.random((4, 10)) < 0.4
+    wide[0, :] = True
+    skewed = np.zeros((6, 4), bool)  # every block in block column 0 and block row 0
+    skewed[:, 0] = skewed[0, :] = True
+    one_block = np.zeros((6, 4), bool)  # any cut leaves a part without blocks
+    one_block[0, 0] = True
+    cases = []
+    for by, modes in (("columns", (("replicated", "replicated"), ("replicated", "sharded"))),
+                      ("rows", (("replicated", "replicated"), ("replicated", "sharded"),
+                                ("sharded", "replicated"), ("sharded", "sharded")))):
+        for input, output in modes:
+            for feature_axis in (1, 0):
+                cases.append((f"{by}/{input}-{output}/axis{feature_axis}", square, by, input, output,
+                              feature_axis, True, (5, 48) if feature_axis == 1 else (48, 5)))
+        cases.append((f"{by}/wide-3d-nobias", wide, by, "replicated", "replicated", 1, False, (2, 3, 32)))
+        cases.append((f"{by}/skewed", skewed, by, "replicated", "replicated", 1, True, (1, 48)))
+        cases.append((f"{by}/one-block", one_block, by, "replicated", "sharded", 0, True, (48, 3)))
+    for case in cases:
+        _sharded_case(record, *case, device=device, dtype=dtype, tolerance=tolerance)
+
+    # A column split feeding a row split with the same cut: no collective between them.
+    torch.manual_seed(9)
+    first_layout, second_layout = _layouts(9)
+    first = bsmm.torch.BlockSparseLinear(C, H, first_layout, block_size=8, device=device, dtype=dtype)
+    second = bsmm.torch.BlockSparseLinear(H, K, second_layout, block_size=8, device=device, dtype=dtype)
+    column = bsmm.torch.ShardedBlockSparseLinear.from_layer(first, by="columns", output="sharded")
+    row = bsmm.torch.ShardedBlockSparseLinear.from_layer(second, by="rows", input="sharded",
+                                                          bounds=column.split.bounds)
+    x = torch.randn(6, C, generator=torch.Generator().manual_seed(10), dtype=torch.float64).to(device, dtype)
+    x_whole, x_mine = x.clone().requires_grad_(), x.clone().requires_grad_()
+    y_whole = second(torch.relu(first(x_whole)))
+    y = row(torch.relu(column(x_mine)))
+    record.close("sharded/chain/y", y, y_whole, tolerance)
+    y_whole.square().sum().backward()
+    y.square().sum().backward()
+    record.close("sharded/chain/dx", x_mine.grad, x_whole.grad, tolerance)
+    record.close("sharded/chain/dw1", column.weight.grad,
+                 first.weight.grad[torch.as_tensor(column.split.weight_index(record.rank), device=device)], tolerance)
+    record.close("sharded/chain/dw2", row.weight.grad,
+                 second.weight.grad[torch.as_tensor(row.split.weight_index(record.rank), device=device)], tolerance)
+
+
+def _rank_main(rank: int, world: int, backend: str, port: int, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    record = Recorder(rank)
+    try:
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+            device = torch.device("cuda", rank)
+            dist.init_process_group(backend, rank=rank, world_size=world, device_id=device)
+            dtype, tolerance = torch.float32, 2e-5
+        else:
+            device = torch.device("cpu")
+            dist.init_process_group(backend, rank=rank, world_size=world)
+            dtype, tolerance = torch.float64, 1e-12
+        check_data_parallel(record, world, device, dtype, tolerance)
+        check_sharded(record, device, dtype, tolerance)
+        dist.barrier()
+        dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 - reported to the test with its traceback
+        record.fact("crash", traceback.format_exc())
+    with open(f"{out}.rank{rank}", "w") as file:
+        json.dump(record.results, file)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--world", type=int, default=2)
+    parser.add_argument("--backend", choices=("gloo", "nccl"), default="gloo")
+    args = parser.parse_args(argv)
+    with socket.socket() as probe:  # a free port for the rendezvous
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    mp.spawn(_rank_main, args=(args.world, args.backend, port, args.out), nprocs=args.world)
+    merged = {}
+    for rank in range(args.world):
+        with open(f"{args.out}.rank{rank}") as file:
+            merged[str(rank)] = json.load(file)
+    with open(args.out, "w") as file:
+        json.dump({"world": args.world, "backend": args.backend, "torch": torch.__version__, "ranks": merged}, file)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,194 @@
+"""bsmm.torch on several processes: DDP, FSDP2 and ShardedBlockSparseLinear, against one process.
+
+The multi-process checks run once per session in distributed_child.py (two gloo ranks on the CPU;
+NCCL on GPUs with the ``gpu`` marker), which records the largest relative error of every output and
+gradient against one process computing the whole problem; the tests here judge them. Argument
+errors are checked in this process, with torch.distributed's rank and world size stood in.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="PyTorch is not installed: bsmm.torch tests skipped")
+dist = pytest.importorskip("torch.distributed", reason="torch.distributed is not available")
+
+import bsmm.torch  # noqa: E402
+import bsmm.torch.distributed as sharded_module  # noqa: E402
+from conftest import REPO_ROOT  # noqa: E402
+from torch_cases import cuda_or_skip  # noqa: E402
+
+CHILD = REPO_ROOT / "tests" / "frameworks" / "torch" / "distributed_child.py"
+SHARDED_CASES = [f"{by}/{mode}/axis{axis}"
+                 for by, modes in (("columns", ("replicated-replicated", "replicated-sharded")),
+                                   ("rows", ("replicated-replicated", "replicated-sharded", "sharded-replicated",
+                                             "sharded-sharded")))
+                 for mode in modes for axis in (1, 0)]
+SHARDED_CASES += [f"{by}/{case}" for by in ("columns", "rows") for case in ("wide-3d-nobias", "skewed", "one-block")] + ["chain"]
+
+
+def _run_child(tmp_path_factory, backend: str, world: int) -> dict:
+    out = tmp_path_factory.mktemp(f"distributed-{backend}") / "results.json"
+    done = subprocess.run([sys.executable, str(CHILD), "--out", str(out), "--world", str(world), "--backend", backend],
+                          capture_output=True, text=True, timeout=600, cwd=REPO_ROOT)
+    assert done.returncode == 0, done.stderr[-4000:]
+    results = json.loads(out.read_text())
+    for rank, measured in results["ranks"].items():
+        assert "crash" not in measured, f"rank {rank}:\n{measured['crash']['value']}"
+    return results
+
+
+@pytest.fixture(scope="session", params=["gloo", pytest.param("nccl", marks=pytest.mark.gpu)])
+def measured(request, tmp_path_factory) -> dict:
+    """rank -> {check name -> measurement} from distributed_child.py (two ranks; on GPUs one a GPU)."""
+    if request.param == "gloo":
+        return _run_child(tmp_path_factory, "gloo", 2)["ranks"]
+    cuda_or_skip()
+    return _run_child(tmp_path_factory, "nccl", min(2, torch.cuda.device_count()))["ranks"]
+
+
+def _judge(measured: dict, prefix: str) -> int:
+    """Assert every error under ``prefix`` is within its tolerance on every rank; return how many were checked."""
+    checked = 0
+    for rank, results in measured.items():
+        for name, result in results.items():
+            if name.startswith(prefix) and "error" in result:
+                assert result["error"] <= result["tolerance"], (
+                    f"rank {rank} {name}: relative error {result['error']:.3g} > {result['tolerance']:.3g}")
+                checked += 1
+    return checked
+
+
+@pytest.mark.parametrize("shape", ["2d", "3d"])
+def test_ddp_matches_one_process(measured, shape):
+    """DistributedDataParallel, a share of the batch a rank: the losses of 3 SGD steps, the first gradients
+    of every parameter and the trained parameters equal one process's on the whole batch."""
+    assert _judge(measured, f"ddp/{shape}/") == len(measured) * 9  # losses, 4 gradients, 4 trained, per rank
+
+
+@pytest.mark.parametrize("policy", ["full", "bf16-params"])
+@pytest.mark.parametrize("shape", ["2d", "3d"])
+def test_fsdp2_matches_one_process_without_warnings(measured, shape, policy):
+    """fully_shard on each BlockSparseLinear and the model: the same as one process (bf16 parameters within
+    bf16's tolerance), and FSDP2 warns about nothing (an output of a layer is never a view)."""
+    prefix = f"fsdp/{shape}/{policy}/"
+    assert _judge(measured, prefix) == len(measured) * 9
+    for rank, results in measured.items():
+        assert results[prefix + "warnings"]["value"] == [], f"rank {rank}"
+
+
+@pytest.mark.parametrize("case", SHARDED_CASES)
+def test_sharded_layer_matches_the_whole_layer(measured, case):
+    """ShardedBlockSparseLinear: y, dx, each rank's dW and db, and full_weight() equal the whole layer's."""
+    prefix = f"sharded/{case}/"
+    checked = _judge(measured, prefix)
+    names = {name.rsplit("/", 1)[1] for results in measured.values() for name in results if name.startswith(prefix)}
+    expected = {"y", "dx", "dw1", "dw2"} if case == "chain" else {"y", "dx", "full_weight"}
+    assert expected <= names, sorted(names)
+    assert checked >= len(measured) * len(expected)
+
+
+def test_a_skewed_cut_leaves_a_part_without_blocks(measured):
+    """The one-block layout's cuts really give a rank no blocks, by columns and by rows, so that case is reached."""
+    if len(measured) < 2:
+        pytest.skip("one rank: no cut")
+    for by in ("columns", "rows"):
+        assert any(f"sharded/{by}/one-block/empty_part" in results for results in measured.values()), by
+
+
+# -- in this process ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("feature_axis", [1, 0])
+def test_outputs_are_not_views(bias, feature_axis):
+    """BlockSparseLinear returns a tensor of its own for inputs with leading dimensions (FSDP2 warns about views)."""
+    layer = bsmm.torch.BlockSparseLinear(16, 24, np.ones((2, 3)), block_size=8, bias=bias, feature_axis=feature_axis)
+    x = torch.randn((2, 3, 16) if feature_axis == 1 else (16, 2, 3), requires_grad=True)
+    y = layer(x)
+    assert not y._is_view()
+    with torch.no_grad():
+        assert not layer(x)._is_view()
+    y.square().sum().backward()
+    dense = layer.to_dense_weight().detach()
+    expected = x.detach() @ dense if feature_axis == 1 else torch.einsum("cab,ck->kab", x.detach(), dense)
+    if bias:
+        expected = expected + (layer.bias.detach() if feature_axis == 1 else layer.bias.detach().view(-1, 1, 1))
+    torch.testing.assert_close(y.detach(), expected, rtol=1e-5, atol=1e-5)
+    assert x.grad.shape == x.shape
+
+
+@pytest.fixture
+def fake_group(monkeypatch):
+    """torch.distributed as seen by a rank of a group of ``fake_group.parts`` ranks (no collective is made)."""
+
+    class Group:
+        parts, rank = 2, 0
+
+    group = Group()
+    monkeypatch.setattr(sharded_module.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(sharded_module.dist, "get_world_size", lambda group_=None: group.parts)
+    monkeypatch.setattr(sharded_module.dist, "get_rank", lambda group_=None: group.rank)
+    return group
+
+
+def test_errors_name_the_argument(fake_group):
+    layer = bsmm.torch.ShardedBlockSparseLinear
+    layout = np.ones((4, 4))
+    with pytest.raises(ValueError, match="by must be 'columns' or 'rows'; got 'diagonal'"):
+        layer(32, 32, layout, 8, by="diagonal")
+    with pytest.raises(ValueError, match="input must be 'replicated' or 'sharded'; got 'split'"):
+        layer(32, 32, layout, 8, input="split")
+    with pytest.raises(ValueError, match="output must be 'replicated' or 'sharded'"):
+        layer(32, 32, layout, 8, output="gathered")
+    with pytest.raises(ValueError, match="input='sharded' needs by='rows'"):
+        layer(32, 32, layout, 8, input="sharded")
+    with pytest.raises(ValueError, match="in_features must be 32 .* got 30"):
+        layer(30, 32, layout, 8)
+    with pytest.raises(ValueError, match="out_features must be 32 .* got 40"):
+        layer(32, 40, layout, 8)
+    with pytest.raises(ValueError, match=r"parts must be an int in \[1, 1\]"):
+        layer(32, 8, np.ones((4, 1)), 8)  # one block column cannot be cut in two
+    with pytest.raises(ValueError, match="bounds must be 3 increasing block indices from 0 to 4"):
+        layer(32, 32, layout, 8, bounds=(0, 4, 4))
+    with pytest.raises(ValueError, match="feature_axis must be 0 or 1"):
+        layer(32, 32, layout, 8, feature_axis=2)
+    fake_group.parts = 3
+    with pytest.raises(ValueError, match="out_features must be divisible by 3; got 32"):
+        layer(48, 32, np.ones((6, 4)), 8, by="rows", output="sharded")
+
+
+def test_x_of_the_wrong_size_names_x(fake_group):
+    rows = bsmm.torch.ShardedBlockSparseLinear(32, 32, np.ones((4, 4)), 8, by="rows")
+    with pytest.raises(ValueError, match=r"x must have 32 features along axis -1 .* got shape \(2, 16\)"):
+        rows(torch.ones(2, 16))
+    columns = bsmm.torch.ShardedBlockSparseLinear(32, 32, np.ones((4, 4)), 8, by="columns")
+    with pytest.raises(ValueError, match=r"x must have shape \(\.\.\., 32\)"):
+        columns(torch.ones(2, 16))
+    with pytest.raises(TypeError, match="x must be a torch.Tensor"):
+        columns(np.ones((2, 32)))
+
+
+def test_needs_an_initialised_process_group():
+    if dist.is_initialized():
+        pytest.skip("a process group is initialised in this process")
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        bsmm.torch.ShardedBlockSparseLinear(32, 32, np.ones((4, 4)), 8)
+
+
+def test_initialization_draws_the_whole_layers_distribution(fake_group):
+    """Each rank's blocks get the bound of their output feature's fan-in over the whole layout (rows split:
+    the part alone would see a smaller fan-in), the bias over its features."""
+    layout = np.array([[1, 1], [1, 0], [1, 0], [1, 1]])  # fan-in: 32 and 16 features
+    for rank in (0, 1):
+        fake_group.rank = rank
+        torch.manual_seed(0)
+        part = bsmm.torch.ShardedBlockSparseLinear(32, 16, layout, 8, by="rows", dtype=torch.float64)
+        columns = np.nonzero(part.split.layout)[1][part.split.weight_index(rank)]
+        bounds = np.where(columns == 0, 1 / np.sqrt(32), 1 / np.sqrt(16))
+        largest = part.weight.detach().abs().amax(dim=(1, 2)).numpy()
+        assert np.all(largest <= bounds) and np.all(largest > 0.5 * bounds)
+        assert part.bias.shape == (16,)
