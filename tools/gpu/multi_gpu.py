@@ -1,0 +1,222 @@
+"""Training steps on 1, 2, ... GPUs (one process a GPU, NCCL): data parallel and model parallel, beside dense.
+
+    python3 tools/gpu/multi_gpu.py [--world 1,2] [--json results.json] [--quick]
+
+- **Data parallel** (DistributedDataParallel, a fixed batch per GPU): the training step of one
+  ``BlockSparseLinear`` and of ``nn.Linear`` of the same shape (forward, backward with the gradient
+  all-reduce, SGD), on workloads S (N = 32, 12288 features) and T (N = 4096, 8192), bf16, 10 %,
+  block 32. Throughput in rows per second and its scaling against one GPU.
+- **Model parallel** (``ShardedBlockSparseLinear``): a 65536 -> 65536 layer, bf16, block 32, split by
+  block columns (all-gather of y) and by block rows (all-reduce of partial sums), its forward and
+  backward at N = 32 and N = 4096, with each GPU's share of the weight.
+
+Times are medians over batches of back-to-back steps between CUDA events (warm-up excluded), the
+slowest rank's. A world size larger than the GPUs present is skipped and said so. NCCL's NVLink
+multicast stays off (NCCL_NVLS_ENABLE=0), as the lent machines require.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import sys
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+import bsmm  # noqa: E402
+import bsmm.torch  # noqa: E402
+
+os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+DATA_PARALLEL = {"S": (32, 12288), "T": (4096, 8192)}
+MODEL_FEATURES, DENSITY, BLOCK = 65536, 0.10, 32
+
+
+def _time(step, batches: int, calls: int) -> float:
+    """Median ms per call over ``batches`` of ``calls`` back-to-back calls, the slowest rank's."""
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(batches):
+        dist.barrier()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(calls):
+            step()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / calls)
+    median = torch.tensor(statistics.median(times), device="cuda")
+    dist.all_reduce(median, op=dist.ReduceOp.MAX)
+    return float(median)
+
+
+def _layout(features_in: int, features_out: int, seed: int) -> np.ndarray:
+    return bsmm.layouts.random_layout(features_in // BLOCK, features_out // BLOCK, DENSITY, seed=seed)
+
+
+def data_parallel(world: int, rank: int, batches: int, calls: int) -> list:
+    rows = []
+    for workload, (n, features) in DATA_PARALLEL.items():
+        layout = _layout(features, features, seed=0)
+        x = torch.randn(n, features, device="cuda", dtype=torch.bfloat16)
+        for kind in ("bsmm", "dense"):
+            torch.manual_seed(0)
+            if kind == "bsmm":
+                layer = bsmm.torch.BlockSparseLinear(features, features, layout, BLOCK, device="cuda",
+                                                     dtype=torch.bfloat16)
+            else:
+                layer = torch.nn.Linear(features, features, device="cuda", dtype=torch.bfloat16)
+            model = torch.nn.parallel.DistributedDataParallel(layer) if world > 1 else layer
+            optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+
+            def step():
+                optimizer.zero_grad(set_to_none=True)
+                model(x).float().square().mean().backward()
+                optimizer.step()
+
+            ms = _time(step, batches, calls)
+            rows.append({"test": "data parallel", "workload": workload, "kind": kind, "world": world, "n_per_gpu": n,
+                         "features": features, "ms": ms, "rows_per_s": world * n / ms * 1e3})
+        torch.cuda.empty_cache()
+    return rows
+
+
+def model_parallel(world: int, rank: int, batches: int, calls: int, features: int, sizes) -> list:
+    rows = []
+    layout = _layout(features, features, seed=1)
+    for by in ("columns", "rows"):
+        torch.manual_seed(0)
+        torch.cuda.reset_peak_memory_stats()
+        layer = bsmm.torch.ShardedBlockSparseLinear(features, features, layout, BLOCK, by=by, device="cuda",
+                                                    dtype=torch.bfloat16)
+        weight_bytes = layer.weight.numel() * layer.weight.element_size()
+        for n in sizes:
+            x = torch.randn(n, features, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+
+            def step():
+                layer.weight.grad = x.grad = None
+                layer(x).float().square().mean().backward()
+
+            ms = _time(step, batches, calls)
+            blocks = torch.tensor([layer.weight.shape[0]], device="cuda")
+            dist.all_reduce(blocks, op=dist.ReduceOp.MAX)
+            rows.append({"test": "model parallel", "by": by, "world": world, "n": n, "features": features,
+                         "ms": ms, "largest_part_blocks": int(blocks), "all_blocks": int(np.count_nonzero(layout)),
+                         "weight_mib_per_gpu": weight_bytes / 2**20,
+                         "peak_mib": torch.cuda.max_memory_allocated() / 2**20})
+        torch.cuda.empty_cache()
+    return rows
+
+
+def _rank_main(rank: int, world: int, port: int, out: str, quick: bool) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank))
+    batches, calls = (3, 5) if quick else (7, 10)
+    rows = data_parallel(world, rank, batches, calls)
+    rows += model_parallel(world, rank, batches, calls, MODEL_FEATURES, (32, 4096))
+    if rank == 0:
+        with open(out, "w") as file:
+            json.dump(rows, file)
+    dist.destroy_process_group()
+
+
+def _profile() -> int:
+    """torch.profiler's table of 20 training steps of workload S, bsmm then dense, in one process."""
+    from torch.profiler import ProfilerActivity, profile
+
+    n, features = DATA_PARALLEL["S"]
+    x = torch.randn(n, features, device="cuda", dtype=torch.bfloat16)
+    layout = _layout(features, features, seed=0)
+    for kind in ("bsmm", "dense"):
+        if kind == "bsmm":
+            layer = bsmm.torch.BlockSparseLinear(features, features, layout, BLOCK, device="cuda", dtype=torch.bfloat16)
+        else:
+            layer = torch.nn.Linear(features, features, device="cuda", dtype=torch.bfloat16)
+        optimizer = torch.optim.SGD(layer.parameters(), lr=1e-3)
+
+        def step():
+            optimizer.zero_grad(set_to_none=True)
+            layer(x).float().square().mean().backward()
+            optimizer.step()
+
+        for _ in range(5):
+            step()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(20):
+                step()
+            torch.cuda.synchronize()
+        print(f"== {kind}")
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15))
+        print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=12))
+    return 0
+
+
+def _table(rows: list) -> str:
+    lines = ["| test | shape | bsmm or dense | GPUs | ms per step | rows/s | scaling vs 1 GPU |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    base = {}
+    for row in rows:
+        if row["test"] == "data parallel":
+            key = ("dp", row["workload"], row["kind"])
+            shape = f"{row['workload']}: N={row['n_per_gpu']}/GPU, {row['features']}²"
+            kind = row["kind"]
+        else:
+            key = ("mp", row["by"], row["n"])
+            shape = f"{row['features']}², N={row['n']}, by {row['by']}"
+            kind = f"bsmm ({row['largest_part_blocks']}/{row['all_blocks']} blocks, {row['weight_mib_per_gpu']:.0f} MiB)"
+        base.setdefault(key, row["rows_per_s"] if "rows_per_s" in row else row["ms"])
+        if "rows_per_s" in row:
+            scaling = row["rows_per_s"] / (row["world"] * base[key])
+            rate = f"{row['rows_per_s']:.3g}"
+        else:
+            scaling = base[key] / row["ms"]  # the same problem on more GPUs: speed-up
+            rate = f"{row['n'] / row['ms'] * 1e3:.3g}"
+        lines.append(f"| {row['test']} | {shape} | {kind} | {row['world']} | {row['ms']:.3f} | {rate} | {scaling:.2f} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--world", default="1,2", help="GPU counts to run, comma-separated (default 1,2)")
+    parser.add_argument("--json", help="write every row here")
+    parser.add_argument("--quick", action="store_true", help="fewer batches")
+    parser.add_argument("--profile", action="store_true",
+                        help="one GPU: torch.profiler's table of the data-parallel steps of workload S, then stop")
+    args = parser.parse_args(argv)
+    if args.profile:
+        return _profile()
+    gpus = torch.cuda.device_count()
+    rows = []
+    for world in (int(w) for w in args.world.split(",")):
+        if world > gpus:
+            print(f"world {world}: skipped, {gpus} GPU(s) present")
+            continue
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        out = f"/tmp/multi_gpu_{os.getpid()}_{world}.json"
+        mp.spawn(_rank_main, args=(world, port, out, args.quick), nprocs=world)
+        with open(out) as file:
+            rows += json.load(file)
+    rows.sort(key=lambda r: (r["test"], r.get("workload", r.get("by")), r.get("kind", r.get("n")), r["world"]))
+    if args.json:
+        with open(args.json, "w") as file:
+            json.dump({"gpu": torch.cuda.get_device_name(0), "gpus": gpus, "torch": torch.__version__, "rows": rows},
+                      file, indent=1)
+    print(_table(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
