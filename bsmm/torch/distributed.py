@@ -192,7 +192,7 @@ class ShardedBlockSparseLinear(torch.nn.Module):
     Examples
     --------
     >>> import numpy as np, torch, torch.distributed as dist, bsmm.torch
-    >>> dist.init_process_group("gloo", init_method="tcp://127.0.0.1:29431", rank=0, world_size=1)
+    >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # one process, no port
     >>> layout = np.ones((4, 6))
     >>> whole = bsmm.torch.BlockSparseLinear(32, 48, layout, block_size=8)
     >>> layer = bsmm.torch.ShardedBlockSparseLinear.from_layer(whole, by="columns")

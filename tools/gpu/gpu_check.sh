@@ -3,7 +3,7 @@
 # test suite (each census path among them), the randomized sweep at users' shapes, the checks past
 # 2**31 elements, memcheck and initcheck over a sample of the census, and the benchmark. Full logs
 # go to $OUT; a short table is printed last.
-#   tools/gpu/gpu_check.sh [check|smoke|tests|bench|all|note|conv|race|models|tune|framework] [bench args...]
+#   tools/gpu/gpu_check.sh [check|smoke|tests|bench|all|note|conv|race|models|tune|framework|multi] [bench args...]
 # check (the default): correctness, then sweep. correctness: compile, census, GPU tests, edges.
 # sweep: compile, the randomized sweep (SWEEP_CASES cases, default 2000, within SWEEP_BUDGET s, default 180), sanitizers (every
 # CENSUS_STRIDE-th census shape, default 25), the framework bench (torch, jax and cupy, S, D, F). (The device tool runs
@@ -15,6 +15,9 @@
 # conv: compile, the convolution, row-gather and strided GPU tests, their memcheck, the conv bench.
 # race: compile, compute-sanitizer racecheck over one GPU test of each kernel kind.
 # models: the small-world LSTM experiment ($LSTM_BUDGET s, default 240); its table.
+# multi: no compile step; the several-device tests (PyTorch DDP, FSDP2 and ShardedBlockSparseLinear over NCCL, one process
+# a GPU; JAX sharding) on the GPUs present, then tools/gpu/multi_gpu.py (data- and model-parallel steps on 1 and all
+# GPUs, beside dense). NCCL's NVLink multicast stays off (the lent machines require it).
 # tune: `python -m bsmm tune` with the remaining arguments (e.g. --workload T --block-size 64
 # --dtype float16 --dry-run); its report, and the kept tiles in $BSMM_CACHE_DIR/tuned.toml.
 set -uo pipefail
@@ -139,6 +142,19 @@ if [[ $stage == tune ]]; then
   cat "$OUT/tune.md"
   tail -3 "$OUT/tune.log"
   cp "$BSMM_CACHE_DIR/tuned.toml" "$OUT/tuned.toml" 2>/dev/null
+fi
+if [[ $stage == multi ]]; then
+  export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+  gpus=$(nvidia-smi -L | wc -l)
+  t0=$(date +%s)
+  XLA_PYTHON_CLIENT_PREALLOCATE=false python3 -m pytest -q -m gpu tests/frameworks/torch/test_distributed.py \
+    tests/frameworks/jax/test_jax_sharding.py tests/test_sharding.py -p no:cacheprovider >"$OUT/pytest_multi.log" 2>&1 || status=1
+  grep -E "^(FAILED|ERROR)" "$OUT/pytest_multi.log" | head -20
+  echo "several-device tests on $gpus GPU(s): $(tail -1 "$OUT/pytest_multi.log") [$(( $(date +%s) - t0 ))s]"
+  t0=$(date +%s)
+  python3 tools/gpu/multi_gpu.py --world "1,$gpus" --json "$OUT/multi_gpu.json" >"$OUT/multi_gpu.md" 2>"$OUT/multi_gpu.log" || status=1
+  echo "multi_gpu [$(( $(date +%s) - t0 ))s]:"
+  cat "$OUT/multi_gpu.md"
 fi
 if [[ $stage == models ]]; then
   t0=$(date +%s)

@@ -198,7 +198,7 @@ def main(argv=None) -> int:
         return _profile()
     gpus = torch.cuda.device_count()
     rows = []
-    for world in (int(w) for w in args.world.split(",")):
+    for world in sorted({int(w) for w in args.world.split(",")}):
         if world > gpus:
             print(f"world {world}: skipped, {gpus} GPU(s) present")
             continue
