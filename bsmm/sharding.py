@@ -130,8 +130,10 @@ def _balanced_bounds(counts: np.ndarray, parts: int) -> tuple:
         latest = min(int(np.searchsorted(prefix, prefix[start] + capacity, side="right")) - 1, n - left)
         earliest = max(start + 1, int(first[left]) if left < len(first) else 0)
         candidates = np.arange(earliest, latest + 1)
-        target = total * cut / parts
-        bounds.append(int(candidates[np.argmin(np.abs(prefix[candidates] - target))]))
+        # Nearest an even share of the blocks; among equals (empty lines), nearest an even share of the lines.
+        by_blocks = np.abs(prefix[candidates] - total * cut / parts)
+        by_lines = np.abs(candidates - n * cut / parts)
+        bounds.append(int(candidates[np.lexsort((by_lines, by_blocks))[0]]))
     bounds.append(n)
     return tuple(bounds)
 
@@ -185,6 +187,8 @@ def split_layout(layout, parts: int, by: str = "columns", bounds=None) -> Layout
     if bounds is None:
         cuts = _balanced_bounds(counts, int(parts))
     else:
+        if any(isinstance(b, bool) or not isinstance(b, (int, np.integer)) for b in bounds):
+            raise ValueError(f"bounds must be ints (block indices); got {list(bounds)}")
         cuts = tuple(int(b) for b in bounds)
         if len(cuts) != parts + 1 or cuts[0] != 0 or cuts[-1] != lines or any(
                 b <= a for a, b in zip(cuts, cuts[1:])):

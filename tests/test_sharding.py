@@ -91,6 +91,14 @@ def test_weight_maps_round_trip(by):
     np.testing.assert_array_equal(np.concatenate(parts)[split.gather_index()], w)
 
 
+def test_empty_lines_are_shared_out_evenly():
+    """Cuts equal in blocks: the one nearest an even share of the lines (empty columns still cost traffic)."""
+    counts_layout = np.zeros((2, 6), np.uint8)
+    counts_layout[0, 0] = counts_layout[0, 5] = 1  # 1, 0, 0, 0, 0, 1 blocks per column
+    assert bsmm.split_layout(counts_layout, 2).bounds == (0, 3, 6)
+    assert bsmm.split_layout(np.zeros((3, 8)), 4).bounds == (0, 2, 4, 6, 8)
+
+
 def test_given_bounds_are_kept():
     layout = np.ones((4, 6))
     split = bsmm.split_layout(layout, 3, bounds=(0, 1, 2, 6))
@@ -120,6 +128,10 @@ def test_errors_name_the_argument():
         bsmm.split_layout(layout, 2, bounds=(0, 3, 3))
     with pytest.raises(ValueError, match="bounds must be 3 increasing"):
         bsmm.split_layout(layout, 2, bounds=(0, 1))
+    with pytest.raises(ValueError, match=r"bounds must be ints \(block indices\); got \[0, 2.9, 3\]"):
+        bsmm.split_layout(layout, 2, bounds=(0, 2.9, 3))
+    with pytest.raises(ValueError, match="bounds must be ints"):
+        bsmm.split_layout(layout, 2, bounds=(0, True, 3))
     split = bsmm.split_layout(layout, 2)
     with pytest.raises(ValueError, match=r"part must be an int in \[0, 1\]; got 2"):
         split.weight_index(2)

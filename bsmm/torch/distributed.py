@@ -11,6 +11,9 @@ running the whole layer. Data parallelism needs nothing of bsmm: ``DistributedDa
 
 from __future__ import annotations
 
+import copy
+import math
+
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -19,6 +22,7 @@ from bsmm.block_index import block_index, check_block_size
 from bsmm.sharding import LayoutSplit, split_layout
 from bsmm.torch.checks import check_dtype
 from bsmm.torch.functional import matmul_by_key
+from bsmm.torch.layers import BlockSparseLinear
 from bsmm.torch.registry import register
 
 __all__ = ["ShardedBlockSparseLinear"]
@@ -46,10 +50,15 @@ def _gather_features(part: torch.Tensor, counts: tuple, axis: int, group) -> tor
         part = torch.nn.functional.pad(part, pad)
     stacked = _gather_stack(part, len(counts), group)
     if all(count == widest for count in counts):
-        return stacked.view(-1, *part.shape[1:]) if axis == 0 else stacked.movedim(0, -2).reshape(*part.shape[:-1], -1)
+        # (sizes spelled out: -1 is ambiguous for an empty batch)
+        joined = len(counts) * widest
+        return (stacked.view(joined, *part.shape[1:]) if axis == 0
+                else stacked.movedim(0, -2).reshape(*part.shape[:-1], joined))
     return torch.cat([stacked[r].narrow(axis, 0, count) for r, count in enumerate(counts)], dim=axis)
 
 
+# Each collective's backward applies its conjugate (all-reduce <-> identity, gather <-> slice,
+# reduce-scatter <-> all-gather) as an autograd function, so create_graph=True differentiates it again.
 class _Replicate(torch.autograd.Function):
     """Identity forward; backward sums the ranks' gradients (every rank used the whole tensor)."""
 
@@ -60,35 +69,7 @@ class _Replicate(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        grad = grad.contiguous().clone()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
-
-
-class _GatherFeatures(torch.autograd.Function):
-    """Forward: all-gather of the ranks' features; backward: this rank's slice of the gradient."""
-
-    @staticmethod
-    def forward(ctx, part, counts, rank, axis, group):
-        ctx.start, ctx.count, ctx.axis = sum(counts[:rank]), counts[rank], axis
-        return _gather_features(part, counts, axis, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad.narrow(ctx.axis, ctx.start, ctx.count).contiguous(), None, None, None, None
-
-
-class _SliceFeatures(torch.autograd.Function):
-    """Forward: this rank's features of a replicated tensor; backward: all-gather of the ranks' gradients."""
-
-    @staticmethod
-    def forward(ctx, x, counts, rank, axis, group):
-        ctx.counts, ctx.axis, ctx.group = counts, axis, group
-        return x.narrow(axis, sum(counts[:rank]), counts[rank]).contiguous()
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _gather_features(grad, ctx.counts, ctx.axis, ctx.group), None, None, None, None
+        return _SumParts.apply(grad.clone(memory_format=torch.contiguous_format), ctx.group), None
 
 
 class _SumParts(torch.autograd.Function):
@@ -96,6 +77,7 @@ class _SumParts(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, partial, group):
+        ctx.group = group
         # In place: a fresh product of this layer's that nothing else holds.
         ctx.mark_dirty(partial)
         dist.all_reduce(partial, group=group)
@@ -103,14 +85,41 @@ class _SumParts(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return grad, None
+        return _Replicate.apply(grad, ctx.group), None
+
+
+class _GatherFeatures(torch.autograd.Function):
+    """Forward: all-gather of the ranks' features; backward: this rank's slice of the gradient."""
+
+    @staticmethod
+    def forward(ctx, part, counts, rank, axis, group):
+        ctx.args = (counts, rank, axis, group)
+        return _gather_features(part, counts, axis, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _SliceFeatures.apply(grad, *ctx.args), None, None, None, None
+
+
+class _SliceFeatures(torch.autograd.Function):
+    """Forward: this rank's features of a replicated tensor; backward: all-gather of the ranks' gradients."""
+
+    @staticmethod
+    def forward(ctx, x, counts, rank, axis, group):
+        ctx.args = (counts, rank, axis, group)
+        return x.narrow(axis, sum(counts[:rank]), counts[rank]).contiguous()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _GatherFeatures.apply(grad, *ctx.args), None, None, None, None
 
 
 def _feature_chunks(tensor: torch.Tensor, parts: int, axis: int) -> torch.Tensor:
     """(parts, ...) with chunk p the p-th equal range of features along ``axis`` (a copy for ``axis`` -1)."""
     if axis == 0:
-        return tensor.contiguous().view(parts, -1, *tensor.shape[1:])
-    return tensor.reshape(-1, parts, tensor.shape[-1] // parts).transpose(0, 1).contiguous()
+        return tensor.contiguous().view(parts, tensor.shape[0] // parts, *tensor.shape[1:])
+    rows = math.prod(tensor.shape[:-1])
+    return tensor.reshape(rows, parts, tensor.shape[-1] // parts).transpose(0, 1).contiguous()
 
 
 class _ScatterSum(torch.autograd.Function):
@@ -119,20 +128,31 @@ class _ScatterSum(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, partial, parts, axis, group):
-        ctx.parts, ctx.axis, ctx.group, ctx.shape = parts, axis, group, partial.shape
+        ctx.args = (parts, axis, group)
         chunks = _feature_chunks(partial, parts, axis)
         mine = chunks.new_empty(chunks.shape[1:])
-        _reduce_scatter_single(mine, chunks.view(-1, *chunks.shape[2:]), group=group)  # (gloo: no stacked form)
-        if axis == 0:
-            return mine.view(-1, *partial.shape[1:])
-        return mine.view(*partial.shape[:-1], -1)
+        _reduce_scatter_single(mine, chunks.flatten(0, 1), group=group)  # (gloo: no stacked form)
+        return mine if axis == 0 else mine.view(*partial.shape[:-1], partial.shape[-1] // parts)
 
     @staticmethod
     def backward(ctx, grad):
-        stacked = _gather_stack(grad, ctx.parts, ctx.group)
-        if ctx.axis == 0:
-            return stacked.view(ctx.shape), None, None, None
-        return stacked.movedim(0, -2).reshape(ctx.shape), None, None, None
+        return _GatherChunks.apply(grad, *ctx.args), None, None, None
+
+
+class _GatherChunks(torch.autograd.Function):
+    """Forward: all-gather of equal feature ranges (rank p's the p-th); backward: reduce-scatter."""
+
+    @staticmethod
+    def forward(ctx, part, parts, axis, group):
+        ctx.args = (parts, axis, group)
+        stacked = _gather_stack(part, parts, group)
+        if axis == 0:
+            return stacked.view(parts * part.shape[0], *part.shape[1:])
+        return stacked.movedim(0, -2).reshape(*part.shape[:-1], parts * part.shape[-1])
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _ScatterSum.apply(grad, *ctx.args), None, None, None
 
 
 class ShardedBlockSparseLinear(torch.nn.Module):
@@ -184,10 +204,19 @@ class ShardedBlockSparseLinear(torch.nn.Module):
 
     Notes
     -----
-    Initialization draws this rank's blocks as the whole :class:`~bsmm.torch.BlockSparseLinear`
-    would (the fan-in of each output feature over the whole layout), from this rank's generator;
-    :meth:`from_layer` copies a whole layer's values instead. Inputs and outputs of
-    ``feature_axis=1`` with uneven parts are padded and copied around the collectives.
+    Initialization draws this rank's blocks from the distribution of the whole
+    :class:`~bsmm.torch.BlockSparseLinear` (the fan-in of each output feature over the whole
+    layout). Seed every rank of the group alike (``torch.manual_seed``), as data parallelism
+    needs anyway: each part then draws from a stream of its own derived from that seed, and a
+    replicated bias (``by="rows"``, ``output="replicated"``) is the same on every rank.
+    :meth:`from_layer` copies a whole layer's values instead.
+
+    Copies around the collectives: with ``feature_axis=1`` the features are the last axis, so
+    gathering, scattering or slicing them copies the activations once; with ``feature_axis=0``
+    only uneven parts are (padded and) copied. ``state_dict`` holds this rank's part and the cut
+    (buffers ``bounds`` and ``part``), and loading another rank's or another cut's is refused;
+    ``copy.deepcopy`` shares the process group; ``torch.save`` of the module itself cannot
+    pickle a process group: save the ``state_dict``, or :meth:`full_weight`.
 
     Examples
     --------
@@ -220,6 +249,8 @@ class ShardedBlockSparseLinear(torch.nn.Module):
         layout = layout.detach().cpu().numpy() if isinstance(layout, torch.Tensor) else np.asarray(layout)
         self.group = group
         self.rank, self.parts = dist.get_rank(group), dist.get_world_size(group)
+        if self.rank < 0:
+            raise ValueError("group must contain this process: it is not one of the group's ranks")
         self.split: LayoutSplit = split_layout(layout, self.parts, by, bounds)
         whole = self.split.layout
         for argument, value, expected in (("in_features", in_features, whole.shape[0] * block_size),
@@ -243,6 +274,9 @@ class ShardedBlockSparseLinear(torch.nn.Module):
 
         dtype = torch.get_default_dtype() if dtype is None else dtype
         check_dtype(dtype, torch.empty(0, device=device).device, "dtype")
+        # Saved with the weight, so a state_dict of another rank or cut is refused on load.
+        self.register_buffer("bounds", torch.tensor(self.split.bounds, dtype=torch.int64, device=device))
+        self.register_buffer("part", torch.tensor(self.rank, dtype=torch.int64, device=device))
         self.weight = torch.nn.Parameter(torch.empty(index.w_shape, device=device, dtype=dtype))
         if bias:
             self.bias = torch.nn.Parameter(torch.empty(len(range(*self._bias_features().indices(out_features))),
@@ -265,12 +299,17 @@ class ShardedBlockSparseLinear(torch.nn.Module):
         fan_in = np.count_nonzero(self.split.layout, axis=0) * self.block_size
         bounds = np.where(fan_in > 0, 1.0 / np.sqrt(np.maximum(fan_in, 1)), 0.0)
         columns = np.nonzero(self.split.layout)[1][self.split.weight_index(self.rank)]
+        # Ranks seeded alike (as data parallelism needs) draw a replicated bias alike from PyTorch's
+        # generator, and their parts from a stream each: one stream would give every part equal blocks.
+        part_seed = int(torch.randint(2**62, (), dtype=torch.int64)) + 1 + self.rank
+        generator = torch.Generator(device=self.weight.device).manual_seed(part_seed)
         with torch.no_grad():
             scale = torch.tensor(bounds[columns], dtype=self.weight.dtype, device=self.weight.device)
-            self.weight.uniform_(-1.0, 1.0).mul_(scale.view(-1, 1, 1))
+            self.weight.uniform_(-1.0, 1.0, generator=generator).mul_(scale.view(-1, 1, 1))
             if self.bias is not None:
+                replicated = self.by == "rows" and self.output == "replicated"
                 features = np.repeat(bounds, self.block_size)[self._bias_features()]
-                self.bias.uniform_(-1.0, 1.0).mul_(
+                self.bias.uniform_(-1.0, 1.0, generator=None if replicated else generator).mul_(
                     torch.tensor(features, dtype=self.bias.dtype, device=self.bias.device))
 
     @classmethod
@@ -278,6 +317,8 @@ class ShardedBlockSparseLinear(torch.nn.Module):
                    bounds=None, group=None) -> "ShardedBlockSparseLinear":
         """This rank's part of a whole :class:`~bsmm.torch.BlockSparseLinear` (values copied; the
         layer's dtype, device, feature axis, TF32 choice and bias kept)."""
+        if not isinstance(layer, BlockSparseLinear):
+            raise TypeError(f"layer must be a bsmm.torch.BlockSparseLinear; got {type(layer).__name__}")
         sharded = cls(layer.in_features, layer.out_features, layer.op.layout, layer.op.block_size, by=by,
                       bias=layer.bias is not None, input=input, output=output, bounds=bounds, group=group,
                       feature_axis=layer.feature_axis, tf32=layer.tf32, device=layer.weight.device,
@@ -288,6 +329,26 @@ class ShardedBlockSparseLinear(torch.nn.Module):
             if layer.bias is not None:
                 sharded.bias.copy_(layer.bias[sharded._bias_features()])
         return sharded
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        bounds, part = state_dict.get(prefix + "bounds"), state_dict.get(prefix + "part")
+        if bounds is not None and part is not None and (
+                bounds.tolist() != list(self.split.bounds) or int(part) != self.rank):
+            error_msgs.append(f"{prefix}weight: the state_dict holds part {int(part)} of a cut at {bounds.tolist()}, "
+                              f"this layer is part {self.rank} of a cut at {list(self.split.bounds)}; load the "
+                              f"state_dict this rank saved, or a whole layer's with from_layer")
+            return
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+
+    def __deepcopy__(self, memo):
+        # A process group cannot be copied (nor pickled): the copy shares this layer's.
+        twin = self.__class__.__new__(self.__class__)
+        memo[id(self)] = twin
+        memo[id(self.group)] = self.group
+        twin.__dict__.update(copy.deepcopy(self.__dict__, memo))
+        return twin
 
     def full_weight(self) -> torch.Tensor:
         """The whole layer's weight (nnzb, bs, bs) on every rank, gathered from the parts (a collective:

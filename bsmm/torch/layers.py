@@ -171,9 +171,9 @@ class BlockSparseLinear(_BlockSparseLayer):
         bias = self.bias.to(y.dtype)  # autocast: the product's dtype, as nn.Linear
         if self.feature_axis == 0:
             bias = bias.view(-1, *([1] * (y.dim() - 1)))
-        # Out of place: an in-place add would return a view of the product's output where x has
-        # leading dimensions, and FSDP2 warns about (and may skip the hooks of) such module outputs.
-        return y + bias
+        # In place: y is a fresh output nothing else holds, never a view (FSDP2 warns about module outputs
+        # that are views: an in-place op on one would skip its hooks), and its backward does not need it.
+        return y.add_(bias)
 
     def to_dense_weight(self) -> torch.Tensor:
         """Dense ``W`` (in_features, out_features), zero where blocks are absent; differentiable.

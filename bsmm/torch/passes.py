@@ -10,6 +10,8 @@ takes from PyTorch is its output, from ``torch.empty`` (so the caching allocator
 
 from __future__ import annotations
 
+import math
+
 import ml_dtypes
 import numpy as np
 import torch
@@ -94,6 +96,8 @@ def _repeat_on_cuda(op: BlocksparseMatMul, pass_name: str, a: torch.Tensor, b: t
     if call is None or b.dtype is not a.dtype or b.shape != call.other_shape or not (
             a.is_contiguous() and b.is_contiguous()):
         return None
+    if out_shape is not None and math.prod(out_shape) != math.prod(call.out_shape):
+        return None  # (the checked path then raises: the kernel must not write past the tensor)
     device = a.get_device()
     if b.get_device() != device or device != call.device or launches.current_device() != device:
         return None

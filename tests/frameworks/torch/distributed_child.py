@@ -1,6 +1,7 @@
 """Runs bsmm.torch's multi-process checks on ``--world`` ranks and writes what each rank measured as JSON.
 
     python tests/frameworks/torch/distributed_child.py --out results.json [--world 2] [--backend gloo|nccl]
+        [--checks all|sharded]
 
 test_distributed.py runs it (gloo on the CPU); tools/gpu runs it with NCCL, one GPU a rank. Every
 check compares with one process computing the whole problem from the same seed, in float64 on the
@@ -10,7 +11,10 @@ CPU (float32 on GPUs), and records the largest relative error of each output and
 - ``fsdp/...``: fully_shard (FSDP2) over the same model, with and without bf16 parameters; any warning
   FSDP2 gives is recorded.
 - ``sharded/...``: ShardedBlockSparseLinear, every split, input and output mode, feature axis, a
-  layout whose cut leaves a part without blocks, and a column-split layer feeding a row-split one.
+  layout whose cut leaves a part without blocks, cuts of unequal widths, an empty batch, no_grad,
+  double backward (a gradient penalty), bf16 autocast, and a column-split layer feeding a
+  row-split one. The features each rank should hold are worked out here from the layout, not read
+  from the layer.
 """
 
 from __future__ import annotations
@@ -38,6 +42,8 @@ def _relative(actual: torch.Tensor, expected: torch.Tensor) -> float:
     actual, expected = actual.detach().double().cpu(), expected.detach().double().cpu()
     if actual.shape != expected.shape:
         return float("inf")
+    if not expected.numel():
+        return 0.0
     return float((actual - expected).abs().max() / expected.abs().max().clamp_min(1e-30))
 
 
@@ -161,23 +167,20 @@ def _sharded_case(record: Recorder, name: str, layout, by: str, input: str, outp
     r = torch.randn(y_whole.shape, generator=generator, dtype=torch.float64).to(device, dtype)
     (y_whole * r).sum().backward()
 
+    mine, outputs = _mine(layout, by, rank), _output_features(layout, by, output, rank, k)
     if input == "sharded":
-        features = part.split.features(rank, 8)
-        x_mine = x.narrow(axis, features.start, features.stop - features.start).contiguous().requires_grad_()
+        x_mine = x.narrow(axis, mine.start, mine.stop - mine.start).contiguous().requires_grad_()
     else:
         x_mine = x.clone().requires_grad_()
     y = part(x_mine)
-    if output == "replicated":
-        y_expected, r_mine = y_whole, r
-    else:
-        features = part.split.features(rank, 8) if by == "columns" else part._bias_features()
-        y_expected = y_whole.narrow(axis, features.start, features.stop - features.start)
-        r_mine = r.narrow(axis, features.start, features.stop - features.start)
+    y_expected = y_whole.narrow(axis, outputs.start, outputs.stop - outputs.start)
+    r_mine = r.narrow(axis, outputs.start, outputs.stop - outputs.start)
     record.close(f"sharded/{name}/y", y, y_expected, tolerance)
+    with torch.no_grad():
+        record.close(f"sharded/{name}/y_no_grad", part(x_mine), y_expected, tolerance)
     (y * r_mine).sum().backward()
     if input == "sharded":
-        features = part.split.features(rank, 8)
-        dx_expected = x_whole.grad.narrow(axis, features.start, features.stop - features.start)
+        dx_expected = x_whole.grad.narrow(axis, mine.start, mine.stop - mine.start)
     else:
         dx_expected = x_whole.grad
     record.close(f"sharded/{name}/dx", x_mine.grad, dx_expected, tolerance)
@@ -187,8 +190,72 @@ def _sharded_case(record: Recorder, name: str, layout, by: str, input: str, outp
     else:
         record.fact(f"sharded/{name}/empty_part", True)
     if bias:
-        record.close(f"sharded/{name}/db", part.bias.grad, whole.bias.grad[part._bias_features()], tolerance)
+        held = mine if by == "columns" else outputs  # (by columns, each rank adds its features' bias before the gather)
+        record.close(f"sharded/{name}/db", part.bias.grad, whole.bias.grad[held], tolerance)
     record.close(f"sharded/{name}/full_weight", part.full_weight(), whole.weight, 0.0)
+
+
+def _mine(layout, by: str, rank: int) -> slice:
+    """The features of ``rank``'s part along the cut axis, worked out here rather than read from the layer."""
+    cut = bsmm.split_layout(np.asarray(layout), dist.get_world_size(), by).bounds
+    return slice(cut[rank] * 8, cut[rank + 1] * 8)
+
+
+def _output_features(layout, by: str, output: str, rank: int, k: int) -> slice:
+    """The output features ``rank`` holds: all, its block columns', or its equal share of a reduce-scatter."""
+    world = dist.get_world_size()
+    if output == "replicated":
+        return slice(0, k)
+    return _mine(layout, by, rank) if by == "columns" else slice(rank * k // world, (rank + 1) * k // world)
+
+
+def _pair(layout, by, input, output, device, dtype, seed: int):
+    """A whole 48 -> 48 layer and this rank's part of it, with an input and a cotangent of fixed seeds."""
+    torch.manual_seed(3)
+    whole = bsmm.torch.BlockSparseLinear(48, 48, layout, block_size=8, device=device, dtype=dtype)
+    part = bsmm.torch.ShardedBlockSparseLinear.from_layer(whole, by=by, input=input, output=output)
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(5, 48, generator=generator, dtype=torch.float64).to(device, dtype)
+    r = torch.randn(5, 48, generator=generator, dtype=torch.float64).to(device, dtype)
+    inputs = slice(0, 48) if input == "replicated" else _mine(layout, by, dist.get_rank())
+    return whole, part, x, r, inputs, _output_features(layout, by, output, dist.get_rank(), 48)
+
+
+def _double_backward_case(record: Recorder, layout, by, input, output, device, dtype, tolerance) -> None:
+    """A gradient penalty, sum(y*r) + sum(dx**2) with dx from create_graph=True: its gradients of x and W
+    (with a sharded input each rank's dx is its share of the penalty's sum)."""
+    name = f"sharded/double-backward/{by}/{input}-{output}"
+    whole, part, x, r, inputs, outputs = _pair(layout, by, input, output, device, dtype, seed=5)
+
+    def penalised(layer, x_in, r_in):
+        x_in = x_in.clone().requires_grad_()
+        first = (layer(x_in) * r_in).sum()
+        (dx,) = torch.autograd.grad(first, x_in, create_graph=True)
+        (first + dx.square().sum()).backward()
+        return x_in.grad
+
+    dx_whole = penalised(whole, x, r)
+    dx = penalised(part, x[:, inputs].contiguous(), r[:, outputs].contiguous())
+    record.close(f"{name}/dx", dx, dx_whole[:, inputs], tolerance)
+    index = torch.as_tensor(part.split.weight_index(record.rank), device=device)
+    record.close(f"{name}/dw", part.weight.grad, whole.weight.grad[index], tolerance)
+
+
+def _autocast_case(record: Recorder, layout, by, input, output, device) -> None:
+    """float32 layers under bf16 autocast: y, dx and dW within bf16's tolerance of the whole layer's."""
+    name = f"sharded/autocast/{by}/{input}-{output}"
+    whole, part, x, r, inputs, outputs = _pair(layout, by, input, output, device, torch.float32, seed=6)
+    x_whole, x_mine = x.clone().requires_grad_(), x[:, inputs].contiguous().requires_grad_()
+    with torch.autocast(device.type, dtype=torch.bfloat16):
+        y_whole, y = whole(x_whole), part(x_mine)
+    record.fact(f"{name}/dtype", str(y.dtype).replace("torch.", ""))
+    # Row splits add bf16 partial sums: one more bf16 rounding than the whole layer's.
+    record.close(f"{name}/y", y, y_whole[:, outputs], 2e-2)
+    (y_whole.float() * r).sum().backward()
+    (y.float() * r[:, outputs]).sum().backward()
+    record.close(f"{name}/dx", x_mine.grad, x_whole.grad[:, inputs], 2e-2)
+    index = torch.as_tensor(part.split.weight_index(record.rank), device=device)
+    record.close(f"{name}/dw", part.weight.grad, whole.weight.grad[index], 2e-2)
 
 
 def check_sharded(record: Recorder, device, dtype, tolerance: float) -> None:
@@ -199,8 +266,11 @@ def check_sharded(record: Recorder, device, dtype, tolerance: float) -> None:
     wide[0, :] = True
     skewed = np.zeros((6, 4), bool)  # every block in block column 0 and block row 0
     skewed[:, 0] = skewed[0, :] = True
-    one_block = np.zeros((6, 4), bool)  # any cut leaves a part without blocks
+    one_block = np.zeros((6, 6), bool)  # any cut leaves a part without blocks
     one_block[0, 0] = True
+    uneven = np.zeros((6, 6), bool)  # block columns of 5, 1, 5, 1, 1 and 2 blocks: cuts of unequal widths
+    for column, count in enumerate((5, 1, 5, 1, 1, 2)):
+        uneven[:count, column] = True
     cases = []
     for by, modes in (("columns", (("replicated", "replicated"), ("replicated", "sharded"))),
                       ("rows", (("replicated", "replicated"), ("replicated", "sharded"),
@@ -212,8 +282,19 @@ def check_sharded(record: Recorder, device, dtype, tolerance: float) -> None:
         cases.append((f"{by}/wide-3d-nobias", wide, by, "replicated", "replicated", 1, False, (2, 3, 32)))
         cases.append((f"{by}/skewed", skewed, by, "replicated", "replicated", 1, True, (1, 48)))
         cases.append((f"{by}/one-block", one_block, by, "replicated", "sharded", 0, True, (48, 3)))
+        cases.append((f"{by}/uneven", uneven if by == "columns" else uneven.T, by, "replicated", "sharded", 1, True,
+                      (4, 48)))
+        cases.append((f"{by}/uneven-axis0", uneven if by == "columns" else uneven.T, by, "replicated", "replicated",
+                      0, True, (48, 4)))
+        cases.append((f"{by}/empty-batch", square, by, "replicated", "sharded" if by == "rows" else "replicated", 1,
+                      True, (0, 48)))
     for case in cases:
         _sharded_case(record, *case, device=device, dtype=dtype, tolerance=tolerance)
+
+    for by, input, output in (("columns", "replicated", "replicated"), ("columns", "replicated", "sharded"),
+                              ("rows", "replicated", "replicated"), ("rows", "sharded", "sharded")):
+        _double_backward_case(record, square, by, input, output, device, dtype, tolerance)
+        _autocast_case(record, square, by, input, output, device)
 
     # A column split feeding a row split with the same cut: no collective between them.
     torch.manual_seed(9)
@@ -237,7 +318,7 @@ def check_sharded(record: Recorder, device, dtype, tolerance: float) -> None:
                  second.weight.grad[torch.as_tensor(row.split.weight_index(record.rank), device=device)], tolerance)
 
 
-def _rank_main(rank: int, world: int, backend: str, port: int, out: str) -> None:
+def _rank_main(rank: int, world: int, backend: str, checks: str, port: int, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     record = Recorder(rank)
     try:
@@ -250,7 +331,8 @@ def _rank_main(rank: int, world: int, backend: str, port: int, out: str) -> None
             device = torch.device("cpu")
             dist.init_process_group(backend, rank=rank, world_size=world)
             dtype, tolerance = torch.float64, 1e-12
-        check_data_parallel(record, world, device, dtype, tolerance)
+        if checks == "all":
+            check_data_parallel(record, world, device, dtype, tolerance)
         check_sharded(record, device, dtype, tolerance)
         dist.barrier()
         dist.destroy_process_group()
@@ -265,11 +347,16 @@ def main(argv=None) -> int:
     parser.add_argument("--out", required=True)
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--backend", choices=("gloo", "nccl"), default="gloo")
+    parser.add_argument("--checks", choices=("all", "sharded"), default="all",
+                        help="sharded: ShardedBlockSparseLinear's checks only (DDP and FSDP2 skipped)")
     args = parser.parse_args(argv)
+    # NVLink multicast off: the lent GPU machines require it (and the children inherit it).
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
     with socket.socket() as probe:  # a free port for the rendezvous
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    mp.spawn(_rank_main, args=(args.world, args.backend, port, args.out), nprocs=args.world)
+    mp.spawn(_rank_main, args=(args.world, args.backend, args.checks, port, args.out), nprocs=args.world)
     merged = {}
     for rank in range(args.world):
         with open(f"{args.out}.rank{rank}") as file:

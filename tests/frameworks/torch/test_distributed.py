@@ -29,13 +29,18 @@ SHARDED_CASES = [f"{by}/{mode}/axis{axis}"
                                    ("rows", ("replicated-replicated", "replicated-sharded", "sharded-replicated",
                                              "sharded-sharded")))
                  for mode in modes for axis in (1, 0)]
-SHARDED_CASES += [f"{by}/{case}" for by in ("columns", "rows") for case in ("wide-3d-nobias", "skewed", "one-block")] + ["chain"]
+SHARDED_CASES += [f"{by}/{case}" for by in ("columns", "rows")
+                  for case in ("wide-3d-nobias", "skewed", "one-block", "uneven", "uneven-axis0", "empty-batch")]
+SHARDED_CASES += ["chain"]
+#: (by, input-output) of the double-backward and autocast checks
+MODE_CASES = ["columns/replicated-replicated", "columns/replicated-sharded", "rows/replicated-replicated",
+              "rows/sharded-sharded"]
 
 
-def _run_child(tmp_path_factory, backend: str, world: int) -> dict:
-    out = tmp_path_factory.mktemp(f"distributed-{backend}") / "results.json"
-    done = subprocess.run([sys.executable, str(CHILD), "--out", str(out), "--world", str(world), "--backend", backend],
-                          capture_output=True, text=True, timeout=600, cwd=REPO_ROOT)
+def _run_child(tmp_path_factory, backend: str, world: int, checks: str) -> dict:
+    out = tmp_path_factory.mktemp(f"distributed-{backend}-{world}") / "results.json"
+    done = subprocess.run([sys.executable, str(CHILD), "--out", str(out), "--world", str(world), "--backend", backend,
+                           "--checks", checks], capture_output=True, text=True, timeout=600, cwd=REPO_ROOT)
     assert done.returncode == 0, done.stderr[-4000:]
     results = json.loads(out.read_text())
     for rank, measured in results["ranks"].items():
@@ -43,13 +48,22 @@ def _run_child(tmp_path_factory, backend: str, world: int) -> dict:
     return results
 
 
-@pytest.fixture(scope="session", params=["gloo", pytest.param("nccl", marks=pytest.mark.gpu)])
+@pytest.fixture(scope="session", params=["gloo-2", "gloo-3", pytest.param("nccl", marks=pytest.mark.gpu)])
 def measured(request, tmp_path_factory) -> dict:
-    """rank -> {check name -> measurement} from distributed_child.py (two ranks; on GPUs one a GPU)."""
-    if request.param == "gloo":
-        return _run_child(tmp_path_factory, "gloo", 2)["ranks"]
+    """rank -> {check name -> measurement} from distributed_child.py: two gloo ranks (every check), three
+    (ShardedBlockSparseLinear's: with two ranks a rank's offset is rank x the first part's width, so only
+    three tell a wrong offset from a right one), and on GPUs one NCCL rank a GPU (up to two)."""
+    if request.param == "gloo-2":
+        return _run_child(tmp_path_factory, "gloo", 2, "all")["ranks"]
+    if request.param == "gloo-3":
+        return _run_child(tmp_path_factory, "gloo", 3, "sharded")["ranks"]
     cuda_or_skip()
-    return _run_child(tmp_path_factory, "nccl", min(2, torch.cuda.device_count()))["ranks"]
+    return _run_child(tmp_path_factory, "nccl", min(2, torch.cuda.device_count()), "all")["ranks"]
+
+
+def _data_parallel_or_skip(measured: dict) -> None:
+    if not any(name.startswith("ddp/") for name in measured["0"]):
+        pytest.skip("this run checks ShardedBlockSparseLinear only")
 
 
 def _judge(measured: dict, prefix: str) -> int:
@@ -68,6 +82,7 @@ def _judge(measured: dict, prefix: str) -> int:
 def test_ddp_matches_one_process(measured, shape):
     """DistributedDataParallel, a share of the batch a rank: the losses of 3 SGD steps, the first gradients
     of every parameter and the trained parameters equal one process's on the whole batch."""
+    _data_parallel_or_skip(measured)
     assert _judge(measured, f"ddp/{shape}/") == len(measured) * 9  # losses, 4 gradients, 4 trained, per rank
 
 
@@ -76,6 +91,7 @@ def test_ddp_matches_one_process(measured, shape):
 def test_fsdp2_matches_one_process_without_warnings(measured, shape, policy):
     """fully_shard on each BlockSparseLinear and the model: the same as one process (bf16 parameters within
     bf16's tolerance), and FSDP2 warns about nothing (an output of a layer is never a view)."""
+    _data_parallel_or_skip(measured)
     prefix = f"fsdp/{shape}/{policy}/"
     assert _judge(measured, prefix) == len(measured) * 9
     for rank, results in measured.items():
@@ -88,9 +104,23 @@ def test_sharded_layer_matches_the_whole_layer(measured, case):
     prefix = f"sharded/{case}/"
     checked = _judge(measured, prefix)
     names = {name.rsplit("/", 1)[1] for results in measured.values() for name in results if name.startswith(prefix)}
-    expected = {"y", "dx", "dw1", "dw2"} if case == "chain" else {"y", "dx", "full_weight"}
+    expected = {"y", "dx", "dw1", "dw2"} if case == "chain" else {"y", "y_no_grad", "dx", "full_weight"}
     assert expected <= names, sorted(names)
     assert checked >= len(measured) * len(expected)
+
+
+@pytest.mark.parametrize("mode", MODE_CASES)
+def test_sharded_layer_double_backward(measured, mode):
+    """A gradient penalty through the layer (create_graph=True): dx and each rank's dW as the whole layer's."""
+    assert _judge(measured, f"sharded/double-backward/{mode}/") == len(measured) * 2
+
+
+@pytest.mark.parametrize("mode", MODE_CASES)
+def test_sharded_layer_under_autocast(measured, mode):
+    """float32 layers under bf16 autocast: bf16 outputs; y, dx and each rank's dW within bf16's tolerance."""
+    assert _judge(measured, f"sharded/autocast/{mode}/") == len(measured) * 3
+    for results in measured.values():
+        assert results[f"sharded/autocast/{mode}/dtype"]["value"] == "bfloat16"
 
 
 def test_a_skewed_cut_leaves_a_part_without_blocks(measured):
@@ -136,6 +166,7 @@ def fake_group(monkeypatch):
 
 
 def test_errors_name_the_argument(fake_group):
+    """Every bad argument raises before any collective, naming the argument."""
     layer = bsmm.torch.ShardedBlockSparseLinear
     layout = np.ones((4, 4))
     with pytest.raises(ValueError, match="by must be 'columns' or 'rows'; got 'diagonal'"):
@@ -192,3 +223,54 @@ def test_initialization_draws_the_whole_layers_distribution(fake_group):
         largest = part.weight.detach().abs().amax(dim=(1, 2)).numpy()
         assert np.all(largest <= bounds) and np.all(largest > 0.5 * bounds)
         assert part.bias.shape == (16,)
+
+
+def test_from_layer_needs_a_block_sparse_linear(fake_group):
+    with pytest.raises(TypeError, match="layer must be a bsmm.torch.BlockSparseLinear; got Linear"):
+        bsmm.torch.ShardedBlockSparseLinear.from_layer(torch.nn.Linear(32, 32))
+
+
+def test_a_process_outside_the_group_is_refused(fake_group):
+    fake_group.rank = -1  # what torch.distributed.get_rank returns for a group this process is not in
+    with pytest.raises(ValueError, match="group must contain this process"):
+        bsmm.torch.ShardedBlockSparseLinear(32, 32, np.ones((4, 4)), 8)
+
+
+def test_parts_draw_independent_blocks_and_a_shared_replicated_bias(fake_group):
+    """Ranks seeded alike: each part's blocks come from a stream of its own (no two ranks hold equal
+    blocks), while a replicated bias (rows, replicated output) is the same on every rank."""
+    drawn = {}
+    for rank in (0, 1):
+        fake_group.rank = rank
+        torch.manual_seed(0)
+        drawn[rank] = bsmm.torch.ShardedBlockSparseLinear(32, 32, np.ones((4, 4)), 8, by="rows")
+    first, second = (drawn[r].weight.detach().flatten() for r in (0, 1))
+    assert abs(float(torch.corrcoef(torch.stack([first, second]))[0, 1])) < 0.2
+    torch.testing.assert_close(drawn[0].bias, drawn[1].bias, rtol=0, atol=0)
+
+
+def test_state_dict_of_another_part_is_refused(fake_group):
+    """The state_dict carries the cut and the part: loading rank 1's into rank 0's layer raises, naming both;
+    a rank's own loads back exactly."""
+    layers = {}
+    for rank in (0, 1):
+        fake_group.rank = rank
+        layers[rank] = bsmm.torch.ShardedBlockSparseLinear(32, 32, np.ones((4, 4)), 8)
+    with pytest.raises(RuntimeError, match=r"holds part 1 of a cut at \[0, 2, 4\], this layer is part 0"):
+        layers[0].load_state_dict(layers[1].state_dict())
+    fake_group.rank = 0
+    fresh = bsmm.torch.ShardedBlockSparseLinear(32, 32, np.ones((4, 4)), 8)
+    fresh.load_state_dict(layers[0].state_dict())
+    torch.testing.assert_close(fresh.weight, layers[0].weight, rtol=0, atol=0)
+
+
+def test_deepcopy_shares_the_process_group(fake_group):
+    """copy.deepcopy (an EMA copy) copies the parameters and keeps the same group object."""
+    import copy
+
+    group = object()  # a stand-in: a real ProcessGroup cannot be deep-copied or pickled
+    layer = bsmm.torch.ShardedBlockSparseLinear(32, 32, np.ones((4, 4)), 8, group=group)
+    twin = copy.deepcopy(layer)
+    assert twin.group is group
+    assert twin.weight is not layer.weight
+    torch.testing.assert_close(twin.weight, layer.weight, rtol=0, atol=0)
