@@ -7,6 +7,9 @@ Import it explicitly (``import bsmm.jax``); ``import bsmm`` alone does not impor
 :mod:`~bsmm.jax.functional`, :mod:`~bsmm.jax.layers`, :mod:`~bsmm.jax.autodiff` (the VJPs),
 :mod:`~bsmm.jax.passes` (each pass an XLA custom call on XLA's own buffers), :mod:`~bsmm.jax.checks`.
 :func:`l2_normalize` (:mod:`~bsmm.jax.normalization`) is the seed's weight normalization in ``jnp``.
+On several devices: a batch-sharded ``x`` under ``jax.jit`` runs shard by shard
+(:mod:`~bsmm.jax.partitioning`), and :class:`ShardedMatMul` with :func:`sharded_matmul` spread one
+layer's blocks over a mesh axis (:mod:`~bsmm.jax.sharded`).
 
 Examples
 --------
@@ -38,5 +41,7 @@ except ImportError as error:  # pragma: no cover
 from bsmm.jax.functional import blocksparse_conv, blocksparse_matmul  # noqa: E402
 from bsmm.jax.layers import BlockSparseConv, BlockSparseDense  # noqa: E402
 from bsmm.jax.normalization import l2_normalize  # noqa: E402
+from bsmm.jax.sharded import ShardedMatMul, sharded_matmul  # noqa: E402
 
-__all__ = ["BlockSparseConv", "BlockSparseDense", "blocksparse_conv", "blocksparse_matmul", "l2_normalize"]
+__all__ = ["BlockSparseConv", "BlockSparseDense", "ShardedMatMul", "blocksparse_conv", "blocksparse_matmul",
+           "l2_normalize", "sharded_matmul"]

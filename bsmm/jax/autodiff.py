@@ -9,6 +9,12 @@ g the cotangent of the result, for both feature axes:
 
 So defining each pass's VJP through the others gives reverse mode of any order: gradient
 penalties, Hessian-vector products by grad of grad.
+
+Inside ``jax.shard_map`` (with its default ``check_vma=True``) an operand that does not vary along
+a manual mesh axis while the other does (replicated weights, sharded activations) is first cast to
+varying, as JAX does for its own primitives: the transpose of that cast sums the operand's
+cotangent over the axis, so the gradient of replicated weights is the sum over the devices' data,
+as for a dense ``x @ w`` in the same ``shard_map``.
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ import functools
 import jax
 from jax.custom_derivatives import SymbolicZero
 
-from bsmm.jax.passes import run_pass
+from bsmm.jax.passes import run_pass, vary_alike
 
 __all__ = ["differentiable_pass"]
 
@@ -29,9 +35,14 @@ _COTANGENTS = {  # pass -> (pass, operands) for the cotangent of a, then of b
 }
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
 def differentiable_pass(a, b, op, pass_name):
     """``run_pass(op, pass_name, a, b)``, differentiable in ``a`` and ``b`` to any order."""
+    a, b = vary_alike(a, b)
+    return _pass(a, b, op, pass_name)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _pass(a, b, op, pass_name):
     return run_pass(op, pass_name, a, b)
 
 
@@ -54,4 +65,4 @@ def _pass_bwd(op, pass_name, residuals, g):
     )
 
 
-differentiable_pass.defvjp(_pass_fwd, _pass_bwd, symbolic_zeros=True)
+_pass.defvjp(_pass_fwd, _pass_bwd, symbolic_zeros=True)

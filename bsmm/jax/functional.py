@@ -66,6 +66,13 @@ def blocksparse_matmul(x, w, op: BlocksparseMatMul):
     the loss: the weight gradient is then one pass over all rows, where
     ``jax.grad(jax.vmap(...))`` computes one weight gradient per example and sums them.
 
+    On several devices: under ``jax.jit`` with ``x`` sharded along its rows (the batch) and ``w``
+    replicated, each device runs fprop and bprop on its own rows, with no collective, and the weight
+    gradient is each device's rows' gradient summed over the batch's mesh axes (one all-reduce):
+    :mod:`bsmm.jax.partitioning`. Features or ``w`` sharded otherwise are gathered first; a pass under
+    ``jax.vmap`` runs whole on every device. Inside ``jax.shard_map`` (under ``jax.jit``) every device
+    runs the pass on its local arrays. Layers too large for one device: :func:`~bsmm.jax.sharded_matmul`.
+
     Examples
     --------
     >>> import numpy as np, jax, jax.numpy as jnp, bsmm, bsmm.jax

@@ -11,6 +11,8 @@ Where it runs follows the DLPack device of the buffers, i.e. where XLA placed th
 (``jax.default_backend()`` is wrong for arrays placed on a non-default device). A
 ``custom_vmap`` rule batches a pass by folding the batch into N where the layout of the
 activations allows it and otherwise by looping over views of the batched buffers inside one call.
+Each buffer callback is wrapped in :data:`bsmm.jax.partitioning.pass_p`, which lowers it unchanged
+on one device and lets XLA run a product's pass shard by shard on a batch-sharded operand.
 """
 
 from __future__ import annotations
@@ -28,9 +30,10 @@ from jax.experimental.buffer_callback import buffer_callback
 from bsmm.backends.cuda import launches
 from bsmm.arrays import _DLPACK_CPU, _DLPACK_CUDA
 from bsmm.config import once, settings, warn
+from bsmm.jax.partitioning import partitionable_pass
 from bsmm.matmul import BlocksparseMatMul
 
-__all__ = ["ConvPasses", "PassCallback", "run_pass"]
+__all__ = ["ConvPasses", "PassCallback", "run_pass", "vary_alike"]
 
 
 # -- the host side of a pass ------------------------------------------------------------------
@@ -170,20 +173,37 @@ def _warn_if_a_gpu_sits_idle() -> None:
              "pip install 'bsmm[jax-cuda12]' or 'bsmm[jax-cuda13]', to run them on the GPU.", also_skip=jax_dirs)
 
 
+def _varying(x) -> frozenset:
+    """The manual mesh axes along which ``x`` varies (empty outside ``shard_map`` or with check_vma off)."""
+    manual = getattr(jax.typeof(x), "manual_axis_type", None)
+    return frozenset(getattr(manual, "varying", ()))
+
+
+def vary_alike(*arrays) -> tuple:
+    """``arrays`` each cast to vary along all the manual mesh axes any of them varies along, as JAX
+    casts the operands of its own primitives inside ``shard_map`` (the cast's transpose sums the
+    cotangent over the axes it added)."""
+    axes = [_varying(x) for x in arrays]
+    union = frozenset().union(*axes)
+    return tuple(jax.lax.pcast(x, tuple(sorted(union - mine, key=str)), to="varying") if union - mine else x
+                 for x, mine in zip(arrays, axes))
+
+
 def _call(op, pass_name: str, batch_shape: tuple, out_shape: tuple, a, b):
     """The pass as an XLA buffer callback into a new array of ``out_shape``."""
     _warn_if_a_gpu_sits_idle()  # at trace time: once per jit compile, never per call
     if 0 in out_shape or 0 in a.shape or 0 in b.shape:
         # Nothing to compute (an empty layout or N = 0): a sum over nothing is 0.
         # XLA may hand out null pointers for empty buffers, so no callback is made.
-        return jnp.zeros(out_shape, a.dtype)
+        return vary_alike(jnp.zeros(out_shape, a.dtype), a, b)[0]
     # A matmul pass launches on XLA's stream with no host synchronisation and no allocation past its
     # first call (workspaces are per stream and kept), so XLA may capture it into a CUDA graph and
     # replay it; a convolution's pass may allocate temporaries every call, so it may not.
     replayable = isinstance(op, BlocksparseMatMul) and settings()["jax"]["command_buffers"]
-    call = buffer_callback(PassCallback(op, pass_name, batch_shape), jax.ShapeDtypeStruct(out_shape, a.dtype),
-                           command_buffer_compatible=replayable)
-    return call(a, b)
+    callback = PassCallback(op, pass_name, batch_shape)
+    call = buffer_callback(callback, jax.ShapeDtypeStruct(out_shape, a.dtype), command_buffer_compatible=replayable)
+    # A product's pass on a batch-sharded operand runs shard by shard under jax.jit (XLA replicates the others).
+    return partitionable_pass(call, callback, replayable, a, b)
 
 
 def _pass(op: BlocksparseMatMul, pass_name: str, a, b):
