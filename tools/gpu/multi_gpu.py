@@ -1,12 +1,14 @@
 """Training steps on 1, 2, ... GPUs (one process a GPU, NCCL): data parallel and model parallel, beside dense.
 
-    python3 tools/gpu/multi_gpu.py [--world 1,2] [--json results.json] [--quick]
+    python3 tools/gpu/multi_gpu.py [--world 1,2] [--json results.json] [--quick] [--model-features F]
+        [--model-density D] [--profile]
 
 - **Data parallel** (DistributedDataParallel, a fixed batch per GPU): the training step of one
   ``BlockSparseLinear`` and of ``nn.Linear`` of the same shape (forward, backward with the gradient
   all-reduce, SGD), on workloads S (N = 32, 12288 features) and T (N = 4096, 8192), bf16, 10 %,
   block 32. Throughput in rows per second and its scaling against one GPU.
-- **Model parallel** (``ShardedBlockSparseLinear``): a 65536 -> 65536 layer, bf16, block 32, split by
+- **Model parallel** (``ShardedBlockSparseLinear``): a 65536 -> 65536 layer (``--model-features``,
+  ``--model-density``), bf16, block 32, 10 %, split by
   block columns (all-gather of y) and by block rows (all-reduce of partial sums), its forward and
   backward at N = 32 and N = 4096, with each GPU's share of the weight.
 
@@ -59,8 +61,8 @@ def _time(step, batches: int, calls: int) -> float:
     return float(median)
 
 
-def _layout(features_in: int, features_out: int, seed: int) -> np.ndarray:
-    return bsmm.layouts.random_layout(features_in // BLOCK, features_out // BLOCK, DENSITY, seed=seed)
+def _layout(features_in: int, features_out: int, seed: int, density: float = DENSITY) -> np.ndarray:
+    return bsmm.layouts.random_layout(features_in // BLOCK, features_out // BLOCK, density, seed=seed)
 
 
 def data_parallel(world: int, rank: int, batches: int, calls: int) -> list:
@@ -90,14 +92,21 @@ def data_parallel(world: int, rank: int, batches: int, calls: int) -> list:
     return rows
 
 
-def model_parallel(world: int, rank: int, batches: int, calls: int, features: int, sizes) -> list:
+def model_parallel(world: int, rank: int, batches: int, calls: int, features: int, density: float, sizes) -> list:
     rows = []
-    layout = _layout(features, features, seed=1)
+    layout = _layout(features, features, seed=1, density=density)
     for by in ("columns", "rows"):
         torch.manual_seed(0)
         torch.cuda.reset_peak_memory_stats()
-        layer = bsmm.torch.ShardedBlockSparseLinear(features, features, layout, BLOCK, by=by, device="cuda",
-                                                    dtype=torch.bfloat16)
+        try:
+            layer = bsmm.torch.ShardedBlockSparseLinear(features, features, layout, BLOCK, by=by, device="cuda",
+                                                        dtype=torch.bfloat16)
+        except torch.cuda.OutOfMemoryError:
+            if world > 1:
+                raise  # (the other ranks would wait in a collective: let the run fail)
+            rows += [{"test": "model parallel", "by": by, "world": world, "n": n, "features": features, "ms": None,
+                      "oom": True} for n in sizes]
+            continue
         weight_bytes = layer.weight.numel() * layer.weight.element_size()
         for n in sizes:
             x = torch.randn(n, features, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -106,7 +115,14 @@ def model_parallel(world: int, rank: int, batches: int, calls: int, features: in
                 layer.weight.grad = x.grad = None
                 layer(x).float().square().mean().backward()
 
-            ms = _time(step, batches, calls)
+            try:
+                ms = _time(step, batches, calls)
+            except torch.cuda.OutOfMemoryError:
+                if world > 1:
+                    raise
+                rows.append({"test": "model parallel", "by": by, "world": world, "n": n, "features": features,
+                             "ms": None, "oom": True})
+                continue
             blocks = torch.tensor([layer.weight.shape[0]], device="cuda")
             dist.all_reduce(blocks, op=dist.ReduceOp.MAX)
             rows.append({"test": "model parallel", "by": by, "world": world, "n": n, "features": features,
@@ -117,13 +133,13 @@ def model_parallel(world: int, rank: int, batches: int, calls: int, features: in
     return rows
 
 
-def _rank_main(rank: int, world: int, port: int, out: str, quick: bool) -> None:
+def _rank_main(rank: int, world: int, port: int, out: str, quick: bool, features: int, density: float) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank))
     batches, calls = (3, 5) if quick else (7, 10)
     rows = data_parallel(world, rank, batches, calls)
-    rows += model_parallel(world, rank, batches, calls, MODEL_FEATURES, (32, 4096))
+    rows += model_parallel(world, rank, batches, calls, features, density, (32, 4096))
     if rank == 0:
         with open(out, "w") as file:
             json.dump(rows, file)
@@ -171,18 +187,23 @@ def _table(rows: list) -> str:
             key = ("dp", row["workload"], row["kind"])
             shape = f"{row['workload']}: N={row['n_per_gpu']}/GPU, {row['features']}²"
             kind = row["kind"]
+        elif row.get("oom"):
+            base[("mp", row["by"], row["n"])] = None  # no one-GPU time to scale from
+            lines.append(f"| {row['test']} | {row['features']}², N={row['n']}, by {row['by']} | bsmm | {row['world']} "
+                         "| does not fit one GPU | | |")
+            continue
         else:
             key = ("mp", row["by"], row["n"])
             shape = f"{row['features']}², N={row['n']}, by {row['by']}"
             kind = f"bsmm ({row['largest_part_blocks']}/{row['all_blocks']} blocks, {row['weight_mib_per_gpu']:.0f} MiB)"
         base.setdefault(key, row["rows_per_s"] if "rows_per_s" in row else row["ms"])
         if "rows_per_s" in row:
-            scaling = row["rows_per_s"] / (row["world"] * base[key])
+            scaling = f"{row['rows_per_s'] / (row['world'] * base[key]):.2f}"
             rate = f"{row['rows_per_s']:.3g}"
-        else:
-            scaling = base[key] / row["ms"]  # the same problem on more GPUs: speed-up
+        else:  # the same problem on more GPUs: speed-up
+            scaling = "one GPU: does not fit" if base[key] is None else f"{base[key] / row['ms']:.2f}"
             rate = f"{row['n'] / row['ms'] * 1e3:.3g}"
-        lines.append(f"| {row['test']} | {shape} | {kind} | {row['world']} | {row['ms']:.3f} | {rate} | {scaling:.2f} |")
+        lines.append(f"| {row['test']} | {shape} | {kind} | {row['world']} | {row['ms']:.3f} | {rate} | {scaling} |")
     return "\n".join(lines)
 
 
@@ -191,6 +212,11 @@ def main(argv=None) -> int:
     parser.add_argument("--world", default="1,2", help="GPU counts to run, comma-separated (default 1,2)")
     parser.add_argument("--json", help="write every row here")
     parser.add_argument("--quick", action="store_true", help="fewer batches")
+    parser.add_argument("--model-features", type=int, default=MODEL_FEATURES,
+                        help=f"features (in and out) of the model-parallel layer (default {MODEL_FEATURES})")
+    parser.add_argument("--model-density", type=float, default=DENSITY,
+                        help=f"its density (default {DENSITY}); e.g. 1.0 for a layer whose weights, gradients "
+                             "and optimizer state outgrow one GPU")
     parser.add_argument("--profile", action="store_true",
                         help="one GPU: torch.profiler's table of the data-parallel steps of workload S, then stop")
     args = parser.parse_args(argv)
@@ -206,7 +232,8 @@ def main(argv=None) -> int:
             probe.bind(("127.0.0.1", 0))
             port = probe.getsockname()[1]
         out = f"/tmp/multi_gpu_{os.getpid()}_{world}.json"
-        mp.spawn(_rank_main, args=(world, port, out, args.quick), nprocs=world)
+        mp.spawn(_rank_main, args=(world, port, out, args.quick, args.model_features, args.model_density),
+                 nprocs=world)
         with open(out) as file:
             rows += json.load(file)
     rows.sort(key=lambda r: (r["test"], r.get("workload", r.get("by")), r.get("kind", r.get("n")), r["world"]))
