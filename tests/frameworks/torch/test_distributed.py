@@ -48,16 +48,21 @@ def _run_child(tmp_path_factory, backend: str, world: int, checks: str) -> dict:
     return results
 
 
-@pytest.fixture(scope="session", params=["gloo-2", "gloo-3", pytest.param("nccl", marks=pytest.mark.gpu)])
+@pytest.fixture(scope="session", params=["gloo-2", "gloo-3", pytest.param("nccl", marks=pytest.mark.gpu),
+                                         pytest.param("gloo-cuda", marks=pytest.mark.gpu)])
 def measured(request, tmp_path_factory) -> dict:
     """rank -> {check name -> measurement} from distributed_child.py: two gloo ranks (every check), three
     (ShardedBlockSparseLinear's: with two ranks a rank's offset is rank x the first part's width, so only
-    three tell a wrong offset from a right one), and on GPUs one NCCL rank a GPU (up to two)."""
+    three tell a wrong offset from a right one); on GPUs, one NCCL rank a GPU (up to two), and two ranks of
+    CUDA tensors through gloo, which may share one GPU (NCCL refuses that), so bsmm's kernels run in a
+    two-rank job on a machine of one GPU."""
     if request.param == "gloo-2":
         return _run_child(tmp_path_factory, "gloo", 2, "all")["ranks"]
     if request.param == "gloo-3":
         return _run_child(tmp_path_factory, "gloo", 3, "sharded")["ranks"]
     cuda_or_skip()
+    if request.param == "gloo-cuda":
+        return _run_child(tmp_path_factory, "gloo-cuda", 2, "all")["ranks"]
     return _run_child(tmp_path_factory, "nccl", min(2, torch.cuda.device_count()), "all")["ranks"]
 
 
