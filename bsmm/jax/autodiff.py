@@ -38,15 +38,24 @@ _COTANGENTS = {  # pass -> (pass, operands) for the cotangent of a, then of b
 def differentiable_pass(a, b, op, pass_name):
     """``run_pass(op, pass_name, a, b)``, differentiable in ``a`` and ``b`` to any order."""
     a, b = vary_alike(a, b)
-    return _pass(a, b, op, pass_name)
+    return _pass(a, b, op, pass_name, _explicit_sharding(a), _explicit_sharding(b))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def _pass(a, b, op, pass_name):
+def _explicit_sharding(x):
+    """``x``'s sharding where its type shards it along explicit mesh axes (``jax.set_mesh``), else None:
+    a cotangent must then have its primal's type, which a pass's result need not have."""
+    sharding = getattr(jax.typeof(x), "sharding", None)
+    if sharding is None or all(entry is None for entry in sharding.spec):
+        return None
+    return sharding
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
+def _pass(a, b, op, pass_name, a_sharding, b_sharding):
     return run_pass(op, pass_name, a, b)
 
 
-def _pass_fwd(a, b, op, pass_name):
+def _pass_fwd(a, b, op, pass_name, a_sharding, b_sharding):
     # Through the differentiable function itself: under grad of grad the operands are
     # tracers of the outer differentiation, which must see a custom_vjp here too.
     out = differentiable_pass(a.value, b.value, op, pass_name)
@@ -55,14 +64,20 @@ def _pass_fwd(a, b, op, pass_name):
     return out, (b.value if a.perturbed else None, a.value if b.perturbed else None)
 
 
-def _pass_bwd(op, pass_name, residuals, g):
+def _pass_bwd(op, pass_name, a_sharding, b_sharding, residuals, g):
     b, a = residuals
     if isinstance(g, SymbolicZero):
         return None, None
     return tuple(
-        None if kept is None else differentiable_pass(*operands(a, b, g), op, name)
-        for kept, (name, operands) in zip((b, a), _COTANGENTS[pass_name])
+        None if kept is None else _typed_like(differentiable_pass(*operands(a, b, g), op, name), sharding)
+        for kept, (name, operands), sharding in zip((b, a), _COTANGENTS[pass_name], (a_sharding, b_sharding))
     )
+
+
+def _typed_like(cotangent, sharding):
+    if sharding is None or jax.typeof(cotangent).sharding.spec == sharding.spec:
+        return cotangent
+    return jax.sharding.reshard(cotangent, sharding.spec)
 
 
 _pass.defvjp(_pass_fwd, _pass_bwd, symbolic_zeros=True)

@@ -11,6 +11,8 @@ those of one device computing the whole layer with the same loss.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -281,7 +283,8 @@ def sharded_matmul(x, w, layer: ShardedMatMul, axis_name: str, *, bias=None, mes
         ``layer`` is not a ShardedMatMul, or the dtypes of ``x``, ``w`` and ``bias`` differ.
     ValueError
         ``axis_name`` (or ``batch_axis``) is not an axis of ``mesh`` (or of the enclosing
-        ``shard_map``), the axis does not have ``layer.parts`` devices, or an array has the wrong shape.
+        ``shard_map``), the axis does not have ``layer.parts`` devices, an array has the wrong shape, or
+        the batch of ``x`` is not divisible by the devices of ``batch_axis``.
 
     Notes
     -----
@@ -321,6 +324,11 @@ def sharded_matmul(x, w, layer: ShardedMatMul, axis_name: str, *, bias=None, mes
     batch = _check_mesh(mesh, axis_name, batch_axis, layer)
     _check_global_shapes(x, w, layer)
     rows_dim, features_dim = (0, x.ndim - 1) if layer.feature_axis == 1 else (1, 0)
+    if batch:
+        devices = int(np.prod([mesh.shape[axis] for axis in batch]))
+        if x.shape[rows_dim] % devices:
+            raise ValueError(f"x's batch ({x.shape[rows_dim]} rows along axis {rows_dim}) must be divisible by the "
+                             f"{devices} devices of batch_axis {batch_axis!r}")
 
     def spec(features_sharded: bool, ndim: int) -> PartitionSpec:
         entries = [None] * ndim
@@ -332,24 +340,23 @@ def sharded_matmul(x, w, layer: ShardedMatMul, axis_name: str, *, bias=None, mes
 
     x_spec = spec(layer.input == "sharded", x.ndim)
     y_spec = spec(layer.output == "sharded", x.ndim)
+    return _placed(x, w, bias, layer, axis_name, mesh, x_spec, y_spec)
+
+
+# Under jit even when called eagerly: an eager shard_map cannot run bsmm's custom_vjp (JAX 0.10 raises
+# NotImplementedError for a custom_vjp with symbolic zeros there). One jitted function for all calls, the
+# static arguments its cache key, so that an eager call of the same layer reuses the compiled program.
+@functools.partial(jax.jit, static_argnums=(3, 4, 5, 6, 7))
+def _placed(x, w, bias, layer, axis_name, mesh, x_spec, y_spec):
     in_specs = (x_spec, PartitionSpec(axis_name), PartitionSpec())
+    # On a mesh of explicit axes shard_map refuses arrays placed otherwise than its specs say, so they
+    # are resharded first; with automatic axes shard_map moves them itself.
+    if jax.sharding.AxisType.Explicit in tuple(getattr(mesh, "axis_types", ())):
+        x, w, bias = (None if value is None else jax.sharding.reshard(value, NamedSharding(mesh, spec))
+                      for value, spec in zip((x, w, bias), in_specs))
     body = jax.shard_map(lambda x, w, bias: layer._local(x, w, bias, axis_name), mesh=mesh, in_specs=in_specs,
                          out_specs=y_spec)
-
-    # Under jit even when called eagerly: an eager shard_map cannot run bsmm's custom_vjp (JAX 0.10
-    # raises NotImplementedError for a custom_vjp with symbolic zeros there). On a mesh of explicit
-    # axes (jax.make_mesh's default) shard_map refuses arrays placed otherwise than its specs say, so
-    # they are resharded first; with automatic axes shard_map moves them itself.
-    explicit = jax.sharding.AxisType.Explicit in tuple(getattr(mesh, "axis_types", ()))
-
-    @jax.jit
-    def placed(x, w, bias):
-        if explicit:
-            x, w, bias = (None if value is None else jax.sharding.reshard(value, NamedSharding(mesh, spec))
-                          for value, spec in zip((x, w, bias), in_specs))
-        return body(x, w, bias)
-
-    return placed(x, w, bias)
+    return body(x, w, bias)
 
 
 def _check_mesh(mesh, axis_name, batch_axis, layer) -> tuple | None:

@@ -113,6 +113,44 @@ def data_parallel_jit(case: str, axis: int, n: int, dtype="float32", shardy: boo
     kept[case] = y.sharding.is_equivalent_to(batch, y.ndim) and dx.sharding.is_equivalent_to(batch, dx.ndim)
 
 
+def explicit_rows_and_features(case: str) -> None:
+    """Explicit mesh axes (jax.set_mesh) with x sharded on its rows and its features: the training step and
+    a gradient penalty (grad of grad), whose cotangents must keep x's and w's types."""
+    rng = np.random.default_rng(len(case))
+    op = bsmm.BlocksparseMatMul(random_layout(rng, 4, 3, 0.6), block_size=BS)  # C 32, K 24
+    x, w, b, r = (data(rng, shape, "float32") for shape in ((8, op.C), op.w_shape, (op.K,), (8, op.K)))
+    loss = data_parallel_loss(op)
+
+    def penalised(x, w, b, r):
+        dx = jax.grad(lambda x: loss(x, w, b, r)[0])(x)
+        return loss(x, w, b, r)[0] + jnp.sum(dx ** 2)
+
+    step = jax.value_and_grad(penalised, argnums=(0, 1, 2))
+    mesh = make_mesh((2, 2), ("data", "fsdp"), explicit=True)
+    with jax.sharding.use_mesh(mesh) if hasattr(jax.sharding, "use_mesh") else jax.set_mesh(mesh):
+        placed = (jax.device_put(x, P("data", "fsdp")), jax.device_put(w, P()), jax.device_put(b, P()),
+                  jax.device_put(r, P("data", None)))
+        value, (dx, dw, db) = jax.jit(step)(*placed)
+        y = jax.jit(lambda *args: loss(*args)[1])(*placed)
+        kept[case] = jax.typeof(dx).sharding.spec == P("data", "fsdp")
+    ref_value, (dx_ref, dw_ref, db_ref) = on_one_device(step, x, w, b, r)
+    y_ref = on_one_device(lambda *args: loss(*args)[1], x, w, b, r)
+    record(case, {"y": y, "penalised": value, "dx": dx, "dw": dw, "db": db},
+           {"y": y_ref, "penalised": ref_value, "dx": dx_ref, "dw": dw_ref, "db": db_ref}, "float32")
+
+
+def uneven_batch_message() -> str:
+    """What sharded_matmul says of a batch the devices of batch_axis do not divide."""
+    layout = np.ones((2, 2), np.uint8)
+    layer = bsmm.jax.ShardedMatMul(layout, 2, BS)
+    try:
+        bsmm.jax.sharded_matmul(np.zeros((3, 16), np.float32), np.zeros(layer.w_shape, np.float32), layer, "model",
+                                mesh=make_mesh((2, 2), ("data", "model")), batch_axis="data")
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
 def data_parallel_shard_map(case: str, axis: int, n: int, check_vma: bool) -> None:
     """shard_map over a 1-D mesh of 4 devices, the two ways of writing it:
 
@@ -239,6 +277,7 @@ def main() -> None:
     data_parallel_jit("dp-jit-axis0-n3", 0, 12)
     data_parallel_jit("dp-jit-gspmd", 1, 12, shardy=False)
     data_parallel_jit("dp-jit-explicit", 1, 12, explicit=True)
+    explicit_rows_and_features("dp-explicit-rows-features-gradgrad")
     data_parallel_shard_map("dp-shard_map-pmean-axis1", 1, 12, check_vma=False)
     data_parallel_shard_map("dp-shard_map-pmean-axis0", 0, 4, check_vma=False)
     data_parallel_shard_map("dp-shard_map-vma-axis1", 1, 12, check_vma=True)
@@ -265,7 +304,8 @@ def main() -> None:
     jax.config.update("jax_enable_x64", True)
     data_parallel_jit("dp-jit-float64", 1, 12, dtype="float64")
     model_parallel("mp-float64-rows", skewed, (2, 2), "rows", "replicated", "sharded", dtype="float64")
-    print(json.dumps({"errors": errors, "dtypes": dtypes, "hlo": hlo, "kept": kept}))
+    messages = {"uneven-batch": uneven_batch_message()}
+    print(json.dumps({"errors": errors, "dtypes": dtypes, "hlo": hlo, "kept": kept, "messages": messages}))
 
 
 if __name__ == "__main__":

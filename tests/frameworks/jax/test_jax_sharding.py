@@ -40,6 +40,7 @@ CASES = DATA_PARALLEL_JIT + [
     "dp-shard_map-pmean-axis1", "dp-shard_map-pmean-axis0", "dp-shard_map-vma-axis1", "dp-shard_map-vma-axis0",
     *(f"mp-2d-{mode}" for mode in MODES), *(f"mp-empty-part-{mode}" for mode in MODES),
     "mp-4parts-columns", "mp-4parts-rows", "mp-explicit-columns", "mp-megatron-shard_map", "mp-float64-rows",
+    "dp-explicit-rows-features-gradgrad",
 ]
 device = jax_cases.device  # the fixture (tests take it by name)
 
@@ -68,6 +69,8 @@ def test_outputs_and_gradients_match_one_device(measured, case):
     expected = {"y", "dx", "dw", "db"} | ({"fprop"} if case in DATA_PARALLEL_JIT else set())
     if case == "mp-megatron-shard_map":
         expected = {"y", "dx", "dw1", "db1", "dw2", "db2"}
+    if case == "dp-explicit-rows-features-gradgrad":
+        expected = {"y", "penalised", "dx", "dw", "db"}  # (the loss with a gradient penalty)
     assert set(errors) == expected
     for name, error in errors.items():
         assert error <= tolerance(dtype), f"{case} {name}: relative error {error:.3g} ({dtype})"
@@ -211,3 +214,29 @@ def test_call_arguments_name_what_is_wrong():
     with pytest.raises(ValueError, match="mesh axis 'data' has 1 devices but layer has 2 parts"):
         jax.shard_map(lambda x, w: call(x, w, two_parts, "data"), mesh=mesh, in_specs=(P(), P()),
                       out_specs=P())(x, np.zeros((1,) + two_parts.w_shape[1:], np.float32))
+
+
+def test_explicit_axes_keep_the_operands_types(measured):
+    """Explicit mesh axes, x sharded on rows and features: dx comes back with x's own sharding (a custom_vjp
+    cotangent must have its primal's type), through a gradient penalty too."""
+    assert measured["kept"]["dp-explicit-rows-features-gradgrad"] is True
+
+
+def test_an_uneven_batch_is_named(measured):
+    assert measured["messages"]["uneven-batch"] == (
+        "x's batch (3 rows along axis 0) must be divisible by the 2 devices of batch_axis 'data'")
+
+
+def test_eager_calls_reuse_one_compiled_program():
+    """sharded_matmul(mesh=...) called eagerly twice with the same layer and shapes compiles once."""
+    from bsmm.jax import sharded
+
+    dev = jax.devices("cpu")[0]
+    layer = bsmm.jax.ShardedMatMul(np.ones((2, 2), np.uint8), 1, BS)
+    mesh = one_device_mesh(dev)
+    x, stacked = np.ones((3, 16), np.float32), np.ones(layer.w_shape, np.float32)
+    first = bsmm.jax.sharded_matmul(x, stacked, layer, "model", mesh=mesh)
+    compiled = sharded._placed._cache_size()
+    second = bsmm.jax.sharded_matmul(x, stacked, layer, "model", mesh=mesh)
+    assert sharded._placed._cache_size() == compiled
+    np.testing.assert_array_equal(np.asarray(first), np.asarray(second))
