@@ -20,9 +20,10 @@ import numpy as np
 
 from bsmm.block_index import check_layout
 
-__all__ = ["LayoutSplit", "split_layout"]
+__all__ = ["LayoutSplit", "split_layer", "split_layout"]
 
 _AXES = {"columns": 1, "rows": 0}
+_MODES = ("replicated", "sharded")
 
 
 @dataclass(frozen=True, eq=False)
@@ -60,6 +61,10 @@ class LayoutSplit:
         """The features of part ``part`` along the split axis: outputs for ``"columns"``, inputs for ``"rows"``."""
         lo, hi = self._range(part)
         return slice(lo * block_size, hi * block_size)
+
+    def feature_counts(self, block_size: int) -> tuple:
+        """Each part's number of features along the cut (outputs for ``"columns"``, inputs for ``"rows"``)."""
+        return tuple((b - a) * block_size for a, b in zip(self.bounds, self.bounds[1:]))
 
     def weight_index(self, part: int) -> np.ndarray:
         """Where part ``part``'s blocks sit in the whole layer's weight (nnzb, bs, bs): int64
@@ -196,3 +201,28 @@ def split_layout(layout, parts: int, by: str = "columns", bounds=None) -> Layout
                              f"{list(bounds)}")
     blocks = tuple(int(counts[a:b].sum()) for a, b in zip(cuts, cuts[1:]))
     return LayoutSplit(present, by, cuts, blocks)
+
+
+def split_layer(layout, parts: int, block_size: int, by: str, input: str, output: str, bounds=None,
+                devices: str = "devices") -> LayoutSplit:
+    """:func:`split_layout` for a model-parallel layer, after checking its ``input`` and ``output`` modes
+    (the framework layers' shared checks; ``devices`` names what the parts run on, in messages).
+
+    Raises
+    ------
+    ValueError
+        A mode other than ``"replicated"`` or ``"sharded"``, ``input="sharded"`` with ``by="columns"``
+        (a part of block columns multiplies the whole input), ``output="sharded"`` with ``by="rows"``
+        and out_features not divisible by ``parts``, or what :func:`split_layout` raises.
+    """
+    for name, value in (("input", input), ("output", output)):
+        if value not in _MODES:
+            raise ValueError(f"{name} must be 'replicated' or 'sharded'; got {value!r}")
+    if by == "columns" and input == "sharded":
+        raise ValueError("input='sharded' needs by='rows': a part of block columns multiplies the whole input")
+    split = split_layout(layout, parts, by, bounds)
+    out_features = split.layout.shape[1] * block_size
+    if by == "rows" and output == "sharded" and out_features % parts:
+        raise ValueError(f"output='sharded' with by='rows' gives each of the {parts} {devices} out_features / "
+                         f"{parts} features: out_features must be divisible by {parts}; got {out_features}")
+    return split

@@ -22,12 +22,11 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from bsmm.jax.functional import blocksparse_matmul
 from bsmm.jax.passes import vary_alike
 from bsmm.matmul import BlocksparseMatMul
-from bsmm.sharding import LayoutSplit, split_layout
+from bsmm.block_index import check_block_size
+from bsmm.config import settings
+from bsmm.sharding import LayoutSplit, split_layer
 
 __all__ = ["ShardedMatMul", "sharded_matmul"]
-
-_MODES = ("replicated", "sharded")
-
 
 class ShardedMatMul:
     """The static description of a block-sparse ``x·W`` whose blocks are spread over a mesh axis.
@@ -100,23 +99,16 @@ class ShardedMatMul:
     def __init__(self, layout, parts: int, block_size: int | None = None, *, by: str = "columns",
                  input: str = "replicated", output: str = "replicated", bounds=None, feature_axis: int | None = None,
                  tf32: bool | None = None):
-        for name, value in (("input", input), ("output", output)):
-            if value not in _MODES:
-                raise ValueError(f"{name} must be 'replicated' or 'sharded'; got {value!r}")
-        if by == "columns" and input == "sharded":
-            raise ValueError("input='sharded' needs by='rows': a part of block columns multiplies the whole input")
-        self.split: LayoutSplit = split_layout(layout, parts, by, bounds)
+        block_size = check_block_size(settings()["defaults"]["block_size"] if block_size is None else block_size)
+        self.split: LayoutSplit = split_layer(layout, parts, block_size, by, input, output, bounds,
+                                              "devices along the mesh axis")
         self.ops = tuple(BlocksparseMatMul(self.split.part_layout(p), block_size, feature_axis, tf32)
                          for p in range(self.split.parts))
         first = self.ops[0]
         self.by, self.input, self.output = by, input, output
         self.parts, self.block_size, self.feature_axis = self.split.parts, first.block_size, first.feature_axis
         self.C, self.K = (dim * self.block_size for dim in self.split.layout.shape)
-        if by == "rows" and output == "sharded" and self.K % self.parts:
-            raise ValueError(f"output='sharded' with by='rows' gives each of the {self.parts} devices along the mesh "
-                             f"axis out_features / {self.parts} features: out_features (K) must be divisible by "
-                             f"{self.parts}; got {self.K}")
-        self.counts = tuple((hi - lo) * self.block_size for lo, hi in zip(self.split.bounds, self.split.bounds[1:]))
+        self.counts = self.split.feature_counts(self.block_size)
         self.width = max(self.counts)
         self.w_shape = (self.parts, max(self.split.blocks), self.block_size, self.block_size)
 

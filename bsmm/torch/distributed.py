@@ -19,10 +19,10 @@ import torch
 import torch.distributed as dist
 
 from bsmm.block_index import block_index, check_block_size
-from bsmm.sharding import LayoutSplit, split_layout
+from bsmm.sharding import LayoutSplit, split_layer
 from bsmm.torch.checks import check_dtype
 from bsmm.torch.functional import matmul_by_key
-from bsmm.torch.layers import BlockSparseLinear
+from bsmm.torch.layers import BlockSparseLinear, bias_along, fan_in_bounds
 from bsmm.torch.registry import register
 
 __all__ = ["ShardedBlockSparseLinear"]
@@ -30,7 +30,6 @@ __all__ = ["ShardedBlockSparseLinear"]
 # torch 2.13 renames the tensor collectives; earlier versions have only the old names.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-_MODES = ("replicated", "sharded")
 
 
 def _gather_stack(part: torch.Tensor, parts: int, group) -> torch.Tensor:
@@ -43,8 +42,9 @@ def _gather_stack(part: torch.Tensor, parts: int, group) -> torch.Tensor:
 
 
 def _gather_features(part: torch.Tensor, counts: tuple, axis: int, group) -> torch.Tensor:
-    """The parts' tensors joined along ``axis`` (0 or -1) in rank order; part r has ``counts[r]`` features there."""
-    widest = max(counts)
+    """The parts' tensors joined along ``axis`` (0 or -1) in rank order; part r has ``counts[r]`` entries
+    there (features, or a weight's blocks)."""
+    widest = max(max(counts), 1)  # (never an empty collective: a weight of no blocks anywhere)
     if part.shape[axis] < widest:  # the collective needs one size on every rank
         pad = [0, 0] * (part.dim() - 1 if axis == 0 else 0) + [0, widest - part.shape[axis]]
         part = torch.nn.functional.pad(part, pad)
@@ -238,11 +238,6 @@ class ShardedBlockSparseLinear(torch.nn.Module):
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("ShardedBlockSparseLinear needs torch.distributed initialised first: "
                                "torch.distributed.init_process_group(...)")
-        for name, value in (("input", input), ("output", output)):
-            if value not in _MODES:
-                raise ValueError(f"{name} must be 'replicated' or 'sharded'; got {value!r}")
-        if by == "columns" and input == "sharded":
-            raise ValueError("input='sharded' needs by='rows': a part of block columns multiplies the whole input")
         if feature_axis not in (0, 1):
             raise ValueError(f"feature_axis must be 0 or 1; got {feature_axis!r}")
         block_size = check_block_size(block_size)
@@ -251,21 +246,17 @@ class ShardedBlockSparseLinear(torch.nn.Module):
         self.rank, self.parts = dist.get_rank(group), dist.get_world_size(group)
         if self.rank < 0:
             raise ValueError("group must contain this process: it is not one of the group's ranks")
-        self.split: LayoutSplit = split_layout(layout, self.parts, by, bounds)
+        self.split: LayoutSplit = split_layer(layout, self.parts, block_size, by, input, output, bounds, "ranks")
         whole = self.split.layout
         for argument, value, expected in (("in_features", in_features, whole.shape[0] * block_size),
                                           ("out_features", out_features, whole.shape[1] * block_size)):
             if value != expected:
                 raise ValueError(f"{argument} must be {expected} for a layout of shape {whole.shape} and "
                                  f"block_size {block_size}; got {value}")
-        if by == "rows" and output == "sharded" and out_features % self.parts:
-            raise ValueError(f"output='sharded' with by='rows' gives each of the {self.parts} ranks "
-                             f"out_features / {self.parts} features: out_features must be divisible by "
-                             f"{self.parts}; got {out_features}")
         self.in_features, self.out_features, self.block_size = in_features, out_features, block_size
         self.by, self.input, self.output = by, input, output
         self.feature_axis, self.tf32 = feature_axis, tf32
-        self._counts = tuple((b - a) * block_size for a, b in zip(self.split.bounds, self.split.bounds[1:]))
+        self._counts = self.split.feature_counts(block_size)
 
         index = block_index(self.split.part_layout(self.rank), block_size)
         self._registration = register(index)
@@ -296,8 +287,7 @@ class ShardedBlockSparseLinear(torch.nn.Module):
 
     def reset_parameters(self) -> None:
         """Draw this rank's weight and bias as :class:`~bsmm.torch.BlockSparseLinear` draws the whole layer's."""
-        fan_in = np.count_nonzero(self.split.layout, axis=0) * self.block_size
-        bounds = np.where(fan_in > 0, 1.0 / np.sqrt(np.maximum(fan_in, 1)), 0.0)
+        bounds = fan_in_bounds(self.split.layout, self.block_size)
         columns = np.nonzero(self.split.layout)[1][self.split.weight_index(self.rank)]
         # Ranks seeded alike (as data parallelism needs) draw a replicated bias alike from PyTorch's
         # generator, and their parts from a stream each: one stream would give every part equal blocks.
@@ -353,13 +343,7 @@ class ShardedBlockSparseLinear(torch.nn.Module):
     def full_weight(self) -> torch.Tensor:
         """The whole layer's weight (nnzb, bs, bs) on every rank, gathered from the parts (a collective:
         every rank calls it). For checkpoints and checks; not differentiable."""
-        blocks = self.split.blocks
-        widest = max(max(blocks), 1)
-        part = self.weight.detach()
-        if part.shape[0] < widest:
-            part = torch.cat([part, part.new_zeros((widest - part.shape[0], *part.shape[1:]))])
-        stacked = _gather_stack(part, self.parts, self.group)
-        parts = torch.cat([stacked[r, :count] for r, count in enumerate(blocks)])
+        parts = _gather_features(self.weight.detach(), self.split.blocks, 0, self.group)  # (in part order)
         return parts[torch.as_tensor(self.split.gather_index(), device=parts.device)]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -385,10 +369,8 @@ class ShardedBlockSparseLinear(torch.nn.Module):
         return self._add_bias(_ScatterSum.apply(partial, self.parts, axis, self.group))
 
     def _add_bias(self, y: torch.Tensor) -> torch.Tensor:
-        if self.bias is None:
-            return y
-        bias = self.bias.to(y.dtype)
-        return y + (bias if self.feature_axis == 1 else bias.view(-1, *([1] * (y.dim() - 1))))
+        # Out of place: after a collective, y may be a view made inside an autograd function.
+        return y if self.bias is None else y + bias_along(self.bias, y, self.feature_axis)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, block_size={self.block_size}, "

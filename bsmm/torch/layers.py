@@ -29,6 +29,19 @@ def _layout_array(layout) -> np.ndarray:
     return np.asarray(layout)
 
 
+def fan_in_bounds(layout: np.ndarray, block_size: int, taps: int = 1) -> np.ndarray:
+    """Per block column k of ``layout``: ``nn.Linear``'s initialization bound 1/sqrt(fan_in_k), the fan-in
+    ``block_size × taps ×`` the column's present blocks; 0 for an empty column."""
+    fan_in = np.count_nonzero(layout, axis=0) * block_size * taps
+    return np.where(fan_in > 0, 1.0 / np.sqrt(np.maximum(fan_in, 1)), 0.0)
+
+
+def bias_along(bias: torch.Tensor, y: torch.Tensor, feature_axis: int) -> torch.Tensor:
+    """``bias`` (K,) in ``y``'s dtype (autocast: the product's, as ``nn.Linear``), shaped to add to ``y``."""
+    bias = bias.to(y.dtype)
+    return bias if feature_axis == 1 else bias.view(-1, *([1] * (y.dim() - 1)))
+
+
 class _BlockSparseLayer(torch.nn.Module):
     """What the block-sparse layers share: the operator ``op`` (a BlocksparseMatMul or a
     BlocksparseConv), its registration, the ``layout`` buffer, the weight and bias, their
@@ -60,8 +73,7 @@ class _BlockSparseLayer(torch.nn.Module):
     def reset_parameters(self) -> None:
         """Draw the weight and bias again (see Notes), with PyTorch's random generator."""
         taps = math.prod(getattr(self.op, "kernel_size", ()))  # 1 for a product
-        fan_in = np.count_nonzero(self.op.layout, axis=0) * self.op.block_size * taps
-        bounds = np.where(fan_in > 0, 1.0 / np.sqrt(np.maximum(fan_in, 1)), 0.0)  # 0 for an empty block column
+        bounds = fan_in_bounds(self.op.layout, self.op.block_size, taps)
         with torch.no_grad():
             block_bounds = torch.tensor(bounds[self.op.index.indices], dtype=self.weight.dtype,
                                         device=self.weight.device)
@@ -168,9 +180,7 @@ class BlockSparseLinear(_BlockSparseLayer):
         y = matmul_by_key(x, self.weight, self._key, self.in_features, self.out_features, self.feature_axis, self.tf32)
         if self.bias is None:
             return y
-        bias = self.bias.to(y.dtype)  # autocast: the product's dtype, as nn.Linear
-        if self.feature_axis == 0:
-            bias = bias.view(-1, *([1] * (y.dim() - 1)))
+        bias = bias_along(self.bias, y, self.feature_axis)
         # In place: y is a fresh output nothing else holds, never a view (FSDP2 warns about module outputs
         # that are views: an in-place op on one would skip its hooks), and its backward does not need it.
         return y.add_(bias)

@@ -65,27 +65,32 @@ def _layout(features_in: int, features_out: int, seed: int, density: float = DEN
     return bsmm.layouts.random_layout(features_in // BLOCK, features_out // BLOCK, density, seed=seed)
 
 
+def _training_step(kind: str, features: int, layout, x, world: int):
+    """One layer's training step (forward, a mean-square loss, backward, SGD), bsmm's or ``nn.Linear``'s, under
+    DDP on several GPUs."""
+    torch.manual_seed(0)
+    if kind == "bsmm":
+        layer = bsmm.torch.BlockSparseLinear(features, features, layout, BLOCK, device="cuda", dtype=torch.bfloat16)
+    else:
+        layer = torch.nn.Linear(features, features, device="cuda", dtype=torch.bfloat16)
+    model = torch.nn.parallel.DistributedDataParallel(layer) if world > 1 else layer
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+
+    def step():
+        optimizer.zero_grad(set_to_none=True)
+        model(x).float().square().mean().backward()
+        optimizer.step()
+
+    return step
+
+
 def data_parallel(world: int, rank: int, batches: int, calls: int) -> list:
     rows = []
     for workload, (n, features) in DATA_PARALLEL.items():
         layout = _layout(features, features, seed=0)
         x = torch.randn(n, features, device="cuda", dtype=torch.bfloat16)
         for kind in ("bsmm", "dense"):
-            torch.manual_seed(0)
-            if kind == "bsmm":
-                layer = bsmm.torch.BlockSparseLinear(features, features, layout, BLOCK, device="cuda",
-                                                     dtype=torch.bfloat16)
-            else:
-                layer = torch.nn.Linear(features, features, device="cuda", dtype=torch.bfloat16)
-            model = torch.nn.parallel.DistributedDataParallel(layer) if world > 1 else layer
-            optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
-
-            def step():
-                optimizer.zero_grad(set_to_none=True)
-                model(x).float().square().mean().backward()
-                optimizer.step()
-
-            ms = _time(step, batches, calls)
+            ms = _time(_training_step(kind, features, layout, x, world), batches, calls)
             rows.append({"test": "data parallel", "workload": workload, "kind": kind, "world": world, "n_per_gpu": n,
                          "features": features, "ms": ms, "rows_per_s": world * n / ms * 1e3})
         torch.cuda.empty_cache()
@@ -154,17 +159,7 @@ def _profile() -> int:
     x = torch.randn(n, features, device="cuda", dtype=torch.bfloat16)
     layout = _layout(features, features, seed=0)
     for kind in ("bsmm", "dense"):
-        if kind == "bsmm":
-            layer = bsmm.torch.BlockSparseLinear(features, features, layout, BLOCK, device="cuda", dtype=torch.bfloat16)
-        else:
-            layer = torch.nn.Linear(features, features, device="cuda", dtype=torch.bfloat16)
-        optimizer = torch.optim.SGD(layer.parameters(), lr=1e-3)
-
-        def step():
-            optimizer.zero_grad(set_to_none=True)
-            layer(x).float().square().mean().backward()
-            optimizer.step()
-
+        step = _training_step(kind, features, layout, x, world=1)
         for _ in range(5):
             step()
         torch.cuda.synchronize()
