@@ -10,11 +10,12 @@ from __future__ import annotations
 import numpy as np
 
 from bsmm import initializers
-from bsmm.arrays import Operand, array_module, as_operand, check_same_place, output_array
+from bsmm.arrays import Operand, array_module, as_operand, check_same_place, output_array, overlaps
 from bsmm.backends import for_operand
 from bsmm.block_index import BlockIndex, block_index
 from bsmm.config import settings
 from bsmm.dtypes import canonical_dtype
+from bsmm.epilogues import EpilogueCall, check_activation, epilogue_name
 
 __all__ = ["BlocksparseMatMul", "blocks_to_dense", "dense_to_blocks"]
 
@@ -195,12 +196,14 @@ class BlocksparseMatMul:
         return initializers.orthogonal(self.layout, self.block_size, gain=gain, dtype=dtype, seed=seed)
 
     # -- the three passes ---------------------------------------------------------------
-    def __call__(self, x, w, out=None, accumulate: bool = False):
+    def __call__(self, x, w, out=None, accumulate: bool = False, *, bias=None, activation: str | None = None,
+                 pre=None):
         """Same as :meth:`fprop`."""
-        return self.fprop(x, w, out=out, accumulate=accumulate)
+        return self.fprop(x, w, out=out, accumulate=accumulate, bias=bias, activation=activation, pre=pre)
 
-    def fprop(self, x, w, out=None, accumulate: bool = False):
-        """y = x·W.
+    def fprop(self, x, w, out=None, accumulate: bool = False, *, bias=None, activation: str | None = None,
+              pre=None):
+        """y = x·W, or with a fused epilogue y = A(x·W + bias).
 
         Parameters
         ----------
@@ -209,18 +212,39 @@ class BlocksparseMatMul:
         out : (N, K) (or (K, N)) array, optional; written in place and returned
         accumulate : bool
             Add x·W to ``out`` (needs ``out``), rounding once: e.g. an LSTM's
-            gates x·Wx + h·Wh without a separate sum.
+            gates x·Wx + h·Wh without a separate sum. With an epilogue, what
+            ``out`` held is added before the bias and the activation.
+        bias : (K,) array of x's dtype and library, optional
+            Added to every row inside the kernel.
+        activation : {None, "none", "relu", "gelu", "gelu_tanh", "silu"}
+            Applied inside the kernel to x·W + bias, in float32 (``"gelu"``: the
+            erf form, PyTorch's default; see :mod:`bsmm.epilogues`).
+        pre : array of y's shape, dtype and library, optional
+            Receives z = x·W + bias before the activation: what
+            :func:`bsmm.epilogues.activation_grad` needs for GELU and SiLU.
 
         Returns
         -------
         y : (N, K) or (K, N), x's dtype and library
+
+        Examples
+        --------
+        >>> import numpy as np, bsmm
+        >>> op = bsmm.BlocksparseMatMul(np.array([[1, 0], [1, 1]]), block_size=8)
+        >>> rng = np.random.default_rng(0)
+        >>> x = rng.standard_normal((3, 16)).astype(np.float32)
+        >>> w, b = op.normal_init(seed=1), rng.standard_normal(16).astype(np.float32)
+        >>> y = op(x, w, bias=b, activation="relu")
+        >>> bool(np.allclose(y, np.maximum(x @ op.to_dense(w) + b, 0), atol=1e-5))
+        True
         """
         if x.__class__ is _gpu_array_type and (out is not None or not accumulate):  # a repeat: see FastCall
-            call = self._gpu_calls.get(("fprop", x.shape, x.dtype, self.feature_axis, self.tf32))
-            result = call(x, w, out, accumulate) if call is not None else None
+            name = "store" if activation is None and bias is None else activation or "none"
+            call = self._gpu_calls.get(("fprop", x.shape, x.dtype, self.feature_axis, self.tf32, name))
+            result = call(x, w, out, accumulate, bias, pre) if call is not None else None
             if result is not None:
                 return result
-        return self._activation_pass("fprop", x, "x", w, out, accumulate, self.C, self.K)
+        return self._activation_pass("fprop", x, "x", w, out, accumulate, self.C, self.K, bias, activation, pre)
 
     def bprop(self, dy, w, out=None, accumulate: bool = False):
         """dx = dy·Wᵀ.
@@ -238,28 +262,69 @@ class BlocksparseMatMul:
         dx : (N, C) or (C, N), dy's dtype and library
         """
         if dy.__class__ is _gpu_array_type and (out is not None or not accumulate):
-            call = self._gpu_calls.get(("bprop", dy.shape, dy.dtype, self.feature_axis, self.tf32))
+            call = self._gpu_calls.get(("bprop", dy.shape, dy.dtype, self.feature_axis, self.tf32, "store"))
             result = call(dy, w, out, accumulate) if call is not None else None
             if result is not None:
                 return result
         return self._activation_pass("bprop", dy, "dy", w, out, accumulate, self.K, self.C)
 
     def _activation_pass(self, pass_name: str, act, act_name: str, w, out, accumulate: bool,
-                         features_in: int, features_out: int):
-        """fprop and bprop through the checked path: ``act`` (features_in wide) times W or Wᵀ into features_out."""
+                         features_in: int, features_out: int, bias=None, activation=None, pre=None):
+        """fprop and bprop through the checked path: ``act`` (features_in wide) times W or Wᵀ into
+        features_out, through the epilogue that ``bias``, ``activation`` and ``pre`` ask for."""
         act_op, w_op = as_operand(act, act_name), as_operand(w, "w")
         n = self._check_activation(act_op, act_name, features_in)
         dtype = canonical_dtype(act_op.array.dtype, act_name, act_op.backend)
         self._check_weights(w_op, "w", dtype)
-        check_same_place({act_name: act_op, "w": w_op})
+        places = {act_name: act_op, "w": w_op}
+        activation = check_activation(activation)
+        shape = self._activation_shape(n, features_out)
+        bias_op = None if bias is None else self._check_vector(as_operand(bias, "bias"), "bias", features_out, dtype)
+        pre_op = None if pre is None else as_operand(pre, "pre")
+        if pre_op is not None:
+            if activation is None and bias is None:
+                raise ValueError("pre= keeps the pre-activation of an epilogue: pass bias= or activation= too")
+            self._check_like_output(pre_op, "pre", shape, dtype)
+        places.update({name: op for name, op in (("bias", bias_op), ("pre", pre_op)) if op is not None})
+        check_same_place(places)
         if accumulate and out is None:
             raise ValueError("accumulate=True needs out=, the buffer to add the product to")
-        result = output_array(out, act_op, self._activation_shape(n, features_out), dtype, (act_op, w_op))
-        call = getattr(for_operand(act_op), pass_name)(
-            self.index, act_op.array, w_op.array, result, self.feature_axis, self.tf32, accumulate=bool(accumulate)
-        )
-        self._remember(pass_name, act_op, call)
+        inputs = tuple(op for op in (act_op, w_op, bias_op) if op is not None)
+        result = output_array(out, act_op, shape, dtype, inputs)
+        if pre_op is not None and any(overlaps(pre_op.array, a) for a in (result, *(op.array for op in inputs))):
+            raise ValueError("pre overlaps out or an input; pass a separate buffer")
+        name = epilogue_name(bias, activation)
+        epilogue = None if name == "store" else EpilogueCall(
+            name, None if bias_op is None else bias_op.array, None if pre_op is None else pre_op.array)
+        backend = for_operand(act_op)
+        options = {"accumulate": bool(accumulate)}
+        if epilogue is not None:
+            options["epilogue"] = epilogue
+        call = getattr(backend, pass_name)(self.index, act_op.array, w_op.array, result, self.feature_axis, self.tf32,
+                                           **options)
+        self._remember(pass_name, act_op, call, name)
         return out if out is not None else act_op.wrap(result)
+
+    @staticmethod
+    def _check_vector(operand: Operand, argument: str, length: int, dtype) -> Operand:
+        array = operand.array
+        if tuple(array.shape) != (length,):
+            raise ValueError(f"{argument} must have shape ({length},); got {tuple(array.shape)}")
+        if array.dtype != dtype:
+            raise TypeError(f"{argument} has dtype {array.dtype} but the activations have {dtype}; pass one dtype")
+        if not array.flags.c_contiguous:
+            raise ValueError(f"{argument} must be C-contiguous; got strides {array.strides}")
+        return operand
+
+    @staticmethod
+    def _check_like_output(operand: Operand, argument: str, shape: tuple, dtype) -> None:
+        array = operand.array
+        if tuple(array.shape) != tuple(shape):
+            raise ValueError(f"{argument} must have the output's shape {tuple(shape)}; got {tuple(array.shape)}")
+        if array.dtype != dtype:
+            raise TypeError(f"{argument} has dtype {array.dtype} but the activations have {dtype}; pass one dtype")
+        if not array.flags.c_contiguous:
+            raise ValueError(f"{argument} must be C-contiguous; got strides {array.strides}")
 
     def updat(self, x, dy, out=None, accumulate: bool = False):
         """dW = xᵀ·dy on the present blocks only.
@@ -279,7 +344,7 @@ class BlocksparseMatMul:
         dw : (nnzb, bs, bs), x's dtype and library
         """
         if x.__class__ is _gpu_array_type and (out is not None or not accumulate):
-            call = self._gpu_calls.get(("updat", x.shape, x.dtype, self.feature_axis, self.tf32))
+            call = self._gpu_calls.get(("updat", x.shape, x.dtype, self.feature_axis, self.tf32, "store"))
             result = call(x, dy, out, accumulate) if call is not None else None
             if result is not None:
                 return result
@@ -298,7 +363,7 @@ class BlocksparseMatMul:
         call = for_operand(x_op).updat(
             self.index, x_op.array, dy_op.array, result, self.feature_axis, self.tf32, accumulate=bool(accumulate)
         )
-        self._remember("updat", x_op, call)
+        self._remember("updat", x_op, call, "store")
         return out if out is not None else x_op.wrap(result)
 
     # -- checks shared by the passes ----------------------------------------------------
@@ -332,7 +397,7 @@ class BlocksparseMatMul:
     @property
     def kept_calls(self) -> dict:
         """The repeatable GPU calls this operator keeps (``bsmm.backends.cuda.backend.FastCall``),
-        by (pass, activation shape, dtype, feature axis, tf32): the calls a repeat of that shape
+        by (pass, activation shape, dtype, feature axis, tf32, epilogue): the calls a repeat of that shape
         launches without checks or planning. Read it; :meth:`forget_calls` empties it."""
         return self._gpu_calls
 
@@ -341,7 +406,7 @@ class BlocksparseMatMul:
         the policy current then, :func:`bsmm.backends.cuda.policy.planning`)."""
         self._gpu_calls.clear()
 
-    def _remember(self, pass_name: str, act: Operand, call) -> None:
+    def _remember(self, pass_name: str, act: Operand, call, epilogue: str) -> None:
         """Keep the GPU backend's repeatable call for CuPy arrays of this shape (see FastCall)."""
         global _gpu_array_type
         if act.backend != "cuda" or act.library != "cupy" or call is None:
@@ -349,7 +414,7 @@ class BlocksparseMatMul:
         _gpu_array_type = type(act.array)
         if len(self._gpu_calls) >= _MAX_GPU_CALLS:
             self._gpu_calls.clear()  # e.g. a new batch size every call: keep the dict small
-        self._gpu_calls[(pass_name, act.array.shape, act.array.dtype, self.feature_axis, self.tf32)] = call
+        self._gpu_calls[(pass_name, act.array.shape, act.array.dtype, self.feature_axis, self.tf32, epilogue)] = call
 
     # -- identity, pickling -----------------------------------------------------------
     def __reduce__(self):

@@ -3,6 +3,7 @@
 #pragma once
 
 #include "bsmm_kernel_traits.cuh"
+#include "bsmm_epilogue_types.cuh"
 
 namespace bsmm {
 
@@ -143,29 +144,28 @@ __device__ __forceinline__ bool reduce_parts(float (&acc)[K::ACC], float* __rest
     return true;
 }
 
-// Writes (or adds, if accumulate) an fprop/bprop output tile: rows m0.. of the batch, columns
-// n0.. of output block column (row) `unit`.
-template <class K, typename T, int BS>
-__device__ __forceinline__ void store_sparse_tile(T* __restrict__ out, const float (&acc)[K::ACC], int unit, int m0, int n0,
-                                                  int n_rows, int ld_other, int ld_out, int accumulate) {
-    // Column groups: the last group may reach past the output; ld_other (unused by fprop and
-    // bprop otherwise) carries how many output blocks exist.
+// Writes an fprop/bprop output tile through the epilogue E (bsmm_epilogue_types.cuh): rows
+// m0.. of the batch, columns n0.. of output block column (row) `unit`.
+template <class K, class E, typename T, int BS>
+__device__ __forceinline__ void store_sparse_tile(const MatmulParams& p, const float (&acc)[K::ACC], int unit, int m0,
+                                                  int n0) {
     // Tensor-core fragments hold column pairs (i, i + 1) = (n, n + 1): with features along rows
     // and aligned rows, each pair is one 4- or 8-byte access (and so is the read of accumulate).
     constexpr bool PAIRS = K::OUT_AXIS1 && K::ALIGNED && K::MATH != Math::Simt;
+    const int n_rows = (int)p.n_rows, accumulate = (int)p.accumulate;
+    const long long ld_out = p.ld_out;
     for_each_acc<K>([&](int i, int m, int n) {
         if (PAIRS && i % 2) return;
         const int row = m0 + m;
         if (row >= n_rows) return;
         const long long feature = (long long)unit * (K::COLS > 1 ? K::BN : BS) + n0 + n;
-        if (K::COLS > 1 && feature >= (long long)ld_other * BS) return;
-        T* dst = K::OUT_AXIS1 ? out + (long long)row * ld_out + feature : out + feature * ld_out + row;
-        // accumulate: added in float and rounded once (strided convolutions sum their offsets here).
-        if constexpr (PAIRS) {
-            store_pair(dst, acc[i], acc[i + 1], accumulate);
-        } else {
-            *dst = Elem<T>::from_float(accumulate ? acc[i] + Elem<T>::to_float(*dst) : acc[i]);
-        }
+        // Column groups: the last group may reach past the output.
+        if (K::COLS > 1 && feature >= p.out_blocks * BS) return;
+        const long long at = K::OUT_AXIS1 ? row * ld_out + feature : feature * ld_out + row;
+        if constexpr (PAIRS)
+            E::template pair<T>(p, at, feature, acc[i], acc[i + 1], accumulate);
+        else
+            E::template one<T>(p, at, feature, acc[i], accumulate);
     });
 }
 

@@ -24,6 +24,7 @@
 #include "bsmm_loads.cuh"
 #include "bsmm_math.cuh"
 #include "bsmm_epilogue.cuh"
+#include "bsmm_params.cuh"
 
 namespace bsmm {
 
@@ -31,13 +32,19 @@ namespace bsmm {
 // output block column/row and [begin, end) indexes the step table; for updat a unit
 // is a weight block and [begin, end) are batch rows. units[u] = (first workspace slot, parts).
 template <typename T, int BS, int BM, int BN, int BK, int WARPS_M, int WARPS_N, int STAGES, Math MATH, Pass PASS,
-          FeatureAxis AXIS, int ALIGNED, int GROUPED, int COLS>
-__global__ void __launch_bounds__(WARPS_M* WARPS_N * 32)
-    bsmm_matmul(const T* __restrict__ act, const T* __restrict__ other, T* __restrict__ out,
-                const int4* __restrict__ segments, const int2* __restrict__ units, const int2* __restrict__ table,
-                float* __restrict__ workspace, int* __restrict__ counters, int n_rows, int ld_act, int ld_other,
-                int ld_out, int accumulate, int band_rows) {
+          FeatureAxis AXIS, int ALIGNED, int GROUPED, int COLS, class EPI>
+__global__ void __launch_bounds__(WARPS_M* WARPS_N * 32) bsmm_matmul(const __grid_constant__ MatmulParams p) {
     using K = Kernel<T, BS, BM, BN, BK, WARPS_M, WARPS_N, STAGES, MATH, PASS, AXIS, ALIGNED, GROUPED, COLS>;
+    static_assert(PASS != Pass::Updat || EPI::PLAIN, "weight gradients are stored as they are");
+    const T* __restrict__ act = static_cast<const T*>(p.act);
+    const T* __restrict__ other = static_cast<const T*>(p.other);
+    T* __restrict__ out = static_cast<T*>(p.out);
+    const int4* __restrict__ segments = p.segments;
+    const int2* __restrict__ units = p.units;
+    const int2* __restrict__ table = p.table;
+    float* __restrict__ workspace = p.workspace;
+    int* __restrict__ counters = p.counters;
+    const int n_rows = (int)p.n_rows, ld_act = (int)p.ld_act, ld_other = (int)p.ld_other, accumulate = (int)p.accumulate;
     wait_for_prior_grid();
     extern __shared__ __align__(16) unsigned char smem_raw[];
     // wgmma reads swizzle atoms that must start on 1024-byte boundaries (SMEM_BYTES has the slack).
@@ -50,7 +57,7 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N * 32)
     __shared__ int group_steps[COLS > 1 ? (PASS == Pass::Updat ? 2 * COLS + 1 : BSMM_MAX_PART * (COLS + 1)) : 1];
 
     // updat: y and z index sub-tiles of one weight block, nothing to reorder.
-    const int2 tile = PASS == Pass::Updat ? make_int2(blockIdx.x, blockIdx.y) : banded_tile(band_rows);
+    const int2 tile = PASS == Pass::Updat ? make_int2(blockIdx.x, blockIdx.y) : banded_tile((int)p.band_rows);
     const int4 seg = segments[tile.x];
     if constexpr (GROUPED) {
         // seg = (first weight block, end block, -, -); every block takes the whole batch in one step.
@@ -171,7 +178,7 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N * 32)
         store_block_tile<K, T, BS>(out + (long long)unit * BS * BS, acc, ops.m0, ops.n0, accumulate);
         return;
     }
-    store_sparse_tile<K, T, BS>(out, acc, unit, ops.m0, ops.n0, n_rows, ld_other, ld_out, accumulate);
+    store_sparse_tile<K, EPI, T, BS>(p, acc, unit, ops.m0, ops.n0);
 }
 
 // The passes on Hopper with a copy warp: warp NT / 32 (one thread of it) fills the stages with
@@ -196,14 +203,12 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N * 32)
 // step (see GroupLoader), the output tile spans COLS block columns (rows). Other parameters
 // as bsmm_matmul's.
 template <typename T, int BS, int BM, int BN, int BK, int WARPS_M, int WARPS_N, int STAGES, Math MATH, Pass PASS,
-          FeatureAxis AXIS, int ALIGNED, int GROUPED, int COLS>
+          FeatureAxis AXIS, int ALIGNED, int GROUPED, int COLS, class EPI>
 __global__ void __launch_bounds__(WARPS_M* WARPS_N * 32 + 32)
-    bsmm_matmul_tma(const T* __restrict__ act, const T* __restrict__ other, T* __restrict__ out,
-                    const int4* __restrict__ segments, const int2* __restrict__ units, const int2* __restrict__ table,
-                    float* __restrict__ workspace, int* __restrict__ counters, int n_rows, int ld_act, int ld_other,
-                    int ld_out, int accumulate, int band_rows, const __grid_constant__ TensorMap act_map,
+    bsmm_matmul_tma(const __grid_constant__ MatmulParams p, const __grid_constant__ TensorMap act_map,
                     const __grid_constant__ TensorMap other_map, const __grid_constant__ TensorMap out_map) {
     using K = Kernel<T, BS, BM, BN, BK, WARPS_M, WARPS_N, STAGES, MATH, PASS, AXIS, ALIGNED, GROUPED, COLS, 1>;
+    static_assert(PASS != Pass::Updat || EPI::PLAIN, "weight gradients are stored as they are");
     static_assert(!GROUPED && ALIGNED && (sizeof(T) == 2 || (MATH == Math::Wgmma && PASS == Pass::Bprop && COLS == 1) ||
                                           (K::ROWS_T && !K::AXIS1)) &&
                       (K::ROWS_T || K::COLS_W || (COLS == 1 && K::AXIS1 &&
@@ -215,6 +220,15 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N * 32 + 32)
     constexpr int BOX = MATH == Math::Wgmma ? 128 / (int)sizeof(T) : 32;
     static_assert(MATH != Math::Wgmma || BM * BN <= STAGES * (K::A_STAGE + K::B_STAGE), "the stored tile fits the stages");
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    const T* __restrict__ act = static_cast<const T*>(p.act);
+    const T* __restrict__ other = static_cast<const T*>(p.other);
+    T* __restrict__ out = static_cast<T*>(p.out);
+    const int4* __restrict__ segments = p.segments;
+    const int2* __restrict__ units = p.units;
+    const int2* __restrict__ table = p.table;
+    float* __restrict__ workspace = p.workspace;
+    int* __restrict__ counters = p.counters;
+    const int n_rows = (int)p.n_rows, ld_act = (int)p.ld_act, ld_other = (int)p.ld_other, accumulate = (int)p.accumulate;
     wait_for_prior_grid();
     extern __shared__ __align__(16) unsigned char smem_raw[];
     // The 128-byte swizzle TMA writes and wgmma reads repeats every 1024 bytes from an aligned base.
@@ -231,7 +245,7 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N * 32 + 32)
     __shared__ int group_steps[K::COLS_W ? (BSMM_MAX_PART + K::R) * (COLS + 1) : 1];
 
     // updat: y and z index sub-tiles of one weight block, nothing to reorder.
-    const int2 tile = PASS == Pass::Updat ? make_int2(blockIdx.x, blockIdx.y) : banded_tile(band_rows);
+    const int2 tile = PASS == Pass::Updat ? make_int2(blockIdx.x, blockIdx.y) : banded_tile((int)p.band_rows);
     const int4 seg = segments[tile.x];
     const int unit = seg.x, part = seg.w;
     const int m0 = tile.y * BM, n0 = blockIdx.z * BN;
@@ -382,7 +396,7 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N * 32 + 32)
         store_row_group_transposed<K, T, BS>(out, acc, group, accumulate, reinterpret_cast<float*>(smem));
         return;
     } else if constexpr (MATH == Math::Wgmma && sizeof(T) == 2) {  // (TF32 tiles: fragment stores)
-        if (!accumulate && unit_info.y == 1) {
+        if (EPI::PLAIN && !accumulate && unit_info.y == 1) {
             // The tile leaves through shared memory and TMA: the thread block may exit once the
             // copy has read it, while its writes drain and the next thread block starts on the
             // SM (fragment stores kept the block 4-byte store by 4-byte store until the end).
@@ -409,7 +423,7 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N * 32 + 32)
     if constexpr (PASS == Pass::Updat)
         store_block_tile<K, T, BS>(out + (long long)unit * BS * BS, acc, m0, n0, accumulate);
     else
-        store_sparse_tile<K, T, BS>(out, acc, unit, m0, n0, n_rows, ld_other, ld_out, accumulate);
+        store_sparse_tile<K, EPI, T, BS>(p, acc, unit, m0, n0);
 #else
     __trap();  // TMA variants are built for sm_90a only
 #endif

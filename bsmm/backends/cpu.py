@@ -28,6 +28,7 @@ from bsmm.block_index import BlockIndex
 from bsmm.passes import PASSES
 from bsmm.arrays import empty_aligned
 from bsmm.config import settings
+from bsmm.epilogues import apply_epilogue
 from bsmm.backends.strided import check_strided_operands, row_widths, virtual_width
 
 __all__ = ["fprop", "bprop", "updat", "strided_pass", "shifted_pass", "gather_rows"]
@@ -136,19 +137,29 @@ def _segmented_pass(
 
 
 def fprop(index: BlockIndex, x: np.ndarray, w: np.ndarray, out: np.ndarray, feature_axis: int,
-          tf32: bool = False, accumulate: bool = False) -> np.ndarray:
+          tf32: bool = False, accumulate: bool = False, epilogue=None) -> np.ndarray:
     """y = x·W into ``out``: (N, K) for ``feature_axis=1`` ((K, N) for 0). Inputs are validated by the caller.
 
     ``tf32`` is accepted for a uniform backend interface; the CPU always computes exact float32 (float64
-    for float64 inputs).
+    for float64 inputs). ``epilogue``: a :class:`bsmm.epilogues.EpilogueCall`, or None (stored).
     """
-    return _segmented_pass(index, x, w, out, feature_axis, by_column=True, accumulate=accumulate)
+    return _through_epilogue(index, x, w, out, feature_axis, True, accumulate, epilogue)
 
 
 def bprop(index: BlockIndex, dy: np.ndarray, w: np.ndarray, out: np.ndarray, feature_axis: int,
-          tf32: bool = False, accumulate: bool = False) -> np.ndarray:
+          tf32: bool = False, accumulate: bool = False, epilogue=None) -> np.ndarray:
     """dx = dy·Wᵀ into ``out``: (N, C) for ``feature_axis=1`` ((C, N) for 0), added to it if ``accumulate``."""
-    return _segmented_pass(index, dy, w, out, feature_axis, by_column=False, accumulate=accumulate)
+    return _through_epilogue(index, dy, w, out, feature_axis, False, accumulate, epilogue)
+
+
+def _through_epilogue(index, act, w, out, feature_axis, by_column, accumulate, epilogue) -> np.ndarray:
+    """The pass, then the epilogue as the kernels apply it: on the float sums, rounded once."""
+    if epilogue is None:
+        return _segmented_pass(index, act, w, out, feature_axis, by_column=by_column, accumulate=accumulate)
+    sums = np.empty(out.shape, _compute_dtype(out.dtype))
+    _segmented_pass(index, act, w, sums, feature_axis, by_column=by_column)
+    apply_epilogue(np, sums, out, epilogue.bias, epilogue.name, epilogue.pre, feature_axis, accumulate)
+    return out
 
 
 def updat(index: BlockIndex, x: np.ndarray, dy: np.ndarray, out: np.ndarray, feature_axis: int,

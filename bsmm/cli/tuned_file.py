@@ -13,12 +13,9 @@ import os
 import re
 import tomllib
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from bsmm.config import settings, tuned_path
-
-if TYPE_CHECKING:
-    from bsmm.cli.tune import EntryResult
+from bsmm.cli.tune_results import EntryResult
 
 __all__ = ["tuned_entries", "write_tuned", "toml_text", "format_report", "current_tuned_table", "in_effect"]
 

@@ -14,6 +14,7 @@ subset instead of all (:func:`representative_sample` says how it is picked).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import collections
 import contextlib
 import concurrent.futures
@@ -27,6 +28,7 @@ from pathlib import Path
 
 from bsmm.config import settings
 from bsmm.dtypes import SUPPORTED_DTYPES
+from bsmm.epilogues import EPILOGUES
 from bsmm.backends.cuda.kernels import (ARCH_ONLY_MODES, GATHER_UNITS, BlockTransposeVariant, GatherVariant, TransposeVariant, Variant,
                           _cached_cubin, compile_variant, tiling_problem)
 from bsmm.backends.cuda.policy import current_policy
@@ -98,7 +100,23 @@ def all_variants() -> list[Variant | GatherVariant | TransposeVariant | BlockTra
                             if columns:
                                 variants.add(Variant(dtype, bs, columns.tile, mode, pass_name, axis, True, False,
                                                      columns.size))
+    variants |= epilogue_variants(variants)
     return sorted(variants, key=repr)
+
+
+def epilogue_variants(variants) -> set:
+    """The fused epilogues (bsmm.epilogues) on one variant of each kernel kind that runs them: an
+    fprop, or the TF32 wgmma bprop that TF32 fprops run as on Hopper (TransposedWeightsFprop), of
+    each math mode, kernel, groups, feature axis, alignment and dtype. The epilogue changes only
+    how output tiles leave a kernel, not its tiling; every variant at its own tile is compiled
+    at run time on first use like any other. (Every kernel with every epilogue would be five
+    times the fprops again: CI's budget.)"""
+    kinds = {}
+    for v in sorted((v for v in variants if isinstance(v, Variant)), key=repr):
+        if v.pass_name == "fprop" or (v.pass_name == "bprop" and v.math == "wgmma_tf32"):
+            kinds.setdefault((v.math, v.pass_name, v.tma, v.cols > 1, v.act_transposed, v.feature_axis, v.aligned,
+                              v.dtype), v)
+    return {dataclasses.replace(v, epilogue=name) for v in kinds.values() for name in EPILOGUES if name != "store"}
 
 
 AnyVariant = Variant | GatherVariant | TransposeVariant | BlockTransposeVariant

@@ -20,6 +20,7 @@ from bsmm.dtypes import DTYPE_NAMES
 from bsmm.backends.cuda import plans
 from bsmm.backends.cuda.environment import check_environment
 from bsmm.backends.cuda.kernels import GatherVariant, load_kernel
+from bsmm.backends.cuda.params import Sizes
 from bsmm.backends.cuda.plans import Plan, plan_for
 from bsmm.backends.strided import BlockOrder, check_strided_operands, virtual_width
 
@@ -77,21 +78,23 @@ class FastCall:
 
     __slots__ = ("plan", "device", "dtype", "act_strides", "other_shape", "other_strides", "out_shape",
                  "out_strides", "aligned", "sizes", "act_bytes", "other_bytes", "out_bytes", "head", "blocks",
-                 "seen")
+                 "seen", "epilogue")
 
-    def __init__(self, plan: Plan, act, other, out, sizes: tuple):
+    def __init__(self, plan: Plan, act, other, out, sizes: Sizes, epilogue: str = "store"):
         self.plan, self.device, self.dtype = plan, act.data.device_id, act.dtype
         self.act_strides, self.other_shape, self.other_strides = act.strides, other.shape, other.strides
         self.out_shape, self.out_strides = out.shape, out.strides
         self.act_bytes, self.other_bytes, self.out_bytes = act.nbytes, other.nbytes, out.nbytes
-        self.aligned, self.sizes = plan.variant.aligned, sizes
+        self.aligned, self.sizes, self.epilogue = plan.variant.aligned, sizes, epilogue
         # A TransposedUpdat (TransposedActivations, TransposedWeightsFprop) launches three (two)
         # kernels: it keeps the plan's own launch.
         self.head = plan.launcher.head if isinstance(plan, Plan) else None
         self.blocks: dict = {}  # (stream, act, other, out, accumulate) -> Parameters (plans.py)
         self.seen: set = set()  # keys launched once
 
-    def __call__(self, act, other, out=None, accumulate: bool = False):
+    def __call__(self, act, other, out=None, accumulate: bool = False, bias=None, pre=None):
+        """The pass on CuPy arrays laid out as the first call's, with this call's epilogue arrays
+        (a BiasAct call's ``bias`` and ``pre``, or None), or None where anything differs."""
         device = _get_device()
         act_data, other_data = act.data, other.data
         if (device != self.device or act_data.device_id != device or other.__class__ is not act.__class__
@@ -115,14 +118,50 @@ class FastCall:
                     or (out_ptr < act_ptr + self.act_bytes and act_ptr < out_ptr + self.out_bytes)
                     or (out_ptr < other_ptr + self.other_bytes and other_ptr < out_ptr + self.out_bytes)):
                 return None
-        self.launch(_current_stream().ptr, act_ptr, other_ptr, out_ptr, accumulate)
+        if bias is None and pre is None:
+            self.launch(_current_stream().ptr, act_ptr, other_ptr, out_ptr, accumulate)
+            return out
+        pointers = self._epilogue_pointers(act, device, bias, pre, (act_ptr, self.act_bytes),
+                                           (other_ptr, self.other_bytes), (out_ptr, self.out_bytes))
+        if pointers is None:
+            return None
+        self.launch(_current_stream().ptr, act_ptr, other_ptr, out_ptr, accumulate, *pointers)
         return out
 
-    def launch(self, stream_ptr: int, act_ptr: int, other_ptr: int, out_ptr: int, accumulate: bool = False) -> None:
+    def _epilogue_pointers(self, act, device: int, bias, pre, *spans) -> tuple | None:
+        """(bias, pre) pointers of a BiasAct call's arrays where they are as the checked path
+        accepts them (the bias one element per output feature, pre shaped as the output and
+        apart from every other operand), else None."""
+        if self.epilogue == "store":
+            return None
+        bias_ptr = pre_ptr = 0
+        if bias is not None:
+            if (bias.__class__ is not act.__class__ or bias.dtype is not self.dtype or bias.ndim != 1
+                    or bias.shape[0] != self.sizes.out_blocks * self.plan.variant.block_size
+                    or bias.strides[0] != bias.itemsize or bias.data.device_id != device):
+                return None
+            bias_ptr = bias.data.ptr
+            if self.aligned and bias_ptr & 15:
+                return None
+        if pre is not None:
+            if (pre.__class__ is not act.__class__ or pre.shape != self.out_shape or pre.strides != self.out_strides
+                    or pre.dtype is not self.dtype or pre.data.device_id != device):
+                return None
+            pre_ptr = pre.data.ptr
+            if ((self.aligned and pre_ptr & 15)
+                    or any(pre_ptr < ptr + size and ptr < pre_ptr + self.out_bytes for ptr, size in spans)
+                    or (bias is not None and pre_ptr < bias_ptr + bias.nbytes and bias_ptr < pre_ptr + self.out_bytes)):
+                return None
+        return bias_ptr, pre_ptr
+
+    def launch(self, stream_ptr: int, act_ptr: int, other_ptr: int, out_ptr: int, accumulate: bool = False,
+               bias_ptr: int = 0, pre_ptr: int = 0) -> None:
         """The pass on raw device pointers of operands laid out as the first call's (the caller
-        has checked shapes, strides, dtype, device, alignment and overlap): how a framework
-        adapter repeats a call without wrapping its tensors (:mod:`bsmm.torch.passes`, :mod:`bsmm.jax.passes`)."""
-        key = (stream_ptr, act_ptr, other_ptr, out_ptr, accumulate)
+        has checked shapes, strides, dtype, device, alignment and overlap): the one repeat path
+        of every caller (CuPy arrays through :meth:`__call__` and :meth:`bsmm.BlocksparseMatMul.fprop`,
+        :mod:`bsmm.torch.passes`, :mod:`bsmm.jax.passes`). ``bias_ptr`` and ``pre_ptr``: the bias
+        and the pre-activation of a BiasAct epilogue (0: none)."""
+        key = (stream_ptr, act_ptr, other_ptr, out_ptr, accumulate, bias_ptr, pre_ptr)
         block = self.blocks.get(key)
         if block is None:
             block = self._keep(key)
@@ -139,18 +178,18 @@ class FastCall:
         """The block to launch for a key seen before, kept from now on; a key seen the first time
         (or any key of a plan that copies first, as TransposedUpdat) launches through the plan
         instead, and gives None."""
-        stream_ptr, act_ptr, other_ptr, out_ptr, accumulate = key
+        stream_ptr, act_ptr, other_ptr, out_ptr, accumulate, bias_ptr, pre_ptr = key
         if self.head is None or key not in self.seen:
             if self.head is not None:
                 if len(self.seen) >= _MAX_KEPT_LAUNCHES:
                     self.seen.clear()
                 self.seen.add(key)
-            self.plan.launch(stream_ptr, act_ptr, other_ptr, out_ptr, self.sizes, int(accumulate))
+            self.plan.launch(stream_ptr, act_ptr, other_ptr, out_ptr, self.sizes, int(accumulate), bias_ptr, pre_ptr)
             return None
         if len(self.blocks) >= _MAX_KEPT_LAUNCHES:
             self.blocks.clear()  # e.g. outputs at new addresses every call: keep the dict small
         block = self.blocks[key] = self.plan.parameters(stream_ptr, act_ptr, other_ptr, out_ptr, self.sizes,
-                                                        int(accumulate))
+                                                        int(accumulate), bias_ptr, pre_ptr)
         return block
 
 
@@ -158,32 +197,36 @@ _MAX_KEPT_LAUNCHES = 64
 
 
 def _sparse_pass(pass_name: str, index: BlockIndex, act, w, out, feature_axis: int, tf32: bool,
-                 features_in: int, features_out: int, accumulate: bool) -> FastCall | None:
+                 features_in: int, features_out: int, accumulate: bool, epilogue) -> FastCall | None:
     n = act.shape[1 - feature_axis]
+    name = "store" if epilogue is None else epilogue.name
     if n == 0 or out.size == 0:
         return None
     dtype = DTYPE_NAMES[act.dtype]
-    aligned = _aligned(feature_axis, n, act, w, out)
-    plan = plan_for(index, pass_name, n, dtype, feature_axis, tf32, aligned, plain=True)
+    extra = () if epilogue is None else tuple(a for a in (epilogue.bias, epilogue.pre) if a is not None)
+    aligned = _aligned(feature_axis, n, act, w, out, *extra)
+    plan = plan_for(index, pass_name, n, dtype, feature_axis, tf32, aligned, plain=True, epilogue=name)
     if _paths is not None:
         _paths.append(plan.path)
     ld_act, ld_out = (features_in, features_out) if feature_axis == 1 else (n, n)
-    # Column groups read the number of output blocks from the otherwise unused ld_other.
-    sizes = (n, ld_act, features_out // index.block_size, ld_out)
-    plan.launch(_current_stream().ptr, act.data.ptr, w.data.ptr, out.data.ptr, sizes, int(accumulate))
-    return FastCall(plan, act, w, out, sizes)
+    sizes = Sizes(n, ld_act, 0, ld_out, features_out // index.block_size)
+    bias_ptr, pre_ptr = (0, 0) if epilogue is None else epilogue.pointers()
+    plan.launch(_current_stream().ptr, act.data.ptr, w.data.ptr, out.data.ptr, sizes, int(accumulate), bias_ptr,
+                pre_ptr)
+    return FastCall(plan, act, w, out, sizes, name)
 
 
 def fprop(index: BlockIndex, x, w, out, feature_axis: int, tf32: bool = False,
-          accumulate: bool = False) -> FastCall | None:
-    """y = x·W into ``out`` (CuPy arrays, validated by the caller), added if ``accumulate``; returns the call."""
-    return _sparse_pass("fprop", index, x, w, out, feature_axis, tf32, index.C, index.K, accumulate)
+          accumulate: bool = False, epilogue=None) -> FastCall | None:
+    """y = x·W into ``out`` (CuPy arrays, validated by the caller), added if ``accumulate``, through
+    ``epilogue`` (a :class:`bsmm.epilogues.EpilogueCall`, None: stored); returns the call."""
+    return _sparse_pass("fprop", index, x, w, out, feature_axis, tf32, index.C, index.K, accumulate, epilogue)
 
 
 def bprop(index: BlockIndex, dy, w, out, feature_axis: int, tf32: bool = False,
-          accumulate: bool = False) -> FastCall | None:
-    """dx = dy·Wᵀ into ``out``, added if ``accumulate``; returns the call to repeat it."""
-    return _sparse_pass("bprop", index, dy, w, out, feature_axis, tf32, index.K, index.C, accumulate)
+          accumulate: bool = False, epilogue=None) -> FastCall | None:
+    """dx = dy·Wᵀ into ``out``, added if ``accumulate``, through ``epilogue``; returns the call to repeat it."""
+    return _sparse_pass("bprop", index, dy, w, out, feature_axis, tf32, index.K, index.C, accumulate, epilogue)
 
 
 def updat(index: BlockIndex, x, dy, out, feature_axis: int, tf32: bool = False,
@@ -198,7 +241,7 @@ def updat(index: BlockIndex, x, dy, out, feature_axis: int, tf32: bool = False,
     if _paths is not None:
         _paths.append(plan.path)
     ld_x, ld_dy = (index.C, index.K) if feature_axis == 1 else (n, n)
-    sizes = (n, ld_x, ld_dy, 0)
+    sizes = Sizes(n, ld_x, ld_dy, 0, 0)
     plan.launch(_current_stream().ptr, x.data.ptr, dy.data.ptr, out.data.ptr, sizes, int(accumulate))
     return FastCall(plan, x, dy, out, sizes)
 
@@ -241,10 +284,10 @@ def shifted_pass(pass_name: str, index: BlockIndex, act, other, out, rows: int, 
     aligned = _aligned(1, rows, act, other, out) and all((s * item) % _VEC_BYTES == 0 for s in (stride_a, stride_b))
     plan = plan_for(index, pass_name, rows, DTYPE_NAMES[act.dtype], 1, tf32, aligned, act_blocks, weight_blocks)
     if PASSES[pass_name].updates_weights:
-        sizes = (rows, stride_a, stride_b, 0)
+        sizes = Sizes(rows, stride_a, stride_b, 0, 0)
     else:
         features_out = PASSES[pass_name].features(index.C, index.K)[1]
-        sizes = (rows, stride_a, features_out // index.block_size, stride_b)
+        sizes = Sizes(rows, stride_a, 0, stride_b, features_out // index.block_size)
     plan.launch(_current_stream().ptr, act.data.ptr, other.data.ptr, out.data.ptr, sizes, int(accumulate))
 
 

@@ -16,6 +16,7 @@ import numpy as np
 from bsmm.block_index import BlockIndex
 from bsmm.backends.cuda import plans
 from bsmm.backends.cuda.kernels import ELEMENT_BYTES, BlockTransposeVariant, TransposeVariant, load_kernel
+from bsmm.backends.cuda.params import Sizes
 from bsmm.backends.cuda.plans import Launcher
 from bsmm.backends.cuda.policy import Policy
 from bsmm.backends.cuda.selection import copy_row_elements, transposed_layout
@@ -51,23 +52,26 @@ class TransposedActivations:
     like :class:`TransposedUpdat`'s. Same launch interface as :class:`Plan`.
     """
 
-    def __init__(self, index: BlockIndex, pass_name: str, n: int, dtype: str, device, policy: Policy):
+    def __init__(self, index: BlockIndex, pass_name: str, n: int, dtype: str, device, policy: Policy,
+                 epilogue: str = "store"):
         self.n = n
         self.features = PASSES[pass_name].features(index.C, index.K)[0]
         item = ELEMENT_BYTES[dtype]
         self.ld = copy_row_elements(n, item)
         self.plan = plans.build_plan(index, pass_name, n, dtype, 0, False, True, device, policy, act_transposed=True,
-                                     copied=PASSES[pass_name].operands[0])
+                                     copied=PASSES[pass_name].operands[0], epilogue=epilogue)
         self.variant, self.path = self.plan.variant, self.plan.path
         self.transpose = _transpose_launcher(item, self.ld, self.features, device, policy)
         self.item = item
         self.workspaces: dict = {}  # stream -> the activations transposed
 
-    def launch(self, stream_ptr: int, act_ptr: int, w_ptr: int, out_ptr: int, sizes: tuple, accumulate: int) -> None:
+    def launch(self, stream_ptr: int, act_ptr: int, w_ptr: int, out_ptr: int, sizes: Sizes, accumulate: int,
+               bias_ptr: int = 0, pre_ptr: int = 0) -> None:
         act_t, _ = per_stream(self.workspaces, stream_ptr, lambda: allocate_workspace(self.features * self.ld * self.item))
         self.transpose.launch(stream_ptr, act_ptr, act_t, self.n, self.features, self.ld)
-        # (n, activation row length, output blocks, output row length): the copy's rows are ld long.
-        self.plan.launch(stream_ptr, act_t, w_ptr, out_ptr, (sizes[0], self.ld, *sizes[2:]), accumulate)
+        # The copy's rows are ld long.
+        self.plan.launch(stream_ptr, act_t, w_ptr, out_ptr, sizes._replace(ld_act=self.ld), accumulate, bias_ptr,
+                         pre_ptr)
 
 
 class TransposedUpdat:
@@ -97,12 +101,13 @@ class TransposedUpdat:
         self.item = item
         self.workspaces: dict = {}  # stream -> (x transposed, dy transposed)
 
-    def launch(self, stream_ptr: int, x_ptr: int, dy_ptr: int, out_ptr: int, sizes: tuple, accumulate: int) -> None:
+    def launch(self, stream_ptr: int, x_ptr: int, dy_ptr: int, out_ptr: int, sizes: Sizes, accumulate: int,
+               bias_ptr: int = 0, pre_ptr: int = 0) -> None:
         (x_t, _), (dy_t, _) = per_stream(self.workspaces, stream_ptr, lambda: (
             allocate_workspace(self.C * self.ld * self.item), allocate_workspace(self.K * self.ld * self.item)))
         self.transpose_x.launch(stream_ptr, x_ptr, x_t, self.n, self.C, self.ld)
         self.transpose_dy.launch(stream_ptr, dy_ptr, dy_t, self.n, self.K, self.ld)
-        self.plan.launch(stream_ptr, x_t, dy_t, out_ptr, (self.n, self.ld, self.ld, 0), accumulate)
+        self.plan.launch(stream_ptr, x_t, dy_t, out_ptr, Sizes(self.n, self.ld, self.ld, 0, 0), accumulate)
 
 
 class TransposedWeightsFprop:
@@ -115,9 +120,10 @@ class TransposedWeightsFprop:
     (``[kernels.sm90.tma_tf32]``); same launch interface as :class:`Plan`.
     """
 
-    def __init__(self, index: BlockIndex, n: int, device, policy: Policy):
+    def __init__(self, index: BlockIndex, n: int, device, policy: Policy, epilogue: str = "store"):
         self.index_t = transposed_layout(index)
-        self.plan = plans.build_plan(self.index_t, "bprop", n, "float32", 1, True, True, device, policy, copied="w")
+        self.plan = plans.build_plan(self.index_t, "bprop", n, "float32", 1, True, True, device, policy, copied="w",
+                                     epilogue=epilogue)
         self.variant, self.path = self.plan.variant, dataclasses.replace(self.plan.path, pass_name="fprop")
         self.order = cupy.asarray(index.col_order, dtype=np.int32)
         transpose = BlockTransposeVariant(index.block_size)
@@ -126,8 +132,9 @@ class TransposedWeightsFprop:
         self.weight_count = index.nnzb * index.block_size ** 2
         self.workspaces: dict = {}  # stream -> W'
 
-    def launch(self, stream_ptr: int, x_ptr: int, w_ptr: int, out_ptr: int, sizes: tuple, accumulate: int) -> None:
-        # (n, C, K / block, K) of the fprop are (n, K', C' / block, C') of the transposed bprop.
+    def launch(self, stream_ptr: int, x_ptr: int, w_ptr: int, out_ptr: int, sizes: Sizes, accumulate: int,
+               bias_ptr: int = 0, pre_ptr: int = 0) -> None:
+        # The fprop's sizes are those of the transposed bprop (its K' is C, its C' is K).
         w_t, _ = per_stream(self.workspaces, stream_ptr, lambda: allocate_workspace(4 * self.weight_count))
         self.transpose.launch(stream_ptr, w_ptr, w_t, self.order.data.ptr)
-        self.plan.launch(stream_ptr, x_ptr, w_t, out_ptr, sizes, accumulate)
+        self.plan.launch(stream_ptr, x_ptr, w_t, out_ptr, sizes, accumulate, bias_ptr, pre_ptr)

@@ -34,6 +34,7 @@ from pathlib import Path
 from bsmm.config import CUDA_DIR, cache_dir
 from bsmm.dtypes import ELEMENT_TYPES
 from bsmm.backends.cuda.policy import Tile
+from bsmm.epilogues import EPILOGUES
 from bsmm.passes import PASSES
 
 __all__ = ["Variant", "tiling_problem", "static_shared_bytes", "GatherVariant", "TransposeVariant", "compile_variant", "load_kernel", "arch_for", "cuda_include_dirs", "compile_options", "variant_name"]
@@ -85,11 +86,16 @@ class Variant:
     # feature axis 0 (``feature_axis`` is then 0), and the output is written on feature axis 1
     # (``plans.TransposedActivations``).
     act_transposed: bool = False
+    # What fprop/bprop tiles do on the way out: a name of bsmm.epilogues.EPILOGUES ("store": the
+    # sums as they are; an activation's name: BiasAct of it). updat stores.
+    epilogue: str = "store"
 
     source_file = SOURCE_FILE
 
     def __post_init__(self):
         object.__setattr__(self, "tile", Tile.of(self.tile))
+        if self.epilogue not in EPILOGUES or (self.epilogue != "store" and PASSES[self.pass_name].updates_weights):
+            raise ValueError(f"epilogue must be one of {sorted(EPILOGUES)} (updat: 'store'); got {self.epilogue!r}")
 
     @property
     def threads(self) -> int:
@@ -116,7 +122,9 @@ class Variant:
         """The template instance NVRTC compiles, its math, pass and feature axis as enumerators:
 
         >>> Variant("float16", 32, (64, 32, 32, 2, 2, 3), "tensor16", "updat", 1, True).name_expression
-        'bsmm::bsmm_matmul<__half, 32, 64, 32, 32, 2, 2, 3, bsmm::Math::Tensor16, bsmm::Pass::Updat, bsmm::FeatureAxis::Axis1, 1, 0, 1>'
+        'bsmm::bsmm_matmul<__half, 32, 64, 32, 32, 2, 2, 3, bsmm::Math::Tensor16, bsmm::Pass::Updat, bsmm::FeatureAxis::Axis1, 1, 0, 1, bsmm::Store>'
+        >>> Variant("float16", 32, (64, 32, 32, 2, 2, 3), "tensor16", "fprop", 1, True, epilogue="gelu").name_expression[-31:]
+        'bsmm::BiasAct<bsmm::Act::Gelu>>'
         >>> Variant("float16", 16, (256, 16, 16, 8, 1, 6), "tensor16", "fprop", 0, True,
         ...         act_transposed=True).name_expression.split(", ")[8:11]
         ['bsmm::Math::Tensor16', 'bsmm::Pass::Fprop', 'bsmm::FeatureAxis::TransposedActivations']
@@ -127,7 +135,7 @@ class Variant:
             f"bsmm::bsmm_matmul{'_tma' if self.tma else ''}<{C_TYPES[self.dtype]}, {self.block_size}, {bm}, {bn}, {bk}, {wm}, {wn}, {stages}, "
             f"{MATH_ENUMS[self.math]}, {PASS_ENUMS[self.pass_name]}, {axis}, "
             f"{int(self.aligned)}, "
-            f"{int(self.grouped)}, {self.cols}>"
+            f"{int(self.grouped)}, {self.cols}, {EPILOGUES[self.epilogue]}>"
         )
 
 
@@ -266,7 +274,8 @@ def variant_name(variant: Variant | GatherVariant | TransposeVariant | BlockTran
     notes = [text for text, shown in (
         ("transposed activations" if variant.act_transposed else "feature axis 0", variant.feature_axis != 1),
         ("unaligned", not variant.aligned), ("streamed", variant.grouped),
-        (f"groups of {variant.cols}", variant.cols > 1), ("TMA", variant.tma)) if shown]
+        (f"groups of {variant.cols}", variant.cols > 1), ("TMA", variant.tma),
+        (f"epilogue {variant.epilogue}", variant.epilogue != "store")) if shown]
     return ", ".join([f"{variant.pass_name} {variant.dtype} block {variant.block_size} {variant.math} tile "
                       f"{tile.bm}x{tile.bn}x{tile.bk} warps {tile.warps_m}x{tile.warps_n} stages {tile.stages}",
                       *notes])

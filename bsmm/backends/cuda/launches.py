@@ -70,14 +70,16 @@ class SerializedLaunch:
 
 
 def current_device() -> int:
-    """CUDA's current device, whose context a launch goes to (the GPU backend is imported on the
-    first call, which then rebinds this name to CuPy's ``getDevice``: call it as
-    ``launches.current_device()``)."""
-    global current_device
-    from bsmm.backends.cuda.backend import _get_device
+    """CUDA's current device, whose context a launch goes to: CuPy's ``getDevice``.
 
-    current_device = _get_device
-    return _get_device()
+    CuPy is imported lazily, on the first call (this module is imported where CuPy may be
+    missing), which rebinds this name to ``cupy.cuda.runtime.getDevice`` itself, so later calls
+    go straight to it: call it as ``launches.current_device()``, never bind it elsewhere."""
+    global current_device
+    import cupy  # lazily: this module loads without CuPy
+
+    current_device = cupy.cuda.runtime.getDevice
+    return current_device()
 
 
 class StreamHandle:

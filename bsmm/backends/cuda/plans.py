@@ -25,6 +25,7 @@ from bsmm.block_index import BlockIndex
 from bsmm.config import once, settings, tuned_path, warn
 from bsmm.backends.cuda.kernels import ELEMENT_BYTES, Variant, load_kernel
 from bsmm.backends.cuda.launches import SerializedLaunch
+from bsmm.backends.cuda.params import PACK, MatmulParams, Sizes, values as param_values
 from bsmm.backends.cuda.planner import Path, launch_layout, layout_path
 from bsmm.backends.cuda.policy import Policy, current_policy
 from bsmm.backends.cuda.selection import Device, copies, transposes_weights
@@ -40,20 +41,18 @@ _log = logging.getLogger(__name__)
 # Bound once: the per-call path looks it up on every launch.
 launch_kernel = cupy.cuda.driver.launchKernel
 
-_ARG_COUNT = 14  # parameters of bsmm_matmul
-
-
 class Launcher:
     """Launches one kernel with a parameter block packed in one call.
 
-    CuPy's generic launch converts every argument on every call (tens of
-    microseconds for 14 arguments); here the values are packed into a fixed
-    buffer whose slot addresses were computed once. ``cuLaunchKernel`` copies
-    the parameters, so the buffer is free again when it returns. ``map_count``
-    128-byte TMA tensor maps (:mod:`bsmm.backends.cuda.tensor_maps`) follow the 8-byte slots.
+    CuPy's generic launch converts every argument on every call; here the values are packed
+    into a fixed buffer whose addresses were computed once. ``cuLaunchKernel`` copies the
+    parameters, so the buffer is free again when it returns. ``arg_count`` scalar parameters
+    of 8 bytes each (the copy kernels), or, with ``arg_count=None``, one
+    :class:`~bsmm.backends.cuda.params.MatmulParams` struct (the matmul kernels); ``map_count``
+    128-byte TMA tensor maps (:mod:`bsmm.backends.cuda.tensor_maps`) follow.
     """
 
-    def __init__(self, kernel, grid, threads: int, shared_bytes: int, arg_count: int = _ARG_COUNT,
+    def __init__(self, kernel, grid, threads: int, shared_bytes: int, arg_count: int | None = None,
                  map_count: int = 0, serialized: bool = False):
         self.function = kernel.kernel.ptr
         # Launched with programmatic stream serialization (bsmm.backends.cuda.launches): stream -> its configuration.
@@ -61,15 +60,13 @@ class Launcher:
         self.grid, self.threads, self.shared_bytes = grid, threads, shared_bytes
         # cuLaunchKernel's arguments before the stream: function, grid, block, shared bytes.
         self.head = (self.function, *grid, threads, 1, 1, shared_bytes)
-        # Each parameter gets an 8-byte slot; int parameters are read from the low 4 bytes (little-endian).
+        # Scalar parameters get an 8-byte slot each; int parameters are read from the low 4 bytes (little-endian).
         self.arg_count = arg_count
-        self.pack = struct.Struct(f"<{arg_count}Q").pack_into
-        self.values = (ctypes.c_uint64 * arg_count)()
+        self.pack = PACK if arg_count is None else struct.Struct(f"<{arg_count}Q").pack_into
+        self.values = _parameter_buffer(arg_count)
         self.maps = [(ctypes.c_uint64 * (MAP_BYTES // 8))() for _ in range(map_count)]
-        base = ctypes.addressof(self.values)
         self.map_addresses = [ctypes.addressof(m) for m in self.maps]
-        self.pointers = (ctypes.c_uint64 * (arg_count + map_count))(
-            *(base + 8 * i for i in range(arg_count)), *self.map_addresses)
+        self.pointers = _pointers(self.values, arg_count, self.map_addresses)
         self.pointers_address = ctypes.addressof(self.pointers)
         self.map_key = None  # what the tensor maps in the buffer describe
         self.lock = threading.Lock()
@@ -108,19 +105,30 @@ class Launcher:
         return block
 
 
+def _parameter_buffer(arg_count: int | None):
+    """The buffer the values are packed into: a MatmulParams struct, or ``arg_count`` 8-byte slots."""
+    return MatmulParams() if arg_count is None else (ctypes.c_uint64 * arg_count)()
+
+
+def _pointers(buffer, arg_count: int | None, map_addresses: list):
+    """``cuLaunchKernel``'s kernelParams: the address of each parameter (the struct is one), then the maps'."""
+    base = ctypes.addressof(buffer)
+    slots = [base] if arg_count is None else [base + 8 * i for i in range(arg_count)]
+    return (ctypes.c_uint64 * (len(slots) + len(map_addresses)))(*slots, *map_addresses)
+
+
 class Parameters:
     """A kernel's parameters laid out as :class:`Launcher` lays them out, held for a launch to
     pass by address (``cuLaunchKernel`` copies them during the call)."""
 
     __slots__ = ("values", "maps", "pointers", "address", "driver", "arguments")
 
-    def __init__(self, arg_count: int, values: tuple, maps: tuple):
+    def __init__(self, arg_count: int | None, values: tuple, maps: tuple):
         self.driver = self.arguments = None  # cuLaunchKernelEx and its arguments, where launches are serialized
-        self.values = (ctypes.c_uint64 * arg_count)(*values)
+        self.values = _parameter_buffer(arg_count)
+        (PACK if arg_count is None else struct.Struct(f"<{arg_count}Q").pack_into)(self.values, 0, *values)
         self.maps = [(ctypes.c_uint64 * (MAP_BYTES // 8)).from_buffer_copy(data) for data in maps]
-        base = ctypes.addressof(self.values)
-        self.pointers = (ctypes.c_uint64 * (arg_count + len(maps)))(
-            *(base + 8 * i for i in range(arg_count)), *(ctypes.addressof(m) for m in self.maps))
+        self.pointers = _pointers(self.values, arg_count, [ctypes.addressof(m) for m in self.maps])
         self.address = ctypes.addressof(self.pointers)
 
 
@@ -140,21 +148,23 @@ class Plan:
     # stream -> (kernel pointer arguments 3..7, the workspace and counter arrays they point into)
     scratch: dict = dataclasses.field(default_factory=dict)
 
-    def launch(self, stream_ptr: int, act_ptr: int, other_ptr: int, out_ptr: int, sizes: tuple,
-               accumulate: int) -> None:
-        """One launch on ``stream_ptr``; ``sizes`` = (N, ld_act, ld_other, ld_out)."""
-        self.launcher.launch(stream_ptr, *self.values(stream_ptr, act_ptr, other_ptr, out_ptr, sizes, accumulate))
+    def launch(self, stream_ptr: int, act_ptr: int, other_ptr: int, out_ptr: int, sizes: Sizes,
+               accumulate: int, bias_ptr: int = 0, pre_ptr: int = 0) -> None:
+        """One launch on ``stream_ptr``; ``bias_ptr`` and ``pre_ptr`` are read by a BiasAct epilogue (0: none)."""
+        self.launcher.launch(stream_ptr, *self.values(stream_ptr, act_ptr, other_ptr, out_ptr, sizes, accumulate,
+                                                      bias_ptr, pre_ptr))
 
-    def values(self, stream_ptr: int, act_ptr: int, other_ptr: int, out_ptr: int, sizes: tuple,
-               accumulate: int) -> tuple:
-        """The kernel's integer parameters, in order, for a launch on ``stream_ptr``."""
-        return (act_ptr, other_ptr, out_ptr, *self.scratch_for(stream_ptr), *sizes, int(accumulate), self.band_rows)
+    def values(self, stream_ptr: int, act_ptr: int, other_ptr: int, out_ptr: int, sizes: Sizes,
+               accumulate: int, bias_ptr: int = 0, pre_ptr: int = 0) -> tuple:
+        """The kernel's :class:`~bsmm.backends.cuda.params.MatmulParams`, in order, for a launch on ``stream_ptr``."""
+        return param_values(act_ptr, other_ptr, out_ptr, self.scratch_for(stream_ptr), bias_ptr, pre_ptr, sizes,
+                            int(accumulate), self.band_rows)
 
-    def parameters(self, stream_ptr: int, act_ptr: int, other_ptr: int, out_ptr: int, sizes: tuple,
-                   accumulate: int):
+    def parameters(self, stream_ptr: int, act_ptr: int, other_ptr: int, out_ptr: int, sizes: Sizes,
+                   accumulate: int, bias_ptr: int = 0, pre_ptr: int = 0):
         """The parameters of :meth:`launch` as a block of their own, to launch again as they are."""
-        return self.launcher.parameters(stream_ptr,
-                                        self.values(stream_ptr, act_ptr, other_ptr, out_ptr, sizes, accumulate))
+        return self.launcher.parameters(stream_ptr, self.values(stream_ptr, act_ptr, other_ptr, out_ptr, sizes,
+                                                                accumulate, bias_ptr, pre_ptr))
 
     def scratch_for(self, stream_ptr: int) -> tuple:
         """Pointers to the tables and to this stream's workspace and counters (allocated once)."""
@@ -187,26 +197,27 @@ class TmaPlan(Plan):
     block_rows: int = 0  # nnzb x block size
     feature_rows: tuple = (0, 0)  # (C, K): the rows of x and dy on feature axis 0
 
-    def launch(self, stream_ptr: int, act_ptr: int, other_ptr: int, out_ptr: int, sizes: tuple,
-               accumulate: int) -> None:
+    def launch(self, stream_ptr: int, act_ptr: int, other_ptr: int, out_ptr: int, sizes: Sizes,
+               accumulate: int, bias_ptr: int = 0, pre_ptr: int = 0) -> None:
         # A new output array (each eager call's) changes no map the kernel reads where tiles
         # are not stored through TMA.
         out_key = out_ptr if self.out_box is not None else None
-        self.launcher.launch(stream_ptr, *self.values(stream_ptr, act_ptr, other_ptr, out_ptr, sizes, accumulate),
+        self.launcher.launch(stream_ptr, *self.values(stream_ptr, act_ptr, other_ptr, out_ptr, sizes, accumulate,
+                                                      bias_ptr, pre_ptr),
                              map_key=(act_ptr, other_ptr, out_key, sizes),
                              make_maps=lambda: self.maps(act_ptr, other_ptr, out_ptr, sizes))
 
-    def parameters(self, stream_ptr: int, act_ptr: int, other_ptr: int, out_ptr: int, sizes: tuple,
-                   accumulate: int):
-        return self.launcher.parameters(stream_ptr,
-                                        self.values(stream_ptr, act_ptr, other_ptr, out_ptr, sizes, accumulate),
+    def parameters(self, stream_ptr: int, act_ptr: int, other_ptr: int, out_ptr: int, sizes: Sizes,
+                   accumulate: int, bias_ptr: int = 0, pre_ptr: int = 0):
+        return self.launcher.parameters(stream_ptr, self.values(stream_ptr, act_ptr, other_ptr, out_ptr, sizes,
+                                                                accumulate, bias_ptr, pre_ptr),
                                         self.maps(act_ptr, other_ptr, out_ptr, sizes))
 
     def maps(self, act_ptr: int, other_ptr: int, out_ptr: int, sizes: tuple) -> tuple[bytes, bytes, bytes]:
         """The activation, other-operand and output tensor maps of a launch (``sizes`` as for
-        :meth:`Plan.launch`; fprop/bprop carry the output blocks in ld_other). Only wgmma tiles
+        :meth:`Plan.launch`). Only wgmma tiles
         are stored through TMA: mma.sync tiles and updat row groups get zeros for the output map."""
-        n, ld_act, ld_other, ld_out = sizes
+        n, ld_act, ld_other, ld_out, out_blocks = sizes
         bs = self.variant.block_size
         e = ELEMENT_BYTES[self.variant.dtype]
         if self.variant.feature_axis == 0:  # updat row groups: xᵀ and dyᵀ, N columns (past N: zeros)
@@ -218,7 +229,7 @@ class TmaPlan(Plan):
             dy = tensor_map(other_ptr, ld_other, n, e * ld_other, *self.other_box, e)
             return act, dy, tensor_map(out_ptr, bs, self.block_rows, e * bs, *self.out_box, e) if stored else _NO_MAP
         weights = tensor_map(other_ptr, bs, self.block_rows, e * bs, *self.other_box, e)
-        return act, weights, tensor_map(out_ptr, ld_other * bs, n, e * ld_out, *self.out_box, e) if stored else _NO_MAP
+        return act, weights, tensor_map(out_ptr, out_blocks * bs, n, e * ld_out, *self.out_box, e) if stored else _NO_MAP
 
 
 _NO_MAP = bytes(MAP_BYTES)  # a tensor-map parameter the kernel does not read
@@ -233,14 +244,16 @@ def device_traits(device) -> Device:
 
 def build_plan(index: BlockIndex, pass_name: str, n: int, dtype: str, feature_axis: int, tf32: bool,
                aligned: bool, device, policy: Policy, act_blocks: tuple | None = None,
-               weight_blocks: BlockOrder | None = None, act_transposed: bool = False, copied: str = "") -> Plan:
+               weight_blocks: BlockOrder | None = None, act_transposed: bool = False, copied: str = "",
+               epilogue: str = "store") -> Plan:
     """The plan of one kernel launch under ``policy``: :func:`bsmm.backends.cuda.planner.launch_layout`'s
     decisions and tables, uploaded to ``device``. ``copied``: what the caller transposes first
-    (for :attr:`Plan.path`)."""
+    (for :attr:`Plan.path`); ``epilogue``: how output tiles leave (:mod:`bsmm.epilogues`), which
+    changes no decision of the planner."""
     traits = device_traits(device)
     layout = launch_layout(index, pass_name, n, dtype, feature_axis, tf32, aligned, traits, act_blocks,
                            weight_blocks, act_transposed, policy=policy)
-    variant = layout.variant
+    variant = layout.variant if epilogue == "store" else dataclasses.replace(layout.variant, epilogue=epilogue)
     kernel = load_kernel(variant, device.id)
     with device:
         return (TmaPlan if variant.tma else Plan)(
@@ -279,18 +292,20 @@ def forget_plans() -> None:
 
 def plan_for(index: BlockIndex, pass_name: str, n: int, dtype: str, feature_axis: int, tf32: bool,
              aligned: bool, act_blocks: tuple | None = None, weight_blocks: BlockOrder | None = None,
-             plain: bool = False) -> Plan:
+             plain: bool = False, epilogue: str = "store") -> Plan:
     """The cached plan for this pass on the current device, built on first use.
 
     ``plain``: the operands are whole (N, C) and (N, K) arrays (or their feature-axis-0
     transposes), so the pass may read transposed copies of them (:mod:`bsmm.backends.cuda.copy_plans`);
     strided and shifted passes are not. A TF32 fprop gets its ``TransposedWeightsFprop`` where
     that applies (:func:`bsmm.backends.cuda.selection.copies`). Plans are kept per
-    :func:`~bsmm.backends.cuda.policy.current_policy`.
+    :func:`~bsmm.backends.cuda.policy.current_policy`. ``epilogue``: a name of
+    :data:`bsmm.epilogues.EPILOGUES`, the kernel's way out (fprop and bprop).
     """
     device_id = cupy.cuda.runtime.getDevice()
     policy = current_policy()
-    key = (pass_name, n, dtype, feature_axis, tf32, aligned, device_id, act_blocks, weight_blocks, plain, policy)
+    key = (pass_name, n, dtype, feature_axis, tf32, aligned, device_id, act_blocks, weight_blocks, plain, policy,
+           epilogue)
     plans = _PLANS.get(index)
     plan = plans.get(key) if plans is not None else None
     if plan is None:
@@ -299,12 +314,12 @@ def plan_for(index: BlockIndex, pass_name: str, n: int, dtype: str, feature_axis
             plan = plans.get(key)
             if plan is None:
                 plan = plans[key] = _new_plan(index, pass_name, n, dtype, feature_axis, tf32, aligned, act_blocks,
-                                              weight_blocks, plain, cupy.cuda.Device(device_id), policy)
+                                              weight_blocks, plain, cupy.cuda.Device(device_id), policy, epilogue)
     return plan
 
 
 def _new_plan(index: BlockIndex, pass_name: str, n: int, dtype: str, feature_axis: int, tf32: bool, aligned: bool,
-              act_blocks, weight_blocks, plain: bool, device, policy: Policy):
+              act_blocks, weight_blocks, plain: bool, device, policy: Policy, epilogue: str = "store"):
     """The plan :func:`plan_for` keeps: a :class:`Plan`, or one of the copying plans around one."""
     # Imported here: the copying plans are built of this module's plans (a cycle at import time).
     from bsmm.backends.cuda import copy_plans
@@ -319,13 +334,13 @@ def _new_plan(index: BlockIndex, pass_name: str, n: int, dtype: str, feature_axi
     else:
         copied = ""
     if copied == "w":
-        return copy_plans.TransposedWeightsFprop(index, n, device, policy)
+        return copy_plans.TransposedWeightsFprop(index, n, device, policy, epilogue)
     if copied == "x+dy":
         return copy_plans.TransposedUpdat(index, n, dtype, device, policy, tf32)
     if copied:
-        return copy_plans.TransposedActivations(index, pass_name, n, dtype, device, policy)
+        return copy_plans.TransposedActivations(index, pass_name, n, dtype, device, policy, epilogue)
     return build_plan(index, pass_name, n, dtype, feature_axis, tf32, aligned, device, policy, act_blocks,
-                      weight_blocks)
+                      weight_blocks, epilogue=epilogue)
 
 
 def _tell_once(arch: str, aligned: bool, device_id: int) -> None:
@@ -356,6 +371,6 @@ def _device_name(device_id: int) -> str:
 
 def plans_of(index: BlockIndex) -> dict:
     """A copy of the plans cached for ``index``: {(pass, N, dtype, feature axis, tf32, aligned,
-    device, activation blocks, weight blocks, plain, policy): plan}; empty where none was built."""
+    device, activation blocks, weight blocks, plain, policy, epilogue): plan}; empty where none was built."""
     with _PLAN_LOCK:
         return dict(_PLANS.get(index, {}))

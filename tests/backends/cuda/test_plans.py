@@ -249,6 +249,7 @@ def test_tma_maps_describe_what_each_kernel_copies(monkeypatch):
     from bsmm.backends.cuda.kernels import Variant
 
     cuda_plans = pytest.importorskip("bsmm.backends.cuda.plans", reason="CuPy is not installed")
+    from bsmm.backends.cuda.params import Sizes
     monkeypatch.setattr(cuda_plans, "tensor_map", lambda *args: args)
     n, C, K, nnzb = 300, 512, 384, 7
     x, other, out = 0x1000, 0x2000, 0x3000
@@ -258,21 +259,21 @@ def test_tma_maps_describe_what_each_kernel_copies(monkeypatch):
         plan = cuda_plans.TmaPlan(variant=variant, segments=None, units=None, table=None, workspace_floats=0,
                                     counter_count=0, launcher=None, **planner.tma_boxes(variant),
                                     block_rows=nnzb * bs, feature_rows=(C, K))
-        default = (n, C, K // bs, K) if pass_name != "updat" else (n, C, K, 0)
-        found = plan.maps(x, other, out, sizes or default)
+        default = (n, C, 0, K, K // bs) if pass_name != "updat" else (n, C, K, 0, 0)
+        found = plan.maps(x, other, out, Sizes(*(sizes or default)))
         item = 4 if dtype == "float32" else 2
         assert all(m == none or m[-1] == item for m in found), "every map is of the operands' element size"
         return tuple(m if m == none else m[:-1] for m in found)
 
     none = bytes(128)
     # TF32 bprop on wgmma: 32-float (128-byte) boxes of K-major rows; tiles stored by fragments
-    assert maps(64, (128, 64, 32, 8, 1, 4), "wgmma_tf32", "bprop", sizes=(n, K, C // 64, C), dtype="float32") == (
+    assert maps(64, (128, 64, 32, 8, 1, 4), "wgmma_tf32", "bprop", sizes=(n, K, 0, C, C // 64), dtype="float32") == (
         (x, K, n, 4 * K, 32, 128), (other, 64, nnzb * 64, 256, 32, 64), none)
     # one block column a tile (wgmma): 64-feature boxes of BM rows, 64-column weight panels (fprop)
     # or BK x BN K-major weight boxes (bprop), output boxes of 64 x BM
     assert maps(64, (128, 64, 64, 8, 1, 4), "wgmma16", "fprop") == (
         (x, C, n, 2 * C, 64, 128), (other, 64, nnzb * 64, 128, 64, 64), (out, K, n, 2 * K, 64, 128))
-    assert maps(128, (256, 128, 64, 16, 1, 4), "wgmma16", "bprop", sizes=(n, K, C // 128, C)) == (
+    assert maps(128, (256, 128, 64, 16, 1, 4), "wgmma16", "bprop", sizes=(n, K, 0, C, C // 128)) == (
         (x, K, n, 2 * K, 64, 256), (other, 128, nnzb * 128, 256, 64, 128), (out, C, n, 2 * C, 64, 256))
     # updat one weight block a tile: x and dy in 64-feature boxes of BK batch rows, the weights' rows out
     assert maps(64, (64, 64, 64, 4, 1, 4), "wgmma16", "updat") == (
@@ -285,7 +286,7 @@ def test_tma_maps_describe_what_each_kernel_copies(monkeypatch):
         (x, C, n, 2 * C, 32, 64), (other, K, n, 2 * K, 32, 64), none)
     # row groups on feature axis 0 (the transposed copies, rows padded to ld): BK batch columns by one block
     ld = 304
-    assert maps(16, (128, 16, 64, 8, 1, 3), "wgmma16", "updat", axis=0, cols=8, sizes=(n, ld, ld, 0)) == (
+    assert maps(16, (128, 16, 64, 8, 1, 3), "wgmma16", "updat", axis=0, cols=8, sizes=(n, ld, ld, 0, 0)) == (
         (x, n, C, 2 * ld, 64, 16), (other, n, K, 2 * ld, 64, 16), none)
     # mma.sync fed by TMA (small batches, block 32): 64-byte boxes, no output map
     assert maps(32, (32, 32, 32, 2, 2, 8), "tensor16", "fprop") == (
