@@ -2,7 +2,10 @@
 
 For a layer y = x·W with x of C features and y of K: fprop computes y from x and W, bprop
 dx from dy and Wᵀ, updat dW from x and dy on the present blocks. Code that treats the passes
-differently asks this table (``PASSES[name].updates_weights``) instead of comparing names.
+differently asks this table (``PASSES[name].updates_weights``) instead of comparing names. It
+is the one source of each pass's operands, output shape (:meth:`BlockPass.output_shape`) and
+cotangents (:attr:`BlockPass.cotangents`): the framework adapters' operators, fake kernels and
+autograd rules read it.
 
 Examples
 --------
@@ -11,13 +14,19 @@ Examples
 (('x', 'w'), 'y', 'C', 'K')
 >>> bprop.reads_weights_transposed, updat.updates_weights
 (True, True)
+>>> fprop.output_shape(C=16, K=24, w_shape=(3, 8, 8), n=5, feature_axis=1)
+(5, 24)
+>>> fprop.cotangents  # dx = bprop(g, w), dw = updat(x, g)
+(('bprop', 'g', 1), ('updat', 0, 'g'))
+>>> cotangent_operands(updat.cotangents[0], ("x", "dy"), "g")
+('dy', 'g')
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-__all__ = ["BlockPass", "PASSES", "PASS_NAMES"]
+__all__ = ["BlockPass", "PASSES", "PASS_NAMES", "cotangent_operands"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,6 +41,10 @@ class BlockPass:
     features_out: str
     updates_weights: bool  # the output is the weight blocks (updat), not activations
     reads_weights_transposed: bool  # the weight blocks are read as Wᵀ (bprop)
+    # The gradient of each operand given the output's gradient g: (pass, its first operand, its
+    # second), each operand "g" or the index of one of this pass's own operands. Every pass is
+    # bilinear, so each gradient is another pass of the same layout.
+    cotangents: tuple = ()
 
     @property
     def walks_block_columns(self) -> bool:
@@ -45,10 +58,27 @@ class BlockPass:
         sizes = {"C": C, "K": K}
         return sizes[self.features_in], sizes[self.features_out]
 
+    def output_shape(self, C: int, K: int, w_shape: tuple, n: int, feature_axis: int) -> tuple:
+        """The output's shape for ``n`` batch rows: the weight blocks' (updat), else (n, features)
+        on feature axis 1 and (features, n) on axis 0."""
+        if self.updates_weights:
+            return tuple(w_shape)
+        features = self.features(C, K)[1]
+        return (n, features) if feature_axis == 1 else (features, n)
+
+
+def cotangent_operands(rule: tuple, operands: tuple, gradient) -> tuple:
+    """The two operands of one :attr:`BlockPass.cotangents` rule, from the pass's ``operands`` and
+    the output's ``gradient``."""
+    return tuple(gradient if which == "g" else operands[which] for which in rule[1:])
+
 
 PASSES: dict[str, BlockPass] = {
-    "fprop": BlockPass("fprop", ("x", "w"), "y", "C", "K", updates_weights=False, reads_weights_transposed=False),
-    "bprop": BlockPass("bprop", ("dy", "w"), "dx", "K", "C", updates_weights=False, reads_weights_transposed=True),
-    "updat": BlockPass("updat", ("x", "dy"), "dw", "C", "K", updates_weights=True, reads_weights_transposed=False),
+    "fprop": BlockPass("fprop", ("x", "w"), "y", "C", "K", updates_weights=False, reads_weights_transposed=False,
+                       cotangents=(("bprop", "g", 1), ("updat", 0, "g"))),
+    "bprop": BlockPass("bprop", ("dy", "w"), "dx", "K", "C", updates_weights=False, reads_weights_transposed=True,
+                       cotangents=(("fprop", "g", 1), ("updat", "g", 0))),
+    "updat": BlockPass("updat", ("x", "dy"), "dw", "C", "K", updates_weights=True, reads_weights_transposed=False,
+                       cotangents=(("bprop", 1, "g"), ("fprop", 0, "g"))),
 }
 PASS_NAMES = tuple(PASSES)

@@ -12,11 +12,12 @@
   process group (model parallelism); data parallelism is ``DistributedDataParallel`` or ``fully_shard``.
 - :mod:`~bsmm.torch.conversions`: :func:`to_sparse_bsr` and :func:`from_sparse_bsr`, between
   :class:`bsmm.BlockSparseMatrix` and ``torch.sparse_bsr`` tensors, the block values shared.
-- :mod:`~bsmm.torch.ops` and :mod:`~bsmm.torch.conv_ops`: the ``torch.library`` custom operators both run
-  (``torch.compile(fullgraph=True)`` traces through them), with their gradient formulas
-  (:mod:`~bsmm.torch.autograd`: gradients of any order stay block-sparse), the eager fast path
-  (:mod:`~bsmm.torch.eager`), the passes on CPU and CUDA tensors, shared without copies
-  (:mod:`~bsmm.torch.passes`), and the layouts by key (:mod:`~bsmm.torch.registry`: :func:`register`, :func:`lookup`).
+- :mod:`~bsmm.torch.ops` and :mod:`~bsmm.torch.conv_ops`: the ``torch.library`` operators both run, one per
+  entry of the pass table and the fused bias + activation (``torch.compile(fullgraph=True)`` traces through
+  them); their differentiation (:mod:`~bsmm.torch.eager`: autograd functions from the table's cotangents,
+  gradients of any order stay block-sparse; :mod:`~bsmm.torch.autograd` for the convolutions), the passes on
+  CPU and CUDA tensors, shared without copies (:mod:`~bsmm.torch.passes`), and the layouts by key
+  (:mod:`~bsmm.torch.registry`: :func:`register`, :func:`lookup`).
 """
 
 from __future__ import annotations

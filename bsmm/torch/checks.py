@@ -6,10 +6,12 @@ import torch
 
 from bsmm import dtypes
 from bsmm.block_index import BlockIndex
+from bsmm.epilogues import check_activation
+from bsmm.passes import PASSES
 from bsmm.torch.registry import lookup
 
 __all__ = ["ARRAY_DTYPES", "CPU_ONLY_DTYPES", "SUPPORTED_DTYPES", "check_contiguous", "check_dtype", "check_like",
-           "product_shape", "updat_shape"]
+           "epilogue_shapes", "pass_shape"]
 
 #: torch dtypes bsmm runs on every device, by the names bsmm.dtypes uses.
 SUPPORTED_DTYPES = {getattr(torch, name): name for name in dtypes.SUPPORTED_DTYPES}
@@ -75,26 +77,34 @@ def _check_feature_axis(feature_axis: int) -> None:
         raise ValueError(f"feature_axis must be 0 or 1; got {feature_axis!r}")
 
 
-def product_shape(a, w, key, feature_axis, pass_name: str) -> tuple:
-    """Output shape of fprop (``a`` is x (N, C)) or bprop (``a`` is dy (N, K)), or raise naming the argument."""
+def pass_shape(pass_name: str, a, b, key, feature_axis) -> tuple:
+    """The output shape of ``pass_name`` on ``a`` and ``b`` (:data:`bsmm.passes.PASSES`: fprop x, w;
+    bprop dy, w; updat x, dy), or raise naming the argument."""
     index = lookup(key)
-    name, features_in, features_out = ("x", index.C, index.K) if pass_name == "fprop" else ("dy", index.K, index.C)
+    spec = PASSES[pass_name]
     _check_feature_axis(feature_axis)
-    check_dtype(a.dtype, a.device, name)
-    check_like(w, "w", a, name)
-    n = _check_activation(a, name, features_in, feature_axis)
-    _check_weights(w, "w", index)
-    return (n, features_out) if feature_axis == 1 else (features_out, n)
+    first, second = spec.operands
+    features_in = spec.features(index.C, index.K)[0]
+    check_dtype(a.dtype, a.device, first)
+    check_like(b, second, a, first)
+    n = _check_activation(a, first, features_in, feature_axis)
+    if spec.updates_weights:  # the second operand is dy
+        n_dy = _check_activation(b, second, index.K, feature_axis)
+        if n_dy != n:
+            raise ValueError(f"{second} has N = {n_dy} but {first} has N = {n}; they must match")
+    else:
+        _check_weights(b, second, index)
+    return spec.output_shape(index.C, index.K, index.w_shape, n, feature_axis)
 
 
-def updat_shape(x, dy, key, feature_axis) -> tuple:
-    """Output shape of updat (``op.w_shape``), or raise naming the argument."""
-    index = lookup(key)
-    _check_feature_axis(feature_axis)
-    check_dtype(x.dtype, x.device, "x")
-    check_like(dy, "dy", x, "x")
-    n = _check_activation(x, "x", index.C, feature_axis)
-    n_dy = _check_activation(dy, "dy", index.K, feature_axis)
-    if n_dy != n:
-        raise ValueError(f"dy has N = {n_dy} but x has N = {n}; they must match")
-    return index.w_shape
+def epilogue_shapes(x, w, bias, key, feature_axis, activation: str, keep_pre: bool) -> tuple[tuple, tuple]:
+    """The shapes of ``bsmm::fprop_epilogue``'s outputs (y, and pre or an empty one), or raise."""
+    y_shape = pass_shape("fprop", x, w, key, feature_axis)
+    check_activation(activation)
+    if bias is not None:
+        features = y_shape[1 if feature_axis == 1 else 0]
+        check_like(bias, "bias", x, "x")
+        if tuple(bias.shape) != (features,):
+            raise ValueError(f"bias must have shape ({features},); got {tuple(bias.shape)}")
+        check_contiguous(bias, "bias")
+    return y_shape, (y_shape if keep_pre else (0,))

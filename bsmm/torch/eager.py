@@ -1,49 +1,30 @@
-"""The eager fast path of ``bsmm::matmul``: :func:`product` and its autograd function :class:`_EagerProduct`."""
+"""Differentiation of the passes, in eager mode and under ``torch.compile``: one autograd function
+per entry of the pass table (:data:`bsmm.passes.PASSES`), and one for the fused bias + activation.
+
+Each function's backward applies the table's cotangents (every gradient of a pass is another
+pass), through the functions themselves when a graph is being built (``create_graph``: gradients
+of any order) and straight through the kernels otherwise. Its forward calls the kernels directly
+on plain CPU and CUDA tensors in eager mode (:func:`bsmm.torch.passes.run_pass`: an autograd
+function dispatches in a fraction of an operator's host time) and the operators of
+:mod:`bsmm.torch.ops` anywhere else (``torch.compile`` traces the function and records the
+operators, with no autograd layer of their own: :mod:`bsmm.torch.ops`; ``make_fx`` and other
+dispatch modes, fake, meta and functorch tensors, tensor subclasses).
+
+``torch.ops.bsmm.matmul``, ``matmul_bprop`` and ``matmul_updat`` are the three passes as
+differentiable operators (``CompositeImplicitAutograd``: they decompose into these functions).
+"""
 
 from __future__ import annotations
 
 import torch
 
-from bsmm.torch.ops import matmul, matmul_bprop, matmul_updat
-from bsmm.torch.passes import matmul_operator, run_on, run_pass
+from bsmm.epilogues import ACTIVATIONS
+from bsmm.passes import PASSES, cotangent_operands
+from bsmm.torch.ops import PASS_OPS, fprop_epilogue
+from bsmm.torch.passes import run_epilogue, run_pass
 from bsmm.torch.registry import live_registration
 
-__all__ = ["product"]
-
-
-class _EagerProduct(torch.autograd.Function):
-    """``bsmm::matmul`` with its autograd formula, for eager calls: ``torch.autograd.Function``
-    dispatches in a fraction of a custom operator's host time, and the passes run through
-    :func:`bsmm.torch.passes.run_on` directly. A backward that builds a graph (``create_graph=True``)
-    calls the differentiable operators, so gradients of any order stay available; ``torch.compile``
-    traces the operators themselves (:func:`product`)."""
-
-    @staticmethod
-    def forward(ctx, x, w, key, feature_axis, tf32, out_shape):
-        ctx.options = (key, feature_axis, tf32)
-        ctx.registration = live_registration(key)  # the key stays resolvable until backward
-        needs_x, needs_w = ctx.needs_input_grad[:2]
-        ctx.save_for_backward(x if needs_w else None, w if needs_x else None)
-        ctx.op = matmul_operator(key, feature_axis, tf32)
-        y = run_on(ctx.op, "fprop", x, w, key, out_shape)
-        ctx.rows_shape = (x.shape[0], ctx.op.K) if feature_axis == 1 else (ctx.op.K, x.shape[1])  # y as the pass saw it
-        return y
-
-    @staticmethod
-    def backward(ctx, grad):
-        x, w = ctx.saved_tensors
-        # (an expanded or transposed view, from sum() or .T; of y's leading dimensions where it had some)
-        grad = grad.reshape(ctx.rows_shape).contiguous()
-        needs_x, needs_w = ctx.needs_input_grad[:2]
-        if torch.is_grad_enabled():  # create_graph: differentiable operators
-            dx = matmul_bprop(grad, w, *ctx.options) if needs_x else None
-            dw = matmul_updat(x, grad, *ctx.options) if needs_w else None
-        else:
-            key = ctx.options[0]
-            dx = run_on(ctx.op, "bprop", grad, w, key) if needs_x else None
-            dw = run_on(ctx.op, "updat", x, grad, key) if needs_w else None
-        return dx, dw, None, None, None, None
-
+__all__ = ["FUNCTIONS", "BiasAct", "biased_product", "product"]
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)  # tensors of no subclass (a layer's weight is a Parameter)
 _EAGER_DEVICES = ("cpu", "cuda")  # (meta tensors take the operator's fake implementation)
@@ -52,19 +33,172 @@ _dispatch_mode = torch.utils._python_dispatch._get_current_dispatch_mode
 _functorch_level = getattr(getattr(torch._C, "_functorch", None), "maybe_current_level", lambda: None)
 
 
+def _eager(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the kernels may run on ``a`` and ``b`` directly (else: through the operators)."""
+    return (a.__class__ in _PLAIN and b.__class__ in _PLAIN and a.device.type in _EAGER_DEVICES
+            and not torch.compiler.is_compiling() and _functorch_level() is None and _dispatch_mode() is None
+            and not torch.jit.is_tracing())
+
+
+def _run(pass_name: str, a, b, key: str, feature_axis: int, tf32: bool, out_shape=None) -> torch.Tensor:
+    """One pass, undifferentiated: the kernels, or the operator where :func:`_eager` says so."""
+    if _eager(a, b):
+        return run_pass(pass_name, a, b, key, feature_axis, tf32, out_shape)
+    y = PASS_OPS[pass_name](a, b, key, feature_axis, tf32)
+    return y if out_shape is None else y.reshape(out_shape)
+
+
+def _keep_registration(ctx, key: str) -> None:
+    # Holding the registration keeps the key resolvable until backward, whatever the caller drops
+    # meanwhile (a compiled graph holds only the key: the layer keeps it).
+    if not torch.compiler.is_compiling():
+        ctx.registration = live_registration(key)
+
+
+def _cotangents(ctx, pass_name: str, grad: torch.Tensor, operands: tuple) -> list:
+    """The gradients of a pass's two operands from its output's gradient (:attr:`BlockPass.cotangents`)."""
+    differentiable = torch.is_grad_enabled()
+    found = []
+    for needed, rule in zip(ctx.needs_input_grad[:2], PASSES[pass_name].cotangents):
+        if not needed:
+            found.append(None)
+            continue
+        first, second = cotangent_operands(rule, operands, grad)
+        if differentiable:  # create_graph: through the functions, so that this gradient has one too
+            found.append(FUNCTIONS[rule[0]].apply(first, second, *ctx.options, None))
+        else:
+            found.append(_run(rule[0], first, second, *ctx.options))
+    return found
+
+
+def _pass_function(pass_name: str) -> type:
+    """The autograd function of one pass: ``apply(a, b, key, feature_axis, tf32, out_shape)``."""
+
+    def forward(a, b, key, feature_axis, tf32, out_shape):
+        return _run(pass_name, a, b, key, feature_axis, tf32, out_shape)
+
+    def setup_context(ctx, inputs, output):
+        a, b, key, feature_axis, tf32, out_shape = inputs
+        ctx.options = (key, feature_axis, tf32)
+        _keep_registration(ctx, key)
+        # Each operand's gradient is a pass with the other operand only (a bilinear map).
+        needs_a, needs_b = ctx.needs_input_grad[:2]
+        ctx.save_for_backward(a if needs_b else None, b if needs_a else None)
+        # The output as the pass saw it (2-D), where the caller asked for leading dimensions.
+        ctx.rows_shape = _rows_shape(out_shape, feature_axis)
+
+    def backward(ctx, grad):
+        # (an expanded or transposed view, from sum() or .T; of y's leading dimensions where it had some)
+        grad = (grad if ctx.rows_shape is None else grad.reshape(ctx.rows_shape)).contiguous()
+        return (*_cotangents(ctx, pass_name, grad, ctx.saved_tensors), None, None, None, None)
+
+    methods = {"forward": staticmethod(forward), "setup_context": staticmethod(setup_context),
+               "backward": staticmethod(backward), "__doc__": f"The {pass_name} pass, differentiable in both operands."}
+    return type(f"{pass_name.capitalize()}Function", (torch.autograd.Function,), methods)
+
+
+def _rows_shape(out_shape: tuple | None, feature_axis: int) -> tuple | None:
+    """The 2-D shape a pass gave an output of ``out_shape`` (leading, or trailing, dimensions folded)."""
+    if out_shape is None:
+        return None
+    count = 1
+    for size in out_shape:
+        count *= size
+    if feature_axis == 1:
+        return (count // max(out_shape[-1], 1) if out_shape[-1] else 0, out_shape[-1])
+    return (out_shape[0], count // max(out_shape[0], 1) if out_shape[0] else 0)
+
+
+#: Pass name -> its autograd function.
+FUNCTIONS = {name: _pass_function(name) for name in PASSES}
+
+
+def _activation_grad(activation: str, grad: torch.Tensor, saved: torch.Tensor) -> torch.Tensor:
+    """dz = grad · A'(z) with PyTorch's own backward kernels (differentiable themselves); ``saved``
+    is y or z as :attr:`bsmm.epilogues.Activation.reads` says."""
+    if activation == "none":
+        return grad
+    if activation == "relu":
+        return torch.ops.aten.threshold_backward(grad, saved, 0)
+    if activation == "silu":
+        return torch.ops.aten.silu_backward(grad, saved)
+    return torch.ops.aten.gelu_backward(grad, saved, approximate="tanh" if activation == "gelu_tanh" else "none")
+
+
+class BiasAct(torch.autograd.Function):
+    """y = A(x·W + bias) in one kernel (:mod:`bsmm.epilogues`), differentiable in x, W and bias.
+
+    ``apply(x, w, bias or None, key, feature_axis, tf32, activation, out_shape) -> (y, pre)``:
+    ``pre`` is the pre-activation z where the backward needs it (GELU, SiLU; gradients taken),
+    else an empty tensor. The backward turns the output's gradient into dz with PyTorch's own
+    activation backward, then the bias gradient is dz summed over the batch and dx, dW the
+    bprop and updat of dz.
+    """
+
+    @staticmethod
+    def forward(x, w, bias, key, feature_axis, tf32, activation, out_shape):
+        keep_pre = ACTIVATIONS[activation].reads == "pre" and torch.is_grad_enabled() and any(
+            t is not None and t.requires_grad for t in (x, w, bias))
+        return _run_epilogue(x, w, bias, key, feature_axis, tf32, activation, keep_pre, out_shape)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, w, bias, key, feature_axis, tf32, activation, out_shape = inputs
+        y, pre = output
+        ctx.mark_non_differentiable(pre)
+        ctx.options = (key, feature_axis, tf32)
+        ctx.activation, ctx.feature_axis = activation, feature_axis
+        _keep_registration(ctx, key)
+        ctx.rows_shape = _rows_shape(out_shape, feature_axis) or tuple(y.shape)
+        needs_x, needs_w = ctx.needs_input_grad[:2]
+        saved = y if ACTIVATIONS[activation].reads == "output" else pre
+        ctx.save_for_backward(x if needs_w else None, w if needs_x else None, saved)
+
+    @staticmethod
+    def backward(ctx, grad, _):
+        x, w, saved = ctx.saved_tensors
+        grad = grad.reshape(ctx.rows_shape).contiguous()
+        dz = _activation_grad(ctx.activation, grad, saved.reshape(ctx.rows_shape)).contiguous()
+        dx, dw = _cotangents(ctx, "fprop", dz, (x, w))
+        dbias = None
+        if ctx.needs_input_grad[2]:
+            dbias = dz.sum(0 if ctx.feature_axis == 1 else 1)
+        return dx, dw, dbias, None, None, None, None, None
+
+
+def _run_epilogue(x, w, bias, key, feature_axis, tf32, activation, keep_pre, out_shape):
+    if _eager(x, w) and (bias is None or bias.__class__ in _PLAIN):
+        return run_epilogue(x, w, bias, key, feature_axis, tf32, activation, keep_pre, out_shape)
+    y, pre = fprop_epilogue(x, w, bias, key, feature_axis, tf32, activation, keep_pre)
+    if out_shape is not None:
+        y = y.reshape(out_shape)
+        pre = pre.reshape(out_shape) if keep_pre else pre
+    return y, pre
+
+
 def product(x: torch.Tensor, w: torch.Tensor, key: str, feature_axis: int, tf32: bool,
             out_shape: tuple | None = None) -> torch.Tensor:
-    """``bsmm::matmul`` (y = x·W, differentiable in both), through :class:`_EagerProduct` in eager
-    mode on plain CPU and CUDA tensors, else the custom operator (``torch.compile``, ``make_fx``
-    and other dispatch modes, ``torch.jit.trace``, fake, meta and functorch tensors, tensor
-    subclasses). ``x`` is 2-D; ``out_shape``, where given, is y's shape with the leading
-    dimensions the caller flattened out of ``x`` (in eager mode y is then a tensor of that
-    shape, not a view)."""
-    if (x.__class__ in _PLAIN and w.__class__ in _PLAIN and x.device.type in _EAGER_DEVICES
-            and not torch.compiler.is_compiling() and _functorch_level() is None and _dispatch_mode() is None
-            and not torch.jit.is_tracing()):
-        if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad):
-            return _EagerProduct.apply(x, w, key, feature_axis, tf32, out_shape)
-        return run_pass("fprop", x, w, key, feature_axis, tf32, out_shape)  # inference: no graph to record
-    y = matmul(x, w, key, feature_axis, tf32)
-    return y if out_shape is None else y.reshape(out_shape)
+    """y = x·W, differentiable in both: ``x`` is 2-D; ``out_shape``, where given, is y's shape with
+    the leading dimensions the caller flattened out of ``x`` (in eager mode y is then a tensor of
+    that shape, not a view). Without a gradient to record, the pass runs as it is."""
+    if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad):
+        return FUNCTIONS["fprop"].apply(x, w, key, feature_axis, tf32, out_shape)
+    return _run("fprop", x, w, key, feature_axis, tf32, out_shape)
+
+
+def biased_product(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, key: str, feature_axis: int,
+                   tf32: bool, activation: str, out_shape: tuple | None = None) -> torch.Tensor:
+    """y = A(x·W + bias) through :class:`BiasAct` (``activation`` a name of
+    :data:`bsmm.epilogues.ACTIVATIONS`, ``"none"`` for the bias alone); as :func:`product` otherwise."""
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, w, bias)):
+        return BiasAct.apply(x, w, bias, key, feature_axis, tf32, activation, out_shape)[0]
+    return _run_epilogue(x, w, bias, key, feature_axis, tf32, activation, False, out_shape)[0]
+
+
+# The public differentiable operators: decomposed (CompositeImplicitAutograd) into the functions.
+_PUBLIC = torch.library.Library("bsmm", "FRAGMENT")
+for _name, _public in (("fprop", "matmul"), ("bprop", "matmul_bprop"), ("updat", "matmul_updat")):
+    _first, _second = PASSES[_name].operands
+    _PUBLIC.define(f"{_public}(Tensor {_first}, Tensor {_second}, str key, int feature_axis, bool tf32) -> Tensor")
+    _PUBLIC.impl(_public, lambda a, b, key, feature_axis, tf32, _fn=FUNCTIONS[_name]:
+                 _fn.apply(a, b, key, feature_axis, tf32, None), "CompositeImplicitAutograd")

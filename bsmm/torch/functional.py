@@ -16,7 +16,8 @@ from bsmm.matmul import BlocksparseMatMul
 from bsmm.nn.conv import BlocksparseConv
 from bsmm.torch.checks import SUPPORTED_DTYPES
 from bsmm.torch.conv_ops import conv_fprop, conv_spec
-from bsmm.torch.eager import product
+from bsmm.epilogues import check_activation
+from bsmm.torch.eager import biased_product, product
 from bsmm.torch.registry import Registration, register
 
 __all__ = ["blocksparse_conv", "blocksparse_matmul", "conv_by_key", "matmul_by_key"]
@@ -37,8 +38,11 @@ def _autocast(x: torch.Tensor, w: torch.Tensor):
     return x, w
 
 
-def matmul_by_key(x, w, key: str, features_in: int, features_out: int, feature_axis: int, tf32: bool) -> torch.Tensor:
-    """``x·W`` over any leading (feature_axis=1) or trailing (feature_axis=0) batch dimensions."""
+def matmul_by_key(x, w, key: str, features_in: int, features_out: int, feature_axis: int, tf32: bool,
+                  bias: torch.Tensor | None = None, activation: str | None = None) -> torch.Tensor:
+    """``A(x·W + bias)`` over any leading (feature_axis=1) or trailing (feature_axis=0) batch
+    dimensions; without ``bias`` and ``activation``, ``x·W``. The bias is cast to the product's
+    dtype (under autocast: the autocast dtype, as ``nn.Linear``'s)."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x must be a torch.Tensor; got {type(x).__name__}")
     if not isinstance(w, torch.Tensor):
@@ -50,12 +54,19 @@ def matmul_by_key(x, w, key: str, features_in: int, features_out: int, feature_a
         raise ValueError(f"x must have shape {expected} with feature_axis={feature_axis}; got {tuple(x.shape)}")
     if not x.is_contiguous():
         raise ValueError(f"x must be contiguous; got shape {tuple(x.shape)}, strides {x.stride()}")
-    if x.dim() == 2:  # (the common case: no reshapes)
-        return product(x, w, key, feature_axis, tf32)
-    # On a contiguous tensor these reshapes are views; y is made in its final shape.
-    if feature_axis == 1:
-        return product(x.reshape(-1, features_in), w, key, feature_axis, tf32, (*x.shape[:-1], features_out))
-    return product(x.reshape(features_in, -1), w, key, feature_axis, tf32, (features_out, *x.shape[1:]))
+    out_shape = None
+    if x.dim() != 2:  # on a contiguous tensor these reshapes are views; y is made in its final shape
+        if feature_axis == 1:
+            x, out_shape = x.reshape(-1, features_in), (*x.shape[:-1], features_out)
+        else:
+            x, out_shape = x.reshape(features_in, -1), (features_out, *x.shape[1:])
+    if bias is None and activation is None:
+        return product(x, w, key, feature_axis, tf32, out_shape)
+    if bias is not None:
+        if not isinstance(bias, torch.Tensor):
+            raise TypeError(f"bias must be a torch.Tensor or None; got {type(bias).__name__}")
+        bias = bias.to(x.dtype)
+    return biased_product(x, w, bias, key, feature_axis, tf32, check_activation(activation) or "none", out_shape)
 
 
 def _registration_for(op: BlocksparseMatMul) -> Registration:
@@ -73,8 +84,10 @@ def _static_arguments(op: BlocksparseMatMul) -> tuple:
     return (_registration_for(op).key, op.C, op.K, op.feature_axis, op.tf32)
 
 
-def blocksparse_matmul(x: torch.Tensor, w: torch.Tensor, op: BlocksparseMatMul) -> torch.Tensor:
-    """y = x·W for the block-sparse ``W`` of ``op``'s layout, differentiable in ``x`` and ``w``.
+def blocksparse_matmul(x: torch.Tensor, w: torch.Tensor, op: BlocksparseMatMul, bias: torch.Tensor | None = None,
+                       activation: str | None = None) -> torch.Tensor:
+    """y = x·W for the block-sparse ``W`` of ``op``'s layout, differentiable in ``x`` and ``w``;
+    with ``bias`` or ``activation``, y = A(x·W + bias) in one kernel.
 
     Parameters
     ----------
@@ -84,6 +97,11 @@ def blocksparse_matmul(x: torch.Tensor, w: torch.Tensor, op: BlocksparseMatMul) 
         Block data, x's dtype and device.
     op : bsmm.BlocksparseMatMul
         The layout, block size, feature axis and TF32 choice.
+    bias : (K,) tensor, optional
+        Added inside the kernel (differentiable); cast to the product's dtype.
+    activation : {None, "none", "relu", "gelu", "gelu_tanh", "silu"}
+        Applied inside the kernel to x·W + bias (:mod:`bsmm.epilogues`); ``"gelu"`` is
+        ``F.gelu``'s default (erf), ``"gelu_tanh"`` its ``approximate="tanh"``.
 
     Returns
     -------
@@ -122,7 +140,7 @@ def blocksparse_matmul(x: torch.Tensor, w: torch.Tensor, op: BlocksparseMatMul) 
     torch.Size([3, 8, 8])
     """
     key, features_in, features_out, feature_axis, tf32 = _static_arguments(op)
-    return matmul_by_key(x, w, key, features_in, features_out, feature_axis, tf32)
+    return matmul_by_key(x, w, key, features_in, features_out, feature_axis, tf32, bias, activation)
 
 
 def conv_by_key(x, w, key: str, base: tuple, tf32: bool) -> torch.Tensor:

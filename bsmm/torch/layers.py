@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from bsmm.block_index import check_block_size
+from bsmm.epilogues import check_activation
 from bsmm.matmul import BlocksparseMatMul
 from bsmm.matrix import BlockSparseMatrix
 from bsmm.nn.conv import BlocksparseConv
@@ -132,6 +133,11 @@ class BlockSparseLinear(_BlockSparseLayer):
     device, dtype
         Of the parameters (and of the ``layout`` buffer's device); dtype float32, float16 or bfloat16,
         or float64 on the CPU.
+    activation : {None, "relu", "gelu", "gelu_tanh", "silu"}
+        Applied to x·W + b inside the product's kernel, with the bias (:mod:`bsmm.epilogues`):
+        the layer is then ``A(Linear(x))`` in one launch. ``"gelu"`` is ``F.gelu``'s default
+        (erf), ``"gelu_tanh"`` its ``approximate="tanh"``. GELU and SiLU keep the
+        pre-activation for the backward (one more output, written by the same kernel).
 
     Attributes
     ----------
@@ -168,8 +174,9 @@ class BlockSparseLinear(_BlockSparseLayer):
     """
 
     def __init__(self, in_features: int, out_features: int, layout, block_size: int = 32, bias: bool = True,
-                 feature_axis: int = 1, tf32: bool = False, device=None, dtype=None):
+                 feature_axis: int = 1, tf32: bool = False, device=None, dtype=None, activation: str | None = None):
         super().__init__()
+        self.activation = None if activation in (None, "none") else check_activation(activation)
         self._build(lambda: BlocksparseMatMul(_layout_array(layout), block_size, feature_axis, tf32),
                     (("in_features", in_features, 0), ("out_features", out_features, 1)), bias, device, dtype)
         self.in_features, self.out_features = self.op.C, self.op.K
@@ -177,13 +184,10 @@ class BlockSparseLinear(_BlockSparseLayer):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x (..., C) -> (..., K), or (C, ...) -> (K, ...) with feature_axis=0."""
-        y = matmul_by_key(x, self.weight, self._key, self.in_features, self.out_features, self.feature_axis, self.tf32)
-        if self.bias is None:
-            return y
-        bias = bias_along(self.bias, y, self.feature_axis)
-        # In place: y is a fresh output nothing else holds, never a view (FSDP2 warns about module outputs
-        # that are views: an in-place op on one would skip its hooks), and its backward does not need it.
-        return y.add_(bias)
+        # The bias (cast to the product's dtype) and the activation are added in the kernel; y is a
+        # tensor of its own, never a view (FSDP2 warns about module outputs that are views).
+        return matmul_by_key(x, self.weight, self._key, self.in_features, self.out_features, self.feature_axis,
+                             self.tf32, self.bias, self.activation)
 
     def to_dense_weight(self) -> torch.Tensor:
         """Dense ``W`` (in_features, out_features), zero where blocks are absent; differentiable.
@@ -307,6 +311,8 @@ class BlockSparseLinear(_BlockSparseLayer):
         )
         if self.feature_axis != 1:
             text += f", feature_axis={self.feature_axis}"
+        if self.activation is not None:
+            text += f", activation={self.activation!r}"
         return text + (", tf32=True" if self.tf32 else "")
 
 

@@ -1,11 +1,15 @@
-"""The three passes as PyTorch custom operators: ``bsmm::matmul``, ``bsmm::matmul_bprop``, ``bsmm::matmul_updat``.
+"""The passes as PyTorch operators, one per entry of the pass table, and the fused forward.
 
-Operators of tensors and plain values only (``x or dy, w or dy, key, feature_axis, tf32``), each
-with a fake (shape-only) implementation for ``torch.compile`` and an autograd formula made of the
-other two (:mod:`bsmm.torch.autograd`). ``key`` names a layout in :mod:`bsmm.torch.registry`;
-:mod:`bsmm.torch.passes` runs them, :func:`product` calls them (:mod:`bsmm.torch.eager`), and the
-convolutions are built the same way in :mod:`bsmm.torch.conv_ops`. Imported first by
-:mod:`bsmm.torch`: it names the package to install where PyTorch is missing.
+``bsmm::fprop``, ``bsmm::bprop`` and ``bsmm::updat`` (:data:`bsmm.passes.PASSES`: operands,
+output shape) and ``bsmm::fprop_epilogue`` (bias and activation in the kernel,
+:mod:`bsmm.epilogues`) are defined with ``torch.library`` from the table: operators of tensors
+and plain values (``a, b, key, feature_axis, tf32``) with a CPU and a CUDA kernel
+(:func:`bsmm.torch.passes.run_pass`) and a fake one (:mod:`bsmm.torch.checks`). They carry no
+autograd formula of their own: differentiation is :mod:`bsmm.torch.eager`'s autograd functions,
+which call these, so a ``torch.compile``'d graph calls them with nothing but the dispatcher
+between it and the kernel (a formula registered on the operator runs a Python layer on every
+call, under ``no_grad`` too). ``key`` names a layout in :mod:`bsmm.torch.registry`. Imported
+first by :mod:`bsmm.torch`: it names the package to install where PyTorch is missing.
 """
 
 from __future__ import annotations
@@ -15,55 +19,53 @@ try:
 except ImportError as error:  # pragma: no cover - depends on the environment
     raise ImportError("bsmm.torch needs PyTorch: pip install torch") from error
 
+import functools
+
+from bsmm.passes import PASSES
 from bsmm.torch import registry as _registry
-from bsmm.torch.autograd import register_bilinear
 from bsmm.torch.checks import (CPU_ONLY_DTYPES, SUPPORTED_DTYPES, check_contiguous, check_dtype, check_like,
-                               product_shape, updat_shape)
-from bsmm.torch.passes import into_new, run_pass
+                               epilogue_shapes, pass_shape)
+from bsmm.torch.passes import into_new, run_epilogue, run_pass
 from bsmm.torch.registry import Registration, layout_key, lookup, register, registration
 
-__all__ = ["Registration", "register", "lookup", "registration", "layout_key", "matmul", "matmul_bprop",
-           "matmul_updat", "product", "run_pass", "check_dtype", "check_like", "check_contiguous", "into_new",
-           "register_bilinear", "SUPPORTED_DTYPES", "CPU_ONLY_DTYPES"]
+__all__ = ["Registration", "register", "lookup", "registration", "layout_key", "PASS_OPS", "fprop_epilogue",
+           "run_pass", "check_dtype", "check_like", "check_contiguous", "into_new", "SUPPORTED_DTYPES",
+           "CPU_ONLY_DTYPES"]
 
 #: Layers pickled before the registry had a module of its own name their layout's reconstructor here.
 _register_layout = _registry._register_layout
 
-
-@torch.library.custom_op("bsmm::matmul", mutates_args=())
-def matmul(x: torch.Tensor, w: torch.Tensor, key: str, feature_axis: int, tf32: bool) -> torch.Tensor:
-    """y = x·W: x (N, C) or (C, N) -> y (N, K) or (K, N); w (nnzb, bs, bs) of x's dtype and device."""
-    return run_pass("fprop", x, w, key, feature_axis, tf32)
+_LIBRARY = torch.library.Library("bsmm", "FRAGMENT")
 
 
-@torch.library.custom_op("bsmm::matmul_bprop", mutates_args=())
-def matmul_bprop(dy: torch.Tensor, w: torch.Tensor, key: str, feature_axis: int, tf32: bool) -> torch.Tensor:
-    """dx = dy·Wᵀ: dy (N, K) or (K, N) -> dx (N, C) or (C, N)."""
-    return run_pass("bprop", dy, w, key, feature_axis, tf32)
+def _define(name: str, schema: str, kernel, fake) -> object:
+    _LIBRARY.define(f"{name}{schema}")
+    for dispatch_key in ("CPU", "CUDA"):
+        _LIBRARY.impl(name, kernel, dispatch_key)
+    torch.library.register_fake(f"bsmm::{name}", fake, lib=_LIBRARY)
+    return getattr(torch.ops.bsmm, name).default
 
 
-@torch.library.custom_op("bsmm::matmul_updat", mutates_args=())
-def matmul_updat(x: torch.Tensor, dy: torch.Tensor, key: str, feature_axis: int, tf32: bool) -> torch.Tensor:
-    """dW = xᵀ·dy on the present blocks: x (N, C), dy (N, K) (or transposed) -> (nnzb, bs, bs)."""
-    return run_pass("updat", x, dy, key, feature_axis, tf32)
+def _pass_fake(pass_name: str, a, b, key, feature_axis, tf32):
+    return a.new_empty(pass_shape(pass_name, a, b, key, feature_axis))
 
 
-@matmul.register_fake
-def _matmul_fake(x, w, key, feature_axis, tf32):
-    return x.new_empty(product_shape(x, w, key, feature_axis, "fprop"))
+#: Pass name -> its operator (the OpOverload), e.g. ``PASS_OPS["fprop"](x, w, key, 1, False)``.
+PASS_OPS = {
+    name: _define(name, f"(Tensor {spec.operands[0]}, Tensor {spec.operands[1]}, str key, int feature_axis, "
+                        "bool tf32) -> Tensor",
+                  functools.partial(run_pass, name), functools.partial(_pass_fake, name))
+    for name, spec in PASSES.items()
+}
 
 
-@matmul_bprop.register_fake
-def _bprop_fake(dy, w, key, feature_axis, tf32):
-    return dy.new_empty(product_shape(dy, w, key, feature_axis, "bprop"))
+def _epilogue_fake(x, w, bias, key, feature_axis, tf32, activation, keep_pre):
+    y_shape, pre_shape = epilogue_shapes(x, w, bias, key, feature_axis, activation, keep_pre)
+    return x.new_empty(y_shape), x.new_empty(pre_shape)
 
 
-@matmul_updat.register_fake
-def _updat_fake(x, dy, key, feature_axis, tf32):
-    return x.new_empty(updat_shape(x, dy, key, feature_axis))
-
-
-register_bilinear(matmul, matmul_bprop, matmul_updat)
-
-# Last: the eager path calls the operators defined above.
-from bsmm.torch.eager import product  # noqa: E402
+#: y = A(x·W + bias) and, where ``keep_pre``, z = x·W + bias (else an empty tensor):
+#: ``fprop_epilogue(x, w, bias or None, key, feature_axis, tf32, activation, keep_pre) -> (y, pre)``.
+fprop_epilogue = _define(
+    "fprop_epilogue", "(Tensor x, Tensor w, Tensor? bias, str key, int feature_axis, bool tf32, str activation, "
+                      "bool keep_pre) -> (Tensor, Tensor)", run_epilogue, _epilogue_fake)

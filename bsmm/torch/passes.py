@@ -18,10 +18,10 @@ import torch
 
 from bsmm.backends.cuda import launches
 from bsmm.matmul import BlocksparseMatMul
-from bsmm.torch.checks import ARRAY_DTYPES, product_shape, updat_shape
+from bsmm.torch.checks import ARRAY_DTYPES, epilogue_shapes, pass_shape
 from bsmm.torch.registry import registration
 
-__all__ = ["into_new", "matmul_operator", "run_on", "run_pass"]
+__all__ = ["into_new", "matmul_operator", "run_epilogue", "run_on", "run_pass"]
 
 
 def _shared_as(module, tensor: torch.Tensor):
@@ -78,21 +78,38 @@ def run_on(op: BlocksparseMatMul, pass_name: str, a: torch.Tensor, b: torch.Tens
     FSDP2 warns about module outputs that are views (an in-place op on one would skip its hooks).
     """
     if a.is_cuda:
-        out = _repeat_on_cuda(op, pass_name, a, b, out_shape)
+        out = _repeat_on_cuda(op, pass_name, a, b, out_shape, "store")
         if out is not None:
             return out
-    shape = updat_shape(a, b, key, op.feature_axis) if pass_name == "updat" else \
-        product_shape(a, b, key, op.feature_axis, pass_name)
+    shape = pass_shape(pass_name, a, b, key, op.feature_axis)
     return into_new(getattr(op, pass_name), a, b, shape, out_shape=out_shape)
+
+
+def run_epilogue(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, key: str, feature_axis: int,
+                 tf32: bool, activation: str, keep_pre: bool, out_shape: tuple | None = None) -> tuple:
+    """``bsmm::fprop_epilogue``: (y = A(x·W + bias), and z = x·W + bias where ``keep_pre``, else an
+    empty tensor), new tensors of ``out_shape`` where given; repeated on raw pointers as :func:`run_pass`."""
+    op = matmul_operator(key, feature_axis, tf32)
+    if x.is_cuda:
+        found = _repeat_on_cuda(op, "fprop", x, w, out_shape, activation, bias, keep_pre)
+        if found is not None:
+            return found
+    y_shape, pre_shape = epilogue_shapes(x, w, bias, key, feature_axis, activation, keep_pre)
+    pre = torch.empty(pre_shape if out_shape is None or not keep_pre else out_shape, dtype=x.dtype, device=x.device)
+    y = into_new(op.fprop, x, w, y_shape, out_shape=out_shape, bias=bias, activation=activation,
+                 pre=pre.view(y_shape) if keep_pre else None)
+    return y, pre
 
 
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
-def _repeat_on_cuda(op: BlocksparseMatMul, pass_name: str, a: torch.Tensor, b: torch.Tensor, out_shape: tuple | None):
-    """The pass through the call ``op`` kept from an earlier checked call of this shape
-    (``bsmm.backends.cuda.backend.FastCall``), or None where there is none or anything differs from it."""
-    call = op.kept_calls.get((pass_name, a.shape, ARRAY_DTYPES.get(a.dtype), op.feature_axis, op.tf32))
+def _repeat_on_cuda(op: BlocksparseMatMul, pass_name: str, a: torch.Tensor, b: torch.Tensor, out_shape: tuple | None,
+                    epilogue: str, bias: torch.Tensor | None = None, keep_pre: bool = False):
+    """The pass through the call ``op`` kept from an earlier checked call of this shape and epilogue
+    (``bsmm.backends.cuda.backend.FastCall.launch``, the repeat path every caller takes), or None where
+    there is none or anything differs from it. A store call gives the output, an epilogue's (y, pre)."""
+    call = op.kept_calls.get((pass_name, a.shape, ARRAY_DTYPES.get(a.dtype), op.feature_axis, op.tf32, epilogue))
     if call is None or b.dtype is not a.dtype or b.shape != call.other_shape or not (
             a.is_contiguous() and b.is_contiguous()):
         return None
@@ -102,30 +119,47 @@ def _repeat_on_cuda(op: BlocksparseMatMul, pass_name: str, a: torch.Tensor, b: t
     if b.get_device() != device or device != call.device or launches.current_device() != device:
         return None
     # (an int is a CUDA device index; the kernel sees only the pointer, so any shape of its size will do)
-    out = torch.empty(call.out_shape if out_shape is None else out_shape, dtype=a.dtype, device=device)
+    shape = call.out_shape if out_shape is None else out_shape
+    out = torch.empty(shape, dtype=a.dtype, device=device)
     a_ptr, b_ptr, out_ptr = a.data_ptr(), b.data_ptr(), out.data_ptr()
     if call.aligned and (a_ptr | b_ptr | out_ptr) & 15:
         return None
     stream = _raw_stream(device) if _raw_stream is not None else torch.cuda.current_stream(device).cuda_stream
-    call.launch(stream, a_ptr, b_ptr, out_ptr)
-    return out
+    if epilogue == "store":
+        call.launch(stream, a_ptr, b_ptr, out_ptr)
+        return out
+    bias_ptr = 0
+    if bias is not None:
+        if (bias.dtype is not a.dtype or bias.get_device() != device or bias.dim() != 1 or not bias.is_contiguous()
+                or bias.shape[0] != call.sizes.out_blocks * call.plan.variant.block_size):
+            return None
+        bias_ptr = bias.data_ptr()
+    pre = torch.empty(shape if keep_pre else 0, dtype=a.dtype, device=device)
+    pre_ptr = pre.data_ptr() if keep_pre else 0
+    if call.aligned and (bias_ptr | pre_ptr) & 15:
+        return None
+    call.launch(stream, a_ptr, b_ptr, out_ptr, False, bias_ptr, pre_ptr)
+    return out, pre
 
 
 def into_new(method, a: torch.Tensor, b: torch.Tensor, shape: tuple, out_shape: tuple | None = None,
              **options) -> torch.Tensor:
     """``method(a, b, out=..., **options)`` on shared NumPy/CuPy views, into a new tensor of ``shape``
-    (the method's result), or of ``out_shape`` (as many elements) seen by the method as ``shape``."""
+    (the method's result), or of ``out_shape`` (as many elements) seen by the method as ``shape``.
+    Tensor options (an epilogue's ``bias`` and ``pre``) are shared the same way."""
     result = torch.empty(shape if out_shape is None else out_shape, dtype=a.dtype, device=a.device)
     out = result if out_shape is None else result.view(shape)
     if a.device.type == "cpu":
-        method(_shared_as(np, a), _shared_as(np, b), out=_shared_as(np, out), **options)
+        shared = {name: _shared_as(np, v) if isinstance(v, torch.Tensor) else v for name, v in options.items()}
+        method(_shared_as(np, a), _shared_as(np, b), out=_shared_as(np, out), **shared)
     elif a.device.type == "cuda":
         import cupy
 
         ptr = torch.cuda.current_stream(a.device).cuda_stream
         # Import under torch's stream: DLPack then sees producer and consumer on one stream and adds no wait.
         with cupy.cuda.Device(a.device.index), _cupy_stream(cupy, a.device.index, ptr):
-            method(_shared_as(cupy, a), _shared_as(cupy, b), out=_shared_as(cupy, out), **options)
+            shared = {name: _shared_as(cupy, v) if isinstance(v, torch.Tensor) else v for name, v in options.items()}
+            method(_shared_as(cupy, a), _shared_as(cupy, b), out=_shared_as(cupy, out), **shared)
     else:
         raise ValueError(f"tensors are on {a.device}; bsmm runs on the CPU and on CUDA GPUs")
     return result

@@ -148,30 +148,32 @@ def test_torch_repeat_calls_still_refuse_what_the_first_call_would(cupy):
     key = registration.key
     x = torch.randn(32, index.C, device="cuda", dtype=torch.float16)
     w = torch.randn(index.w_shape, device="cuda", dtype=torch.float16)
-    expected = torch_ops.matmul(x, w, key, 1, False)
+    expected = torch.ops.bsmm.matmul.default(x, w, key, 1, False)
     with pytest.raises(TypeError, match="w has dtype torch.float32"):
-        torch_ops.matmul(x, w.float(), key, 1, False)
+        torch.ops.bsmm.matmul.default(x, w.float(), key, 1, False)
     with pytest.raises(ValueError, match="w must be contiguous"):
-        torch_ops.matmul(x, w.transpose(1, 2), key, 1, False)
+        torch.ops.bsmm.matmul.default(x, w.transpose(1, 2), key, 1, False)
     with pytest.raises(ValueError, match="w must have shape"):
-        torch_ops.matmul(x, w[:-1], key, 1, False)
+        torch.ops.bsmm.matmul.default(x, w[:-1], key, 1, False)
     shifted = torch.empty(x.numel() + 1, device="cuda", dtype=x.dtype)[1:].view_as(x)  # 2 bytes past 16
     shifted.copy_(x)
-    assert torch.equal(torch_ops.matmul(shifted, w, key, 1, False), expected)
+    assert torch.equal(torch.ops.bsmm.matmul.default(shifted, w, key, 1, False), expected)
 
 
 def test_traced_layers_record_the_operator():
-    """make_fx (a dispatch mode) sees bsmm::matmul, not the eager path's kernels: its graph replays."""
+    """make_fx (a dispatch mode) sees the pass operators (bsmm::fprop, and bsmm::fprop_epilogue with a
+    bias or an activation), not the eager path's kernels: its graph replays."""
     torch = pytest.importorskip("torch")
     from torch.fx.experimental.proxy_tensor import make_fx
 
     import bsmm.torch
 
-    layer = bsmm.torch.BlockSparseLinear(32, 32, np.array([[1, 0], [1, 1]]), block_size=16, bias=False)
-    graph = make_fx(layer)(torch.randn(4, 32))
-    assert "bsmm.matmul" in str(graph.graph)
-    x = torch.randn(4, 32)
-    assert torch.allclose(graph(x), layer(x), atol=1e-5)
+    for options, operator in (({"bias": False}, "bsmm.fprop"), ({"activation": "gelu"}, "bsmm.fprop_epilogue")):
+        layer = bsmm.torch.BlockSparseLinear(32, 32, np.array([[1, 0], [1, 1]]), block_size=16, **options)
+        graph = make_fx(layer)(torch.randn(4, 32))
+        assert operator in str(graph.graph)
+        x = torch.randn(4, 32)
+        assert torch.allclose(graph(x), layer(x), atol=1e-5)
 
 
 def test_inference_calls_record_no_graph_and_match_the_training_forward():

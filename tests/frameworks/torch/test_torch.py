@@ -78,9 +78,9 @@ def test_operators_match_dense(device, dtype, axis, kind, n):
     x, dy = random_data(rng, shape_of(n, op.C, axis), dtype), random_data(rng, shape_of(n, op.K, axis), dtype)
     w = random_data(rng, op.w_shape, dtype)
     tx, tdy, tw = (tensor(a, device) for a in (x, dy, w))
-    y = torch_ops.matmul(tx, tw, key, axis, False)
-    dx = torch_ops.matmul_bprop(tdy, tw, key, axis, False)
-    dw = torch_ops.matmul_updat(tx, tdy, key, axis, False)
+    y = torch.ops.bsmm.matmul.default(tx, tw, key, axis, False)
+    dx = torch.ops.bsmm.matmul_bprop.default(tdy, tw, key, axis, False)
+    dw = torch.ops.bsmm.matmul_updat.default(tx, tdy, key, axis, False)
     for result, shape in ((y, shape_of(n, op.K, axis)), (dx, shape_of(n, op.C, axis)), (dw, op.w_shape)):
         assert result.dtype == TORCH_DTYPES[dtype] and result.device.type == device and result.shape == shape
     assert_close(host(y), ref_fprop(layout, w, BS, x, axis), dtype, "fprop")
@@ -180,10 +180,10 @@ def test_operators_in_float64_match_dense(axis, kind, n):
     x, dy = rng.standard_normal(shape_of(n, op.C, axis)), rng.standard_normal(shape_of(n, op.K, axis))
     w = rng.standard_normal(op.w_shape)
     results = {
-        "fprop": (torch_ops.matmul(_float64(x), _float64(w), key, axis, False), ref_fprop(layout, w, BS, x, axis)),
-        "bprop": (torch_ops.matmul_bprop(_float64(dy), _float64(w), key, axis, False),
+        "fprop": (torch.ops.bsmm.matmul.default(_float64(x), _float64(w), key, axis, False), ref_fprop(layout, w, BS, x, axis)),
+        "bprop": (torch.ops.bsmm.matmul_bprop.default(_float64(dy), _float64(w), key, axis, False),
                   ref_bprop(layout, w, BS, dy, axis)),
-        "updat": (torch_ops.matmul_updat(_float64(x), _float64(dy), key, axis, False),
+        "updat": (torch.ops.bsmm.matmul_updat.default(_float64(x), _float64(dy), key, axis, False),
                   ref_updat(layout, BS, x, dy, axis)),
     }
     for name, (result, expected) in results.items():
@@ -265,8 +265,8 @@ def test_opcheck(device, dtype, axis, requires_grad):
         return tensor(random_data(rng, shape, dtype), device, requires_grad=requires_grad)
 
     x, dy, w = sample(shape_of(5, op.C, axis)), sample(shape_of(5, op.K, axis)), sample(op.w_shape)
-    for operator, args in ((torch_ops.matmul, (x, w)), (torch_ops.matmul_bprop, (dy, w)),
-                           (torch_ops.matmul_updat, (x, dy))):
+    for operator, args in ((torch.ops.bsmm.matmul.default, (x, w)), (torch.ops.bsmm.matmul_bprop.default, (dy, w)),
+                           (torch.ops.bsmm.matmul_updat.default, (x, dy))):
         results = torch.library.opcheck(operator, (*args, key, axis, False))
         assert set(results.values()) == {"SUCCESS"}, results
 
@@ -500,10 +500,10 @@ def test_errors_name_the_argument(small):
         (TypeError, "op must be a bsmm.BlocksparseMatMul; got BlockSparseLinear",
          lambda: bt.blocksparse_matmul(x, w, layer)),
         (ValueError, r"dy has N = 4 but x has N = 5",
-         lambda: torch_ops.matmul_updat(x, torch.randn(4, 16), layer._key, 1, False)),
-        (ValueError, r"dy must have shape \(N, 16\)", lambda: torch_ops.matmul_bprop(x, w, layer._key, 1, False)),
-        (ValueError, "feature_axis must be 0 or 1; got 2", lambda: torch_ops.matmul(x, w, layer._key, 2, False)),
-        (ValueError, "key 'nope' names no layout registered", lambda: torch_ops.matmul(x, w, "nope", 1, False)),
+         lambda: torch.ops.bsmm.matmul_updat.default(x, torch.randn(4, 16), layer._key, 1, False)),
+        (ValueError, r"dy must have shape \(N, 16\)", lambda: torch.ops.bsmm.matmul_bprop.default(x, w, layer._key, 1, False)),
+        (ValueError, "feature_axis must be 0 or 1; got 2", lambda: torch.ops.bsmm.matmul.default(x, w, layer._key, 2, False)),
+        (ValueError, "key 'nope' names no layout registered", lambda: torch.ops.bsmm.matmul.default(x, w, "nope", 1, False)),
     ]
     for error, match, call in cases:
         with pytest.raises(error, match=match):
@@ -535,7 +535,7 @@ def test_float64_is_refused_on_cuda(cuda):
                                         "supported dtypes are float32, float16, bfloat16"):
         bt.blocksparse_matmul(x, w, layer.op)
     with pytest.raises(TypeError, match="dy has dtype torch.float64, which bsmm runs only on the CPU"):
-        torch_ops.matmul_bprop(torch.randn(3, 16, device=cuda, dtype=torch.float64), w, layer._key, 1, False)
+        torch.ops.bsmm.matmul_bprop.default(torch.randn(3, 16, device=cuda, dtype=torch.float64), w, layer._key, 1, False)
 
 
 @pytest.mark.gpu
@@ -596,9 +596,9 @@ def test_training_matches_a_masked_dense_model(device_kind):
 def _pass_calls(layer, x):
     dy = torch.randn(x.shape[0], layer.out_features, device=x.device)
     return {
-        "fprop": lambda: torch_ops.matmul(x, layer.weight.detach(), layer._key, 1, False),
-        "bprop": lambda: torch_ops.matmul_bprop(dy, layer.weight.detach(), layer._key, 1, False),
-        "updat": lambda: torch_ops.matmul_updat(x, dy, layer._key, 1, False),
+        "fprop": lambda: torch.ops.bsmm.matmul.default(x, layer.weight.detach(), layer._key, 1, False),
+        "bprop": lambda: torch.ops.bsmm.matmul_bprop.default(dy, layer.weight.detach(), layer._key, 1, False),
+        "updat": lambda: torch.ops.bsmm.matmul_updat.default(x, dy, layer._key, 1, False),
     }
 
 
