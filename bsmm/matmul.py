@@ -238,8 +238,10 @@ class BlocksparseMatMul:
         >>> bool(np.allclose(y, np.maximum(x @ op.to_dense(w) + b, 0), atol=1e-5))
         True
         """
-        if x.__class__ is _gpu_array_type and (out is not None or not accumulate):  # a repeat: see FastCall
-            name = "store" if activation is None and bias is None else activation or "none"
+        if x.__class__ is _gpu_array_type and (out is not None or not accumulate) and (
+                activation is None or activation.__class__ is str):  # a repeat: see FastCall
+            # (only checked names are kept: any other string finds no call and takes the checked path)
+            name = "store" if activation is None and bias is None else "none" if activation is None else activation
             call = self._gpu_calls.get(("fprop", x.shape, x.dtype, self.feature_axis, self.tf32, name))
             result = call(x, w, out, accumulate, bias, pre) if call is not None else None
             if result is not None:

@@ -1,13 +1,7 @@
 """The passes as differentiable JAX functions: :func:`differentiable_pass`, a ``jax.custom_vjp``.
 
-Every pass is bilinear in its operands (a, b) and the cotangents of each are again passes; with
-g the cotangent of the result, for both feature axes:
-
-- ``fprop(x, w)``: dx = bprop(g, w), dw = updat(x, g).
-- ``bprop(dy, w)``: ddy = fprop(g, w), dw = updat(g, dy).
-- ``updat(x, dy)``: dx = bprop(dy, g), ddy = fprop(x, g) (g is block data).
-
-So defining each pass's VJP through the others gives reverse mode of any order: gradient
+Every pass is bilinear in its operands (a, b) and the cotangents of each are again passes
+(:attr:`bsmm.passes.BlockPass.cotangents`, for both feature axes), so defining each pass's VJP through the others gives reverse mode of any order: gradient
 penalties, Hessian-vector products by grad of grad.
 
 Inside ``jax.shard_map`` (with its default ``check_vma=True``) an operand that does not vary along
@@ -25,14 +19,9 @@ import jax
 from jax.custom_derivatives import SymbolicZero
 
 from bsmm.jax.passes import run_pass, vary_alike
+from bsmm.passes import PASSES, cotangent_operands
 
 __all__ = ["differentiable_pass"]
-
-_COTANGENTS = {  # pass -> (pass, operands) for the cotangent of a, then of b
-    "fprop": (("bprop", lambda a, b, g: (g, b)), ("updat", lambda a, b, g: (a, g))),
-    "bprop": (("fprop", lambda a, b, g: (g, b)), ("updat", lambda a, b, g: (g, a))),
-    "updat": (("bprop", lambda a, b, g: (b, g)), ("fprop", lambda a, b, g: (a, g))),
-}
 
 
 def differentiable_pass(a, b, op, pass_name):
@@ -69,8 +58,9 @@ def _pass_bwd(op, pass_name, a_sharding, b_sharding, residuals, g):
     if isinstance(g, SymbolicZero):
         return None, None
     return tuple(
-        None if kept is None else _typed_like(differentiable_pass(*operands(a, b, g), op, name), sharding)
-        for kept, (name, operands), sharding in zip((b, a), _COTANGENTS[pass_name], (a_sharding, b_sharding))
+        None if kept is None else _typed_like(differentiable_pass(*cotangent_operands(rule, (a, b), g), op, rule[0]),
+                                              sharding)
+        for kept, rule, sharding in zip((b, a), PASSES[pass_name].cotangents, (a_sharding, b_sharding))
     )
 
 

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import jax
+import jax.numpy as jnp
+
+from bsmm.epilogues import check_activation
 from bsmm.jax.autodiff import differentiable_pass
 from bsmm.jax.checks import check_arrays, check_matmul_inputs, check_weights
 from bsmm.jax.passes import ConvPasses
@@ -10,9 +14,14 @@ from bsmm.nn.conv import BlocksparseConv
 
 __all__ = ["blocksparse_conv", "blocksparse_matmul"]
 
+#: bsmm.epilogues' activations as JAX functions.
+_ACTIVATIONS = {"none": lambda y: y, "relu": jax.nn.relu, "gelu": lambda y: jax.nn.gelu(y, approximate=False),
+                "gelu_tanh": lambda y: jax.nn.gelu(y, approximate=True), "silu": jax.nn.silu}
 
-def blocksparse_matmul(x, w, op: BlocksparseMatMul):
-    """y = x·W with block-sparse ``W``: differentiable, jit-able and vmap-able.
+
+def blocksparse_matmul(x, w, op: BlocksparseMatMul, bias=None, activation: str | None = None):
+    """y = x·W with block-sparse ``W``: differentiable, jit-able and vmap-able; with ``bias`` or
+    ``activation``, y = A(x·W + bias).
 
     Parameters
     ----------
@@ -24,6 +33,12 @@ def blocksparse_matmul(x, w, op: BlocksparseMatMul):
     op : bsmm.BlocksparseMatMul
         The layout, block size and feature axis; static (hashed by identity), so
         reuse one operator to reuse compiled code.
+    bias : (K,) array, optional
+        Added along the features (cast to x's dtype).
+    activation : {None, "none", "relu", "gelu", "gelu_tanh", "silu"}
+        As :mod:`bsmm.epilogues` names them (``"gelu"``: the erf form). Applied by XLA
+        after the pass, which fuses the bias and the activation into one element-wise
+        kernel; the PyTorch and CuPy paths apply them inside bsmm's kernel.
 
     Returns
     -------
@@ -85,9 +100,17 @@ def blocksparse_matmul(x, w, op: BlocksparseMatMul):
     (2, 3, 16)
     """
     check_matmul_inputs(x, w, op)
+    activation = check_activation(activation)
     if op.feature_axis == 1:
-        return differentiable_pass(x.reshape(-1, op.C), w, op, "fprop").reshape(x.shape[:-1] + (op.K,))
-    return differentiable_pass(x.reshape(op.C, -1), w, op, "fprop").reshape((op.K,) + x.shape[1:])
+        y = differentiable_pass(x.reshape(-1, op.C), w, op, "fprop").reshape(x.shape[:-1] + (op.K,))
+    else:
+        y = differentiable_pass(x.reshape(op.C, -1), w, op, "fprop").reshape((op.K,) + x.shape[1:])
+    if bias is not None:
+        if tuple(jnp.shape(bias)) != (op.K,):
+            raise ValueError(f"bias must have shape ({op.K},); got {tuple(jnp.shape(bias))}")
+        bias = jnp.asarray(bias, y.dtype)
+        y = y + (bias if op.feature_axis == 1 else bias.reshape((op.K,) + (1,) * (y.ndim - 1)))
+    return y if activation is None else _ACTIVATIONS[activation](y)
 
 
 def blocksparse_conv(x, w, conv: BlocksparseConv):

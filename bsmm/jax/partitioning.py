@@ -32,6 +32,7 @@ from jax.interpreters import mlir
 from jax.sharding import NamedSharding, PartitionSpec
 
 from bsmm.matmul import BlocksparseMatMul
+from bsmm.passes import PASSES
 
 __all__ = ["partitionable_pass", "pass_p"]
 
@@ -130,12 +131,8 @@ class _RowRule:
 
     def local(self, a, b):
         """The pass on this device's buffers, through the callback the module registered."""
-        if self.pass_name == "updat":
-            shape = self.op.w_shape
-        else:
-            features = self.op.K if self.pass_name == "fprop" else self.op.C
-            n = a.shape[self.rows_dim]
-            shape = (n, features) if self.op.feature_axis == 1 else (features, n)
+        shape = PASSES[self.pass_name].output_shape(self.op.C, self.op.K, self.op.w_shape, a.shape[self.rows_dim],
+                                                    self.op.feature_axis)
         return jax.ffi.ffi_call(self.target, jax.ShapeDtypeStruct(shape, a.dtype))(a, b, index=self.index)
 
     def batch_axes(self, mesh, arg_shapes) -> tuple:

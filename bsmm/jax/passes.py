@@ -32,6 +32,7 @@ from bsmm.arrays import _DLPACK_CPU, _DLPACK_CUDA
 from bsmm.config import once, settings, warn
 from bsmm.jax.partitioning import partitionable_pass
 from bsmm.matmul import BlocksparseMatMul
+from bsmm.passes import PASSES
 
 __all__ = ["ConvPasses", "PassCallback", "run_pass", "vary_alike"]
 
@@ -121,7 +122,7 @@ def _repeat_on_cuda(op, pass_name: str, stream: int, device_id: int, out, a, b) 
     calls = getattr(op, "kept_calls", None)  # (a ConvPasses has none)
     if not calls:
         return False
-    call = calls.get((pass_name, a.shape, a.dtype, op.feature_axis, op.tf32))
+    call = calls.get((pass_name, a.shape, a.dtype, op.feature_axis, op.tf32, "store"))
     if (call is None or b.dtype != call.dtype or b.shape != call.other_shape or device_id != call.device
             or launches.current_device() != device_id):
         return False
@@ -136,11 +137,8 @@ def _repeat_on_cuda(op, pass_name: str, stream: int, device_id: int, out, a, b) 
 
 # -- one pass as a batchable JAX function ----------------------------------------------------------
 def _out_core_shape(op: BlocksparseMatMul, pass_name: str, a) -> tuple:
-    if pass_name == "updat":
-        return op.w_shape
-    features = op.K if pass_name == "fprop" else op.C
-    n = a.shape[-2 + (1 - op.feature_axis)]
-    return (n, features) if op.feature_axis == 1 else (features, n)
+    return PASSES[pass_name].output_shape(op.C, op.K, op.w_shape, a.shape[-2 + (1 - op.feature_axis)],
+                                          op.feature_axis)
 
 
 def _bind(op: BlocksparseMatMul, pass_name: str, a, b):

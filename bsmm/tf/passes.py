@@ -27,6 +27,7 @@ import tensorflow as tf
 from bsmm.arrays import _DLPACK_CUDA, _DLPACK_CUDA_MANAGED, empty_aligned
 from bsmm.dtypes import ELEMENT_TYPES
 from bsmm.matmul import BlocksparseMatMul
+from bsmm.passes import PASSES
 
 __all__ = ["CUDA_DEVICE_TYPES", "NUMPY_DTYPES", "run_pass"]
 
@@ -39,11 +40,8 @@ CUDA_DEVICE_TYPES = (_DLPACK_CUDA, _DLPACK_CUDA_MANAGED)
 
 
 def _output_shape(op: BlocksparseMatMul, pass_name: str, n) -> tuple:
-    """Shape of a pass's result; ``n`` is N (None when unknown)."""
-    if pass_name == "updat":
-        return op.w_shape
-    features = op.K if pass_name == "fprop" else op.C
-    return (n, features) if op.feature_axis == 1 else (features, n)
+    """Shape of a pass's result (:data:`bsmm.passes.PASSES`); ``n`` is N (None when unknown)."""
+    return PASSES[pass_name].output_shape(op.C, op.K, op.w_shape, n, op.feature_axis)
 
 
 def _rows(op: BlocksparseMatMul, tensor: tf.Tensor):
