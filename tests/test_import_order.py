@@ -141,11 +141,7 @@ def test_the_check_finds_function_imports_and_their_excuses(tmp_path):
 #: Function-level imports of bsmm modules found when this test was written, to be moved to the top
 #: of their modules (or commented, where they are an optional framework's or deliberately lazy):
 #: (file, function, imported module). Line numbers are left out so that edits elsewhere keep them.
-#: ``bsmm/backends/cuda/plans.py`` ``_new_plan`` -> ``copy_plans`` dodges an import cycle (copy_plans imports plans).
 KNOWN = {
-    ("bsmm/backends/__init__.py", "for_operand", "bsmm.backends.cpu"),
-    ("bsmm/backends/__init__.py", "for_operand", "bsmm.backends.cuda.backend"),
-    ("bsmm/backends/cuda/plans.py", "_new_plan", "bsmm.backends.cuda.copy_plans"),
     ("bsmm/cli/arguments.py", "gpu_problem", "bsmm.backends.cuda.environment"),
     ("bsmm/cli/arguments.py", "_tune_cases", "bsmm.cli.tune"),
     ("bsmm/cli/framework_bench.py", "bench_torch", "bsmm.torch"),

@@ -128,7 +128,7 @@ def test_keys_a_tuned_file_may_not_set_are_warned_about_at_the_users_line(fresh)
 
 
 def test_plan_notices_are_logged_once_and_tuned_tiles_of_another_gpu_warned_about(fresh, caplog, monkeypatch):
-    plans = pytest.importorskip("bsmm.backends.cuda.plans", reason="CuPy is not installed")
+    plans = pytest.importorskip("bsmm.backends.cuda.plan_cache", reason="CuPy is not installed")
     caplog.set_level(logging.INFO, logger="bsmm")
     for _ in range(3):
         plans._tell_once("sm80", False, 0)

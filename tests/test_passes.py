@@ -173,13 +173,14 @@ def test_tf32_fprop_through_transposed_weights(cupy, bs):
     accumulating call all match the float64 reference; a skewed layout, N off the tile."""
     from bsmm.backends.cuda import copy_plans
     from bsmm.backends.cuda import plans as cuda_plans
+    from bsmm.backends.cuda import plan_cache
 
     rng = np.random.default_rng([bs, 7])
     layout = skewed_layout(rng, *SHAPE_IN_BLOCKS[bs])
     op = bsmm.BlocksparseMatMul(layout, block_size=bs, tf32=True)
     x_host = random_data(rng, (300, op.C), "float32")
     x = cupy.asarray(x_host)
-    plan = cuda_plans.plan_for(op.index, "fprop", 300, "float32", 1, True, True)
+    plan = plan_cache.plan_for(op.index, "fprop", 300, "float32", 1, True, True)
     assert isinstance(plan, copy_plans.TransposedWeightsFprop) == (cupy.cuda.Device().compute_capability == "90")
     for _ in range(3):
         w = random_data(rng, op.w_shape, "float32")
@@ -587,8 +588,9 @@ def plans_under(policy: Policy, index) -> dict:
     element): a layout's index, and with it its plans, is shared by every operator of that
     layout, other tests' included."""
     from bsmm.backends.cuda import plans as cuda_plans
+    from bsmm.backends.cuda import plan_cache
 
-    return {key: plan for key, plan in cuda_plans.plans_of(index).items() if key[10] is policy}
+    return {key: plan for key, plan in plan_cache.plans_of(index).items() if key[10] is policy}
 
 
 def check_pass_repeat_accumulate(xp, rng, case: Case, pass_name: str, args: tuple) -> None:
@@ -686,6 +688,7 @@ def test_updat_through_transposed_copies(xp, bs, dtype, wgmma):
         pytest.skip("transposed copies are a GPU path")
     from bsmm.backends.cuda import copy_plans, selection
     from bsmm.backends.cuda import plans as cuda_plans
+    from bsmm.backends.cuda import plan_cache
 
     policy, hopper = wgmma_policy(xp, current_policy(), wgmma)
     policy = policy.replace(updat_transpose=[bs], updat_transpose_min_rows=65)
@@ -828,6 +831,7 @@ def test_tma_matches_cp_async_bitwise(xp, dtype, bs, n, monkeypatch):
     a batch that ends inside a tile (updat: inside a step), mma.sync fprop/bprop at block 32
     for small batches; columns (batches) cut into parts."""
     from bsmm.backends.cuda import plans as cuda_plans
+    from bsmm.backends.cuda import plan_cache
 
     base = tma_for_any_layout(xp, current_policy()).replace(
         wgmma=True,

@@ -11,10 +11,12 @@ __all__ = ["for_operand"]
 
 def for_operand(operand):
     """The backend module that runs passes on ``operand`` (a :class:`bsmm.arrays.Operand`)."""
+    # Each imported lazily, on the first pass of its kind: the CPU backend loads SciPy, the GPU one
+    # CuPy (optional) and its driver checks.
     if operand.backend == "cpu":
-        from bsmm.backends import cpu
+        from bsmm.backends import cpu  # lazily (see above)
 
         return cpu
-    from bsmm.backends.cuda import backend
+    from bsmm.backends.cuda import backend  # lazily (see above)
 
     return backend

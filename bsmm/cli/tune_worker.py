@@ -24,7 +24,7 @@ import sys
 import cupy
 import numpy as np
 
-from bsmm.backends.cuda import plans as cuda_plans
+from bsmm.backends.cuda import plan_cache
 from bsmm.backends.cuda.policy import Policy, current_policy, planning, recording_table_lookups
 from bsmm.cli.bench import pass_calls, weight_sets
 from bsmm.cli.bench_gpu import _gpu_seconds
@@ -89,7 +89,7 @@ def _survey(request: dict) -> dict:
     for fields in request["survey"]:
         case = Case(**fields)
         op = operands.op(case)
-        cuda_plans.forget_plans()
+        plan_cache.forget_plans()
         with recording_table_lookups() as lookups:
             operands.run(case, op)[0]()
         # The operator keeps the call it just made (BlocksparseMatMul.kept_calls), and the call its plan.
@@ -120,7 +120,7 @@ def _measure(request: dict) -> None:
                 found.append(out.astype(np.float64))
                 if not request["check"]:
                     times.append(_gpu_seconds(run, calls, batches))
-        cuda_plans.forget_plans()  # nothing planned with a candidate outlives it
+        plan_cache.forget_plans()  # nothing planned with a candidate outlives it
         return found, times
 
     for tile in request["tiles"]:

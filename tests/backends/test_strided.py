@@ -147,9 +147,9 @@ def test_shifted_pass_reads_weights_in_their_order(xp, pass_name, dtype, bs, n_c
     expected = ref(layout, in_index_order, bs, act.reshape(rows, width_in), 1)
     assert_close(to_numpy(out).reshape(rows, width_out), expected, dtype, pass_name)
     if xp is not np and dtype == "bfloat16" and bs == 16:
-        from bsmm.backends.cuda import plans as cuda_plans
+        from bsmm.backends.cuda import plan_cache
 
-        plans = [p for key, p in cuda_plans.plans_of(op.index).items() if any(k is order for k in key)]
+        plans = [p for key, p in plan_cache.plans_of(op.index).items() if any(k is order for k in key)]
         assert plans and all(p.variant.cols > 1 for p in plans), "column groups did not take the reordered table"
 
 

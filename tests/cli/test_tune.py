@@ -19,7 +19,7 @@ from bsmm.cli import tune, tuned_file
 from bsmm.backends.cuda.kernels import Variant
 from conftest import compile_or_skip
 
-cuda_plans = pytest.importorskip("bsmm.backends.cuda.plans", reason="CuPy is not installed")
+plan_cache = pytest.importorskip("bsmm.backends.cuda.plan_cache", reason="CuPy is not installed")
 from bsmm.backends.cuda.policy import Policy, Tile, recording_table_lookups  # noqa: E402
 
 
@@ -409,7 +409,7 @@ def test_tune_on_the_gpu(cupy, cache):
     assert result.trials and all((t.ratios is None) != (t.error is None) for t in result.trials)
     assert all(r > 0 for t in result.trials if t.ratios for r in t.ratios)
     bsmm.config.settings.cache_clear()
-    cuda_plans.forget_plans()
+    plan_cache.forget_plans()
     layout = bsmm.layouts.random_layout(32, 32, density=0.5, seed=1)
     op = bsmm.BlocksparseMatMul(layout, block_size=32)
     rng = np.random.default_rng(0)
@@ -418,4 +418,4 @@ def test_tune_on_the_gpu(cupy, cache):
     y = op(cupy.asarray(x), cupy.asarray(w)).get().astype(np.float64)
     expected = x.astype(np.float64) @ op.to_dense(w).astype(np.float64)
     assert np.linalg.norm(y - expected) / np.linalg.norm(expected) < 1e-2
-    cuda_plans.forget_plans()
+    plan_cache.forget_plans()

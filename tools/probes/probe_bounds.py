@@ -120,7 +120,7 @@ def pass_bytes(row: dict) -> int:
     import cupy
 
     from bsmm import BlocksparseMatMul
-    from bsmm.backends.cuda import plans as cuda_plans
+    from bsmm.backends.cuda import plan_cache
     from bsmm.cli.bench import pass_calls
     from bsmm.layouts import random_layout
 
@@ -135,7 +135,7 @@ def pass_bytes(row: dict) -> int:
                "updat": cupy.empty(op.w_shape, dtype=dtype)}
     pass_calls(op, x, dy, [w], outputs)[row["pass_name"]]()
     # (The index may be shared with other rows' operators of the same layout: their plans differ in dtype.)
-    plans = [plan for key, plan in cuda_plans.plans_of(op.index).items()
+    plans = [plan for key, plan in plan_cache.plans_of(op.index).items()
              if key[:3] == (row["pass_name"], n, dtype) and key[4] == tf32]
     assert len(plans) == 1, f"{row_key(row)}: {len(plans)} plans"
     out = {"fprop": n * k, "bprop": n * c, "updat": op.blocks * bs * bs}[row["pass_name"]]

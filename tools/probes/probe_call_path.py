@@ -19,6 +19,7 @@ import io
 import json
 import pstats
 import statistics
+import struct
 import sys
 import time
 
@@ -190,6 +191,64 @@ def host_rows():
     return rows
 
 
+def launch_rows():
+    """Host µs of one launch of a kept matmul call (N 32, 1024², fp16) through each binding:
+    ctypes (cuLaunchKernelEx with programmatic serialization, bsmm's; and plain cuLaunchKernel),
+    CuPy's Cython ``launchKernel``, and NVIDIA's ``cuda.bindings`` (where installed). Where the
+    kernel's parameters come from a ctypes struct packed per call, that packing is timed too."""
+    import ctypes
+
+    import cupy
+
+    import bsmm
+    from bsmm.backends.cuda.params import PACK, MatmulParams
+    from bsmm.layouts import random_layout
+
+    op = bsmm.BlocksparseMatMul(random_layout(32, 32, 0.1, seed=1), block_size=32)
+    x = cupy.random.standard_normal((32, op.C), dtype=cupy.float32).astype(cupy.float16)
+    w = cupy.random.standard_normal(op.w_shape, dtype=cupy.float32).astype(cupy.float16)
+    out = cupy.empty((32, op.K), cupy.float16)
+    op(x, w, out=out)
+    call = next(iter(op.kept_calls.values()))
+    stream = cupy.cuda.get_current_stream().ptr
+    for _ in range(3):
+        call.launch(stream, x.data.ptr, w.data.ptr, out.data.ptr)
+    block = next(iter(call.blocks.values()))
+    sync = cupy.cuda.Device().synchronize
+    head = call.plan.launcher.head
+    rows = [{"row": "bsmm kept launch (FastCall.launch, ctypes cuLaunchKernelEx)",
+             "us": round(_host_us(lambda: call.launch(stream, x.data.ptr, w.data.ptr, out.data.ptr), 200, 30, sync), 2)}]
+    if block.arguments is not None:
+        rows.append({"row": "ctypes cuLaunchKernelEx alone", "us": round(_host_us(lambda: block.driver(*block.arguments),
+                                                                                 200, 30, sync), 2)})
+    launch_kernel = cupy.cuda.driver.launchKernel
+    rows.append({"row": "CuPy launchKernel (Cython, no serialization)",
+                 "us": round(_host_us(lambda: launch_kernel(*head, stream, block.address, 0), 200, 30, sync), 2)})
+    cu_launch = ctypes.CDLL("libcuda.so.1").cuLaunchKernel
+    args = [ctypes.c_void_p(head[0]), *map(ctypes.c_uint, head[1:8]), ctypes.c_void_p(stream),
+            ctypes.c_void_p(block.address), None]
+    rows.append({"row": "ctypes cuLaunchKernel", "us": round(_host_us(lambda: cu_launch(*args), 200, 30, sync), 2)})
+    try:
+        from cuda.bindings import driver
+
+        function = driver.CUfunction(head[0])
+        handle = driver.CUstream(stream)
+        rows.append({"row": "cuda.bindings cuLaunchKernel", "us": round(_host_us(
+            lambda: driver.cuLaunchKernel(function, *head[1:8], handle, block.address, 0), 200, 30, sync), 2)})
+    except Exception as error:  # noqa: BLE001 - not installed, or another API: say so in the table
+        rows.append({"row": f"cuda.bindings: {type(error).__name__}: {error}"[:120], "us": float("nan")})
+    params, values = MatmulParams(), struct.unpack(f"<{len(MatmulParams._fields_)}Q", bytes(block.values))
+    rows.append({"row": "pack MatmulParams with struct.pack_into", "us": round(_host_us(
+        lambda: PACK(params, 0, *values), 2000, 30, sync), 3)})
+    names = [name for name, _ in MatmulParams._fields_]
+
+    def by_field():
+        for name, value in zip(names, values):
+            setattr(params, name, value)
+    rows.append({"row": "fill MatmulParams field by field (ctypes)", "us": round(_host_us(by_field, 2000, 30, sync), 3)})
+    return rows
+
+
 def fused_rows(quick):
     """The layer with bias, then F.gelu, against the fused layer (where there is one): kernels, ms."""
     import torch
@@ -241,6 +300,10 @@ def main():
 
     print(f"# call path probe: torch {torch.__version__}, {torch.cuda.get_device_name()}")
     result = {"mlp": mlp_rows(args.quick), "host": host_rows(), "fused": fused_rows(args.quick)}
+    try:  # (trees from before the parameter struct have no bsmm.backends.cuda.params)
+        result["launch"] = launch_rows()
+    except ImportError as error:
+        print(f"launch rows skipped: {error}", file=sys.stderr)
     print("\n| MLP step | mode | GPU ms | host µs | kernels | host µs per bsmm op |\n| --- | --- | --- | --- | --- | --- |")
     for r in result["mlp"]:
         print(f"| {r['row']} | {r['mode']} | {r['gpu_ms']} | {r['host_us']} | {r['kernels']:.0f} | {r['bsmm_op_host_us']} |")
@@ -253,6 +316,10 @@ def main():
         for r in result["fused"]:
             print(f"| {r['row']} | {r['mode']} | {r['forward_ms']} | {r['forward_kernels']:.0f} | {r['step_ms']} | "
                   f"{r['step_kernels']:.0f} | {r['max_abs_diff']:.3g} |")
+    if result.get("launch"):
+        print("\n| one launch, host | µs |\n| --- | --- |")
+        for r in result["launch"]:
+            print(f"| {r['row']} | {r['us']} |")
     if args.json:
         with open(args.json, "w") as handle:
             json.dump(result, handle, indent=1)

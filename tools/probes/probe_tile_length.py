@@ -9,7 +9,7 @@ import numpy as np
 
 import bsmm
 import bsmm.cli.bench_gpu as bench
-from bsmm.backends.cuda import plans as cuda_plans
+from bsmm.backends.cuda import plan_cache
 from bsmm.backends.cuda.policy import current_policy, planning
 from bsmm.cli.tune import Entry
 
@@ -42,4 +42,4 @@ for bs, options in tiles.items():
                 real = layout.sum() / layout.size
                 print(f"| {bs} | {tile or 'shipped'} | {spread} | {layout.sum() / len(kept):.1f} | {f * 1e6:.1f} | "
                       f"{b * 1e6:.1f} | {dense * real / f:.0%} | {dense * real / b:.0%} |", flush=True)
-        cuda_plans.forget_plans()
+        plan_cache.forget_plans()

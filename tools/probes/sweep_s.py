@@ -12,7 +12,7 @@ import numpy as np
 
 import bsmm
 from bsmm.cli import bench_gpu as bench
-from bsmm.backends.cuda import plans as cuda_plans
+from bsmm.backends.cuda import plan_cache
 from bsmm.config import settings
 
 dtype = sys.argv[1] if len(sys.argv) > 1 else "float16"
@@ -56,7 +56,7 @@ for name, (sparse, updat, waves, min_part) in configs.items():
     for density in densities:
         layout = bsmm.layouts.random_layout(C // BS, C // BS, density=density, seed=0)
         op = bsmm.BlocksparseMatMul(layout, block_size=BS)
-        cuda_plans.forget_plans()
+        plan_cache.forget_plans()
         n_sets = max(1, min(8, int(np.ceil(100e6 / (op.blocks * BS * BS * np_dtype.itemsize)))))
         ws = [rng.standard_normal(op.w_shape, dtype=np.float32).astype(np_dtype) for _ in range(n_sets)]
         dw = cupy.empty(op.w_shape, dtype=np_dtype)

@@ -21,7 +21,8 @@ from bsmm.backends.cuda import plans
 from bsmm.backends.cuda.environment import check_environment
 from bsmm.backends.cuda.kernels import GatherVariant, load_kernel
 from bsmm.backends.cuda.params import Sizes
-from bsmm.backends.cuda.plans import Plan, plan_for
+from bsmm.backends.cuda.plan_cache import plan_for
+from bsmm.backends.cuda.plans import Plan
 from bsmm.backends.strided import BlockOrder, check_strided_operands, virtual_width
 
 __all__ = ["FastCall", "fprop", "bprop", "updat", "strided_pass", "shifted_pass", "gather_rows", "recording_paths"]

@@ -7,36 +7,31 @@ step table), uploaded once. A pass then costs one kernel launch on the caller's
 stream, no host synchronisation and no allocation besides the output and, for
 layouts whose long block columns are cut into parts, a workspace and counters
 kept per (plan, stream) and reused (:mod:`bsmm.backends.cuda.workspaces`).
-Plans are cached per layout (:func:`plan_for`, :func:`plans_of`, :func:`forget_plans`).
+Plans are cached per layout in :mod:`bsmm.backends.cuda.plan_cache`.
 """
 
 from __future__ import annotations
 
 import ctypes
 import dataclasses
-import logging
 import struct
 import threading
-import weakref
 
 import cupy
 
 from bsmm.block_index import BlockIndex
-from bsmm.config import once, settings, tuned_path, warn
 from bsmm.backends.cuda.kernels import ELEMENT_BYTES, Variant, load_kernel
 from bsmm.backends.cuda.launches import SerializedLaunch
 from bsmm.backends.cuda.params import PACK, MatmulParams, Sizes, values as param_values
 from bsmm.backends.cuda.planner import Path, launch_layout, layout_path
-from bsmm.backends.cuda.policy import Policy, current_policy
-from bsmm.backends.cuda.selection import Device, copies, transposes_weights
+from bsmm.backends.cuda.policy import Policy
+from bsmm.backends.cuda.selection import Device
 from bsmm.backends.cuda.tensor_maps import MAP_BYTES, tensor_map
 from bsmm.backends.cuda.workspaces import allocate_workspace, per_stream
 from bsmm.backends.strided import BlockOrder
 from bsmm.passes import PASSES
 
-__all__ = ["Launcher", "Parameters", "Plan", "TmaPlan", "build_plan", "device_traits", "occupancy", "forget_plans", "plan_for", "plans_of"]
-
-_log = logging.getLogger(__name__)
+__all__ = ["Launcher", "Parameters", "Plan", "TmaPlan", "build_plan", "device_traits", "occupancy"]
 
 # Bound once: the per-call path looks it up on every launch.
 launch_kernel = cupy.cuda.driver.launchKernel
@@ -275,102 +270,3 @@ def occupancy(kernel, variant) -> int:
     """Thread blocks of ``variant`` one SM holds at once."""
     return max(1, cupy.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(
         kernel.kernel.ptr, variant.threads, variant.shared_bytes))
-
-
-_PLANS: "weakref.WeakKeyDictionary[BlockIndex, dict]" = weakref.WeakKeyDictionary()
-
-_PLAN_LOCK = threading.Lock()
-
-
-def forget_plans() -> None:
-    """Drop every cached plan, so that the next call of a pass plans it again (plans are kept per
-    :class:`~bsmm.backends.cuda.policy.Policy`, so a new policy never needs this). Operators keep the calls they already made
-    (:class:`FastCall`): make new ones."""
-    with _PLAN_LOCK:
-        _PLANS.clear()
-
-
-def plan_for(index: BlockIndex, pass_name: str, n: int, dtype: str, feature_axis: int, tf32: bool,
-             aligned: bool, act_blocks: tuple | None = None, weight_blocks: BlockOrder | None = None,
-             plain: bool = False, epilogue: str = "store") -> Plan:
-    """The cached plan for this pass on the current device, built on first use.
-
-    ``plain``: the operands are whole (N, C) and (N, K) arrays (or their feature-axis-0
-    transposes), so the pass may read transposed copies of them (:mod:`bsmm.backends.cuda.copy_plans`);
-    strided and shifted passes are not. A TF32 fprop gets its ``TransposedWeightsFprop`` where
-    that applies (:func:`bsmm.backends.cuda.selection.copies`). Plans are kept per
-    :func:`~bsmm.backends.cuda.policy.current_policy`. ``epilogue``: a name of
-    :data:`bsmm.epilogues.EPILOGUES`, the kernel's way out (fprop and bprop).
-    """
-    device_id = cupy.cuda.runtime.getDevice()
-    policy = current_policy()
-    key = (pass_name, n, dtype, feature_axis, tf32, aligned, device_id, act_blocks, weight_blocks, plain, policy,
-           epilogue)
-    plans = _PLANS.get(index)
-    plan = plans.get(key) if plans is not None else None
-    if plan is None:
-        with _PLAN_LOCK:
-            plans = _PLANS.setdefault(index, {})
-            plan = plans.get(key)
-            if plan is None:
-                plan = plans[key] = _new_plan(index, pass_name, n, dtype, feature_axis, tf32, aligned, act_blocks,
-                                              weight_blocks, plain, cupy.cuda.Device(device_id), policy, epilogue)
-    return plan
-
-
-def _new_plan(index: BlockIndex, pass_name: str, n: int, dtype: str, feature_axis: int, tf32: bool, aligned: bool,
-              act_blocks, weight_blocks, plain: bool, device, policy: Policy, epilogue: str = "store"):
-    """The plan :func:`plan_for` keeps: a :class:`Plan`, or one of the copying plans around one."""
-    # Imported here: the copying plans are built of this module's plans (a cycle at import time).
-    from bsmm.backends.cuda import copy_plans
-
-    traits = device_traits(device)
-    _tell_once(traits.arch, aligned, device.id)
-    if plain:
-        copied = copies(index, pass_name, n, dtype, feature_axis, tf32, aligned, traits, policy)
-    elif act_blocks is None and weight_blocks is None and pass_name == "fprop" and transposes_weights(
-            index, n, dtype, feature_axis, tf32, aligned, traits, policy):
-        copied = "w"
-    else:
-        copied = ""
-    if copied == "w":
-        return copy_plans.TransposedWeightsFprop(index, n, device, policy, epilogue)
-    if copied == "x+dy":
-        return copy_plans.TransposedUpdat(index, n, dtype, device, policy, tf32)
-    if copied:
-        return copy_plans.TransposedActivations(index, pass_name, n, dtype, device, policy, epilogue)
-    return build_plan(index, pass_name, n, dtype, feature_axis, tf32, aligned, device, policy, act_blocks,
-                      weight_blocks, epilogue=epilogue)
-
-
-def _tell_once(arch: str, aligned: bool, device_id: int) -> None:
-    """What a plan about to be built cannot use, logged once a process: the Hopper kernels on
-    another architecture, 16-byte vector copies for unaligned operands; and a warning where the
-    tuned launch tiles of ``arch`` were measured on a GPU other than device ``device_id``."""
-    if arch != "sm90" and once(("arch", arch)):
-        _log.info("%s: the wgmma and TMA kernels are built for Hopper (sm_90a) only%s; the cp.async kernels run "
-                  "instead", arch, ", programmatic launches need sm_90" if int(arch[2:]) < 90 else "")
-    if not aligned and once("unaligned"):
-        _log.info("a pass reads operands that are not 16-byte aligned (an array's start or row stride, or on "
-                  "feature axis 0 a batch whose rows are not whole 16-byte chunks): it runs a kernel without "
-                  "16-byte vector copies, which is slower")
-    measured = {record.get("device") for entry, record in settings().get("tuned", {}).items()
-                if entry.split(".")[0] == arch}
-    if measured and once(("tuned device", arch)):
-        name = _device_name(device_id)
-        if measured - {name}:
-            warn(f"the tuned launch tiles for {arch} in {tuned_path()} were measured on "
-                 f"{', '.join(sorted(map(str, measured - {name})))}, not on this {name}: run `python -m bsmm tune` "
-                 "on this GPU, or set BSMM_TUNED=0 to use bsmm.toml's tiles")
-
-
-def _device_name(device_id: int) -> str:
-    name = cupy.cuda.runtime.getDeviceProperties(device_id)["name"]
-    return name.decode() if isinstance(name, bytes) else name
-
-
-def plans_of(index: BlockIndex) -> dict:
-    """A copy of the plans cached for ``index``: {(pass, N, dtype, feature axis, tf32, aligned,
-    device, activation blocks, weight blocks, plain, policy, epilogue): plan}; empty where none was built."""
-    with _PLAN_LOCK:
-        return dict(_PLANS.get(index, {}))

@@ -246,12 +246,12 @@ def test_census_path_on_the_gpu(cupy, census_entry, monkeypatch):
     if cupy.cuda.Device().compute_capability != "90":
         pytest.skip("the census models an sm_90 device")
     from bsmm.backends.cuda import backend as cuda_backend
-    from bsmm.backends.cuda import plans as cuda_plans
+    from bsmm.backends.cuda import plan_cache
 
     # The planner assumes the census's occupancy (planner.estimated_occupancy), so that the path the
     # census recorded is the one this GPU runs (updat's cut of the batch follows occupancy).
     monkeypatch.setattr(cuda_plans, "occupancy", lambda kernel, variant: planner.estimated_occupancy(variant))
-    cuda_plans.forget_plans()
+    plan_cache.forget_plans()
     op, x, dy, w = _device_case(cupy, entry.shape, seed=zlib.crc32(entry.shape.describe().encode()))
     with cuda_backend.recording_paths() as taken, planning(path_census.policy(entry.shape.mode)):
         worst = run_all_ways(cupy, op, x, dy, w)
