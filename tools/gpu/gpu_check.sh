@@ -3,7 +3,7 @@
 # test suite (each census path among them), the randomized sweep at users' shapes, the checks past
 # 2**31 elements, memcheck and initcheck over a sample of the census, and the benchmark. Full logs
 # go to $OUT; a short table is printed last.
-#   tools/gpu/gpu_check.sh [check|smoke|tests|bench|all|note|conv|race|models|tune|framework|multi] [bench args...]
+#   tools/gpu/gpu_check.sh [check|smoke|tests|bench|all|note|conv|race|models|tune|framework|multi|callpath] [bench args...]
 # check (the default): correctness, then sweep. correctness: compile, census, GPU tests, edges.
 # sweep: compile, the randomized sweep (SWEEP_CASES cases, default 2000, within SWEEP_BUDGET s, default 180), sanitizers (every
 # CENSUS_STRIDE-th census shape, default 25), the framework bench (torch, jax and cupy, S, D, F). (The device tool runs
@@ -18,6 +18,8 @@
 # multi: no compile step; the several-device tests (PyTorch DDP, FSDP2 and ShardedBlockSparseLinear over NCCL, one process
 # a GPU; JAX sharding) on the GPUs present, then tools/gpu/multi_gpu.py (data- and model-parallel steps on 1 and all
 # GPUs, beside dense). NCCL's NVLink multicast stays off (the lent machines require it).
+# callpath: tools/probes/probe_call_path.py (eager against compiled, host times, fused epilogues); with
+# BEFORE=<tree of another commit>, that tree's run first, side by side. check and sweep run it last.
 # tune: `python -m bsmm tune` with the remaining arguments (e.g. --workload T --block-size 64
 # --dtype float16 --dry-run); its report, and the kept tiles in $BSMM_CACHE_DIR/tuned.toml.
 set -uo pipefail
@@ -47,7 +49,8 @@ if [[ $stage == check || $stage == correctness ]]; then
   python3 tests/path_census.py --markdown >"$OUT/census.md" 2>&1 || status=1
   summary+=("census: $(tail -1 "$OUT/census.md")")
   t0=$(date +%s)
-  python3 -m pytest -q -m gpu tests -p no:cacheprovider >"$OUT/pytest_gpu.log" 2>&1 || status=1
+  # PYTEST_WORKERS > 1: the suite over that many processes sharing the GPU (pytest-xdist).
+  python3 -m pytest -q -m gpu tests -p no:cacheprovider ${PYTEST_WORKERS:+-n $PYTEST_WORKERS} >"$OUT/pytest_gpu.log" 2>&1 || status=1
   summary+=("gpu tests: $(tail -1 "$OUT/pytest_gpu.log") [$(( $(date +%s) - t0 ))s]")
   grep -E "^(FAILED|ERROR)" "$OUT/pytest_gpu.log" | head -20
   t0=$(date +%s)
@@ -134,6 +137,18 @@ if [[ $stage == note || $stage == conv ]]; then
   grep -E "^\|" "$OUT/conv.md" | awk '!seen[$0]++'
   echo "conv profile (wide32, block 32, 50 %):"
   cat "$OUT/profile_conv.txt"
+fi
+if [[ $stage == callpath || $stage == check || $stage == sweep ]]; then
+  # The call path, eager against compiled, host times and the fused epilogues
+  # (tools/probes/probe_call_path.py); with BEFORE=<a tree of an earlier commit>, that tree first, in the same call.
+  t0=$(date +%s)
+  if [[ -n ${BEFORE:-} && -d ${BEFORE:-} ]]; then
+    (cd "$BEFORE" && PYTHONPATH=$PWD BSMM_CACHE_DIR=$BSMM_CACHE_DIR.before python3 tools/probes/probe_call_path.py \
+      --json "$OUT/callpath_before.json" >"$OUT/callpath_before.md" 2>"$OUT/callpath_before.log") || status=1
+    echo "call path, before ($BEFORE):"; cat "$OUT/callpath_before.md"
+  fi
+  python3 tools/probes/probe_call_path.py --json "$OUT/callpath.json" >"$OUT/callpath.md" 2>"$OUT/callpath.log" || status=1
+  echo "call path [$(( $(date +%s) - t0 ))s]:"; cat "$OUT/callpath.md"
 fi
 if [[ $stage == tune ]]; then
   t0=$(date +%s)
