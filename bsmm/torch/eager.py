@@ -128,22 +128,21 @@ def _activation_grad(activation: str, grad: torch.Tensor, saved: torch.Tensor) -
 class BiasAct(torch.autograd.Function):
     """y = A(x·W + bias) in one kernel (:mod:`bsmm.epilogues`), differentiable in x, W and bias.
 
-    ``apply(x, w, bias or None, key, feature_axis, tf32, activation, out_shape) -> (y, pre)``:
-    ``pre`` is the pre-activation z where the backward needs it (GELU, SiLU; gradients taken),
-    else an empty tensor. The backward turns the output's gradient into dz with PyTorch's own
+    ``apply(x, w, bias or None, key, feature_axis, tf32, activation, keep_pre, out_shape) -> (y, pre)``:
+    ``pre`` is the pre-activation z where ``keep_pre`` (the backward of GELU and SiLU reads it:
+    :func:`biased_product` asks for it), else an empty tensor. The backward turns the output's gradient into dz with PyTorch's own
     activation backward, then the bias gradient is dz summed over the batch and dx, dW the
     bprop and updat of dz.
     """
 
     @staticmethod
-    def forward(x, w, bias, key, feature_axis, tf32, activation, out_shape):
-        keep_pre = ACTIVATIONS[activation].reads == "pre" and torch.is_grad_enabled() and any(
-            t is not None and t.requires_grad for t in (x, w, bias))
+    def forward(x, w, bias, key, feature_axis, tf32, activation, keep_pre, out_shape):
+        # (grad mode is off in here: whether a gradient will be taken is the caller's to say)
         return _run_epilogue(x, w, bias, key, feature_axis, tf32, activation, keep_pre, out_shape)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        x, w, bias, key, feature_axis, tf32, activation, out_shape = inputs
+        x, w, bias, key, feature_axis, tf32, activation, keep_pre, out_shape = inputs
         y, pre = output
         ctx.mark_non_differentiable(pre)
         ctx.options = (key, feature_axis, tf32)
@@ -163,7 +162,7 @@ class BiasAct(torch.autograd.Function):
         dbias = None
         if ctx.needs_input_grad[2]:
             dbias = dz.sum(0 if ctx.feature_axis == 1 else 1)
-        return dx, dw, dbias, None, None, None, None, None
+        return dx, dw, dbias, None, None, None, None, None, None
 
 
 def _run_epilogue(x, w, bias, key, feature_axis, tf32, activation, keep_pre, out_shape):
@@ -191,7 +190,8 @@ def biased_product(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, 
     """y = A(x·W + bias) through :class:`BiasAct` (``activation`` a name of
     :data:`bsmm.epilogues.ACTIVATIONS`, ``"none"`` for the bias alone); as :func:`product` otherwise."""
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, w, bias)):
-        return BiasAct.apply(x, w, bias, key, feature_axis, tf32, activation, out_shape)[0]
+        keep_pre = ACTIVATIONS[activation].reads == "pre"
+        return BiasAct.apply(x, w, bias, key, feature_axis, tf32, activation, keep_pre, out_shape)[0]
     return _run_epilogue(x, w, bias, key, feature_axis, tf32, activation, False, out_shape)[0]
 
 
