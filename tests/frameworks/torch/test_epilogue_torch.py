@@ -3,8 +3,8 @@
 References are dense float64 models on the CPU built with ``torch.nn.functional`` from the layer's own
 ``to_dense_weight`` (their weight gradients reach the present blocks through it), compared norm-wise
 (``reference.assert_close``, each dtype's tolerance). CPU cases always run (float32 and float64); CUDA
-cases carry the ``gpu`` marker (``device``) and run float32, bfloat16 and float16. Cases that fail for the
-library bugs described at KEEPS_NO_PRE and NO_SECOND_ORDER are strict xfails: drop the marks once fixed.
+cases carry the ``gpu`` marker (``device``) and run float32, bfloat16 and float16. Second derivatives
+(gradgradcheck) of the activations that keep z go through the backward that recomputes z differentiably.
 """
 
 from __future__ import annotations
@@ -40,27 +40,12 @@ DTYPES = {"cpu": (torch.float32, torch.float64), "cuda": (torch.float32, torch.b
 PASS_OPERATORS = ("fprop", "bprop", "updat", "fprop_epilogue")
 
 PRE_READERS = ("gelu", "gelu_tanh", "silu")  # their backward reads the pre-activation z
-# Library bug: bsmm/torch/eager.py, BiasAct.forward sets keep_pre from torch.is_grad_enabled(), which is
-# False inside any autograd.Function's forward: z is never kept and the backward of every activation that
-# reads it fails (RuntimeError: shape '[N, K]' is invalid for input of size 0). Strict: remove once fixed.
-KEEPS_NO_PRE = pytest.mark.xfail(strict=True, raises=RuntimeError,
-                                 reason="library bug: BiasAct never keeps the pre-activation z")
-# Behind it, second order: BiasAct marks z non-differentiable, so the create_graph backward misses A''(z)
-# (gradgradcheck finds a zero Jacobian), and aten::silu_backward has no derivative in PyTorch.
-NO_SECOND_ORDER = pytest.mark.xfail(strict=True, raises=RuntimeError,  # (GradcheckError is a RuntimeError)
-                                    reason="library bugs: z never kept; z non-differentiable (A'' lost)")
-
-
-def reads_pre(*activations):
-    """The activations as parameters, those whose backward reads z marked with :data:`KEEPS_NO_PRE`."""
-    return [pytest.param(a, marks=KEEPS_NO_PRE) if a in PRE_READERS else a for a in activations]
 
 
 def gradcheck_cases():
     for activation in ("none", "relu", *PRE_READERS):
         for name, check in (("grad", torch.autograd.gradcheck), ("gradgrad", torch.autograd.gradgradcheck)):
-            marks = () if activation not in PRE_READERS else NO_SECOND_ORDER if name == "gradgrad" else KEEPS_NO_PRE
-            yield pytest.param(activation, check, marks=marks, id=f"{activation}-{name}")
+            yield pytest.param(activation, check, id=f"{activation}-{name}")
 
 
 def host(t: torch.Tensor) -> np.ndarray:
@@ -113,7 +98,7 @@ def test_forward_matches_dense(device, activation, bias, axis, ndim):
 @pytest.mark.parametrize("ndim", [2, 3])
 @pytest.mark.parametrize("axis", [1, 0])
 @pytest.mark.parametrize("bias", [True, False])
-@pytest.mark.parametrize("activation", reads_pre(*ACTIVATIONS))
+@pytest.mark.parametrize("activation", ACTIVATIONS)
 def test_gradients_match_dense(device, activation, bias, axis, ndim):
     """dx, dW (the dense model's cut to the present blocks) and dbias of backward(g), random g."""
     for dtype in DTYPES[device]:
@@ -183,7 +168,7 @@ def forward_backward(model, x):
 
 
 @pytest.mark.parametrize("axis", [1, 0])
-@pytest.mark.parametrize("activation", reads_pre("gelu", "relu"))
+@pytest.mark.parametrize("activation", ["gelu", "relu"])
 def test_compiled_mlp_matches_eager_without_breaks_or_recompiles(device, activation, axis):
     torch._dynamo.reset()
     counters.clear()
@@ -218,7 +203,7 @@ def bsmm_targets(graph_module) -> set:
 FAST = {f"bsmm.{name}.default" for name in PASS_OPERATORS}
 
 
-@pytest.mark.parametrize("activation", reads_pre("gelu", "relu"))
+@pytest.mark.parametrize("activation", ["gelu", "relu"])
 def test_compiled_graphs_call_only_the_pass_operators(device, activation):
     torch._dynamo.reset()
     graphs = []
@@ -238,7 +223,7 @@ def test_compiled_graphs_call_only_the_pass_operators(device, activation):
         assert not torch._C._dispatch_has_kernel_for_dispatch_key(name, "Autograd"), name
 
 
-@pytest.mark.parametrize("activation", reads_pre("gelu", "relu"))
+@pytest.mark.parametrize("activation", ["gelu", "relu"])
 def test_make_fx_training_step_records_only_the_pass_operators(device, activation):
     model = make_mlp(activation, 1, device)
     names = [name for name, _ in model.named_parameters()]
