@@ -87,6 +87,20 @@ def _layer(torch, bsmm_torch, c, k, bs, density, dtype, bias, activation=None):
                                         bias=bias, device="cuda", dtype=dtype, **options)
 
 
+def _kernel_table(fn, sync, title):
+    """The profiler's CUDA kernels of five calls of ``fn``, by total GPU time, to stderr."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    sync()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            fn()
+        sync()
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=70)
+    print(f"== kernels of 5 calls: {title}\n{table}", file=sys.stderr)
+
+
 def takes_activation(bsmm_torch):
     import inspect
 
@@ -127,6 +141,7 @@ def mlp_rows(quick):
             gpu = _events_ms(run, 10, 15, sync)
             host = _host_us(run, 10, 15, sync)
             kernels, ops = _kernels(run, sync)
+            _kernel_table(step, sync, f"{name}, {mode} step")
             rows.append({"row": name, "mode": mode, "gpu_ms": round(gpu, 3), "host_us": round(host, 1),
                          "kernels": kernels, "bsmm_op_host_us": ops})
         # Where a compiled step's host time goes (cProfile's top entries, cumulative).
@@ -283,6 +298,7 @@ def fused_rows(quick):
                 layer.weight.grad = layer.bias.grad = x.grad = None
                 fn().backward(g)
 
+            _kernel_table(step, sync, f"{name}, {mode} step")
             rows.append({"row": name, "mode": mode,
                          "forward_ms": round(_events_ms(forward, 10, 15, sync), 4),
                          "forward_kernels": _kernels(forward, sync)[0],
