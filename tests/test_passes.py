@@ -172,7 +172,6 @@ def test_tf32_fprop_through_transposed_weights(cupy, bs):
     (TransposedWeightsFprop): calls with new weights (the kept workspace rewritten) and an
     accumulating call all match the float64 reference; a skewed layout, N off the tile."""
     from bsmm.backends.cuda import copy_plans
-    from bsmm.backends.cuda import plans as cuda_plans
     from bsmm.backends.cuda import plan_cache
 
     rng = np.random.default_rng([bs, 7])
@@ -587,7 +586,6 @@ def plans_under(policy: Policy, index) -> dict:
     """The plans cached for ``index`` that were made under ``policy`` (a plan-cache key's last
     element): a layout's index, and with it its plans, is shared by every operator of that
     layout, other tests' included."""
-    from bsmm.backends.cuda import plans as cuda_plans
     from bsmm.backends.cuda import plan_cache
 
     return {key: plan for key, plan in plan_cache.plans_of(index).items() if key[10] is policy}
@@ -688,7 +686,6 @@ def test_updat_through_transposed_copies(xp, bs, dtype, wgmma):
         pytest.skip("transposed copies are a GPU path")
     from bsmm.backends.cuda import copy_plans, selection
     from bsmm.backends.cuda import plans as cuda_plans
-    from bsmm.backends.cuda import plan_cache
 
     policy, hopper = wgmma_policy(xp, current_policy(), wgmma)
     policy = policy.replace(updat_transpose=[bs], updat_transpose_min_rows=65)
@@ -831,7 +828,6 @@ def test_tma_matches_cp_async_bitwise(xp, dtype, bs, n, monkeypatch):
     a batch that ends inside a tile (updat: inside a step), mma.sync fprop/bprop at block 32
     for small batches; columns (batches) cut into parts."""
     from bsmm.backends.cuda import plans as cuda_plans
-    from bsmm.backends.cuda import plan_cache
 
     base = tma_for_any_layout(xp, current_policy()).replace(
         wgmma=True,

@@ -50,7 +50,8 @@ if [[ $stage == check || $stage == correctness ]]; then
   summary+=("census: $(tail -1 "$OUT/census.md")")
   t0=$(date +%s)
   # PYTEST_WORKERS > 1: the suite over that many processes sharing the GPU (pytest-xdist).
-  python3 -m pytest -q -m gpu tests -p no:cacheprovider ${PYTEST_WORKERS:+-n $PYTEST_WORKERS} >"$OUT/pytest_gpu.log" 2>&1 || status=1
+  # (the workers share the GPU: XLA must not take 75 % of its memory at start-up in each)
+  XLA_PYTHON_CLIENT_PREALLOCATE=false python3 -m pytest -q -m gpu tests -p no:cacheprovider ${PYTEST_WORKERS:+-n $PYTEST_WORKERS} >"$OUT/pytest_gpu.log" 2>&1 || status=1
   summary+=("gpu tests: $(tail -1 "$OUT/pytest_gpu.log") [$(( $(date +%s) - t0 ))s]")
   grep -E "^(FAILED|ERROR)" "$OUT/pytest_gpu.log" | head -20
   t0=$(date +%s)

@@ -141,7 +141,6 @@ def mlp_rows(quick):
             gpu = _events_ms(run, 10, 15, sync)
             host = _host_us(run, 10, 15, sync)
             kernels, ops = _kernels(run, sync)
-            _kernel_table(step, sync, f"{name}, {mode} step")
             rows.append({"row": name, "mode": mode, "gpu_ms": round(gpu, 3), "host_us": round(host, 1),
                          "kernels": kernels, "bsmm_op_host_us": ops})
         # Where a compiled step's host time goes (cProfile's top entries, cumulative).

@@ -247,6 +247,7 @@ def test_census_path_on_the_gpu(cupy, census_entry, monkeypatch):
         pytest.skip("the census models an sm_90 device")
     from bsmm.backends.cuda import backend as cuda_backend
     from bsmm.backends.cuda import plan_cache
+    from bsmm.backends.cuda import plans as cuda_plans
 
     # The planner assumes the census's occupancy (planner.estimated_occupancy), so that the path the
     # census recorded is the one this GPU runs (updat's cut of the batch follows occupancy).
