@@ -68,7 +68,7 @@ def torch_rows():
     for _ in range(3):
         step(layer, x, g)
     op = torch_passes.matmul_operator(key, 1, False)
-    fprop_call = op.kept_calls[("fprop", xd.shape, np.dtype(bsmm.SUPPORTED_DTYPES["bfloat16"]), 1, False)]
+    fprop_call = op.kept_calls[("fprop", xd.shape, np.dtype(bsmm.SUPPORTED_DTYPES["bfloat16"]), 1, False, "store")]
     out = torch.empty(N, C, device="cuda", dtype=dtype)
     stream = torch.cuda.current_stream().cuda_stream
     cases = {

@@ -58,7 +58,7 @@ for density in [float(d) for d in (sys.argv[1:] or ("0.02", "0.1"))]:
     cupy.cuda.Device().synchronize()
     for label, fn in cases.items():
         pass_name = label.split()[0]
-        call = op.kept_calls[(pass_name, x.shape, x.dtype, op.feature_axis, op.tf32)]
+        call = op.kept_calls[(pass_name, x.shape, x.dtype, op.feature_axis, op.tf32, "store")]
         plan = call.plan
         launcher = plan.launcher
         print(f"S fp16 {density:.0%} {label}: {type(plan).__name__} {plan.variant}", flush=True)

@@ -15,8 +15,9 @@ import cupy
 
 from bsmm.block_index import BlockIndex
 from bsmm.config import once, settings, tuned_path, warn
-from bsmm.backends.cuda import copy_plans
-from bsmm.backends.cuda.plans import Plan, build_plan, device_traits
+# Through the module: tests count plan builds by replacing plans.build_plan.
+from bsmm.backends.cuda import copy_plans, plans
+from bsmm.backends.cuda.plans import Plan
 from bsmm.backends.cuda.policy import Policy, current_policy
 from bsmm.backends.cuda.selection import copies, transposes_weights
 from bsmm.backends.strided import BlockOrder
@@ -55,14 +56,14 @@ def plan_for(index: BlockIndex, pass_name: str, n: int, dtype: str, feature_axis
     policy = current_policy()
     key = (pass_name, n, dtype, feature_axis, tf32, aligned, device_id, act_blocks, weight_blocks, plain, policy,
            epilogue)
-    plans = _PLANS.get(index)
-    plan = plans.get(key) if plans is not None else None
+    kept = _PLANS.get(index)
+    plan = kept.get(key) if kept is not None else None
     if plan is None:
         with _PLAN_LOCK:
-            plans = _PLANS.setdefault(index, {})
-            plan = plans.get(key)
+            kept = _PLANS.setdefault(index, {})
+            plan = kept.get(key)
             if plan is None:
-                plan = plans[key] = _new_plan(index, pass_name, n, dtype, feature_axis, tf32, aligned, act_blocks,
+                plan = kept[key] = _new_plan(index, pass_name, n, dtype, feature_axis, tf32, aligned, act_blocks,
                                               weight_blocks, plain, cupy.cuda.Device(device_id), policy, epilogue)
     return plan
 
@@ -70,7 +71,7 @@ def plan_for(index: BlockIndex, pass_name: str, n: int, dtype: str, feature_axis
 def _new_plan(index: BlockIndex, pass_name: str, n: int, dtype: str, feature_axis: int, tf32: bool, aligned: bool,
               act_blocks, weight_blocks, plain: bool, device, policy: Policy, epilogue: str = "store"):
     """The plan :func:`plan_for` keeps: a :class:`Plan`, or one of the copying plans around one."""
-    traits = device_traits(device)
+    traits = plans.device_traits(device)
     _tell_once(traits.arch, aligned, device.id)
     if plain:
         copied = copies(index, pass_name, n, dtype, feature_axis, tf32, aligned, traits, policy)
@@ -85,7 +86,7 @@ def _new_plan(index: BlockIndex, pass_name: str, n: int, dtype: str, feature_axi
         return copy_plans.TransposedUpdat(index, n, dtype, device, policy, tf32)
     if copied:
         return copy_plans.TransposedActivations(index, pass_name, n, dtype, device, policy, epilogue)
-    return build_plan(index, pass_name, n, dtype, feature_axis, tf32, aligned, device, policy, act_blocks,
+    return plans.build_plan(index, pass_name, n, dtype, feature_axis, tf32, aligned, device, policy, act_blocks,
                       weight_blocks, epilogue=epilogue)
 
 
