@@ -117,6 +117,30 @@ def test_gradients_match_dense(device, activation, bias, axis, ndim):
             assert_close(host(layer.bias.grad), host(ref.bias.grad), name, f"dbias ({dtype})")
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["y-and-z-fused", "z-then-torch"])
+@pytest.mark.parametrize("activation", PRE_READERS)
+def test_training_forward_of_either_size(device, activation, fused, monkeypatch):
+    """Above FUSED_PRE_MAX_BYTES a training forward of GELU or SiLU writes z alone and PyTorch applies the
+    activation (eager.keeps_pre_fused); below, one kernel writes y and z: both agree with the dense model."""
+    from bsmm.torch import eager
+
+    monkeypatch.setattr(eager, "FUSED_PRE_MAX_BYTES", 1 << 40 if fused else 0)
+    for dtype in DTYPES[device]:
+        layer = make_layer(activation, True, 1, dtype, device)
+        x = torch.randn(batch_shape(layer.in_features, 1, 3), dtype=torch.float64).to(device, dtype).requires_grad_()
+        y = layer(x)
+        assert (type(y.grad_fn).__name__ == "BiasActBackward") == fused and y._base is None
+        g = torch.randn(y.shape, dtype=torch.float64).to(device, dtype)
+        y.backward(g)
+        ref, x64, y64 = dense_reference(layer, x, activation)
+        y64.backward(g.to("cpu", torch.float64))
+        name = str(dtype)[6:]
+        assert_close(host(y), host(y64), name, f"y ({dtype})")
+        assert_close(host(x.grad), host(x64.grad), name, f"dx ({dtype})")
+        assert_close(host(layer.weight.grad), host(ref.weight.grad), name, f"dW ({dtype})")
+        assert_close(host(layer.bias.grad), host(ref.bias.grad), name, f"dbias ({dtype})")
+
+
 # -- 2. gradcheck and gradgradcheck through blocksparse_matmul --------------------------------------------------
 @pytest.mark.parametrize("axis", [1, 0])
 @pytest.mark.parametrize("bias", [True, False])
