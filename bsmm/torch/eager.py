@@ -22,7 +22,7 @@ from bsmm.epilogues import ACTIVATIONS
 from bsmm.passes import PASSES, cotangent_operands
 from bsmm.torch.ops import PASS_OPS, fprop_epilogue
 from bsmm.torch.passes import run_epilogue, run_pass
-from bsmm.torch.registry import live_registration, lookup
+from bsmm.torch.registry import live_registration
 
 __all__ = ["FUNCTIONS", "FUSED_PRE_MAX_BYTES", "BiasAct", "biased_product", "keeps_pre_fused", "product"]
 
@@ -234,13 +234,15 @@ def product(x: torch.Tensor, w: torch.Tensor, key: str, feature_axis: int, tf32:
 
 
 def biased_product(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, key: str, feature_axis: int,
-                   tf32: bool, activation: str, out_shape: tuple | None = None) -> torch.Tensor:
+                   tf32: bool, activation: str, out_shape: tuple | None = None,
+                   features_out: int = 0) -> torch.Tensor:
     """y = A(x·W + bias) through :class:`BiasAct` (``activation`` a name of
-    :data:`bsmm.epilogues.ACTIVATIONS`, ``"none"`` for the bias alone); as :func:`product` otherwise."""
+    :data:`bsmm.epilogues.ACTIVATIONS`, ``"none"`` for the bias alone; ``features_out``: the
+    layer's K); as :func:`product` otherwise."""
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, w, bias)):
         keep_pre = ACTIVATIONS[activation].reads == "pre"
         rows = x.shape[0] if feature_axis == 1 else x.shape[1]
-        if keep_pre and not keeps_pre_fused(rows, lookup(key).K, x.element_size()):
+        if keep_pre and not keeps_pre_fused(rows, features_out, x.element_size()):
             # z from the kernel (with the bias), A by PyTorch: see keeps_pre_fused.
             z = biased_product(x, w, bias, key, feature_axis, tf32, "none", out_shape)
             return _TORCH_ACTIVATIONS[activation](z)

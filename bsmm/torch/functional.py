@@ -66,7 +66,8 @@ def matmul_by_key(x, w, key: str, features_in: int, features_out: int, feature_a
         if not isinstance(bias, torch.Tensor):
             raise TypeError(f"bias must be a torch.Tensor or None; got {type(bias).__name__}")
         bias = bias.to(x.dtype)
-    return biased_product(x, w, bias, key, feature_axis, tf32, check_activation(activation) or "none", out_shape)
+    return biased_product(x, w, bias, key, feature_axis, tf32, check_activation(activation) or "none", out_shape,
+                          features_out)
 
 
 def _registration_for(op: BlocksparseMatMul) -> Registration:
