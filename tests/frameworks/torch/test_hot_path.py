@@ -97,6 +97,48 @@ def test_torch_training_step_after_the_first_plans_nothing_and_allocates_its_out
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("activation", [None, "gelu"])
+def test_compiled_training_step_takes_the_kept_raw_pointer_calls(cupy, spies, activation):
+    """torch.compile's graph calls the pass operators, and after its first step each operator call is the
+    kept raw-pointer repeat (no checked path, no planning), as the eager step's are: the slow path a
+    compiled step once took (an autograd layer and the checked call per operator) stays gone."""
+    torch = pytest.importorskip("torch")
+    import bsmm.torch
+
+    torch._dynamo.reset()
+    up = bsmm.torch.BlockSparseLinear(2048, 2048, _layout(), block_size=32, device="cuda", dtype=torch.bfloat16,
+                                      activation=activation)
+    down = bsmm.torch.BlockSparseLinear(2048, 2048, _layout(), block_size=32, device="cuda", dtype=torch.bfloat16)
+    model = torch.compile(lambda x: down(up(x)), fullgraph=True)
+    x = torch.randn(64, 2048, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    grad = torch.randn(64, 2048, device="cuda", dtype=torch.bfloat16)
+
+    def step():
+        for parameter in (*up.parameters(), *down.parameters()):
+            parameter.grad = None
+        x.grad = None
+        model(x).backward(grad)
+        return x.grad.clone(), up.weight.grad.clone(), down.weight.grad.clone()
+
+    first = step()
+    torch.cuda.synchronize()
+    before = dict(spies)
+    checked = []
+    with pytest.MonkeyPatch.context() as patch:
+        for pass_name in ("fprop", "bprop", "updat"):
+            method = getattr(bsmm.BlocksparseMatMul, pass_name)
+            patch.setattr(bsmm.BlocksparseMatMul, pass_name,
+                          lambda self, *args, _method=method, **kwargs: checked.append(args) or _method(self, *args,
+                                                                                                        **kwargs))
+        again = step()
+    torch.cuda.synchronize()
+    assert not checked, "a compiled step took the checked (DLPack) path instead of the kept raw-pointer call"
+    assert spies == before, f"a compiled step planned, uploaded or synchronised: {before} -> {spies}"
+    for a, b in zip(first, again):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
 def test_torch_training_step_in_a_cuda_graph_replays_what_eager_computes(cupy):
     torch = pytest.importorskip("torch")
     import bsmm.torch
