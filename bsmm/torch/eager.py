@@ -40,12 +40,19 @@ def _eager(a: torch.Tensor, b: torch.Tensor) -> bool:
             and not torch.jit.is_tracing())
 
 
-def _run(pass_name: str, a, b, key: str, feature_axis: int, tf32: bool, out_shape=None) -> torch.Tensor:
-    """One pass, undifferentiated: the kernels, or the operator where :func:`_eager` says so."""
-    if _eager(a, b):
+def _run(pass_name: str, a, b, key: str, feature_axis: int, tf32: bool, out_shape=None,
+         eager: bool | None = None) -> torch.Tensor:
+    """One pass, undifferentiated: the kernels, or the operator where :func:`_eager` says so
+    (``eager``: what the caller already knows of it)."""
+    if _eager(a, b) if eager is None else eager:
         return run_pass(pass_name, a, b, key, feature_axis, tf32, out_shape)
     y = PASS_OPS[pass_name](a, b, key, feature_axis, tf32)
     return y if out_shape is None else y.reshape(out_shape)
+
+
+def _eager_with_bias(x, w, bias) -> bool:
+    """:func:`_eager`, and a bias (if any) of no tensor subclass."""
+    return _eager(x, w) and (bias is None or bias.__class__ in _PLAIN)
 
 
 def _keep_registration(ctx, key: str) -> None:
@@ -65,21 +72,22 @@ def _cotangents(ctx, pass_name: str, grad: torch.Tensor, operands: tuple) -> lis
             continue
         first, second = cotangent_operands(rule, operands, grad)
         if differentiable:  # create_graph: through the functions, so that this gradient has one too
-            found.append(_applier(rule[0], first, second)(first, second, *ctx.options, None))
-        else:
-            found.append(_run(rule[0], first, second, *ctx.options))
+            found.append(_apply(rule[0], first, second, *ctx.options, None))
+        else:  # as the forward ran: the kernels in eager mode, the operators in a traced graph
+            found.append(_run(rule[0], first, second, *ctx.options, None, ctx.eager))
     return found
 
 
 def _pass_function(pass_name: str) -> type:
-    """The autograd function of one pass: ``apply(a, b, key, feature_axis, tf32, out_shape)``."""
+    """The autograd function of one pass: ``apply(a, b, key, feature_axis, tf32, out_shape, eager)``
+    (``eager``: :func:`_eager` of the operands, decided once by :func:`_apply`)."""
 
-    def forward(a, b, key, feature_axis, tf32, out_shape):
-        return _run(pass_name, a, b, key, feature_axis, tf32, out_shape)
+    def forward(a, b, key, feature_axis, tf32, out_shape, eager):
+        return _run(pass_name, a, b, key, feature_axis, tf32, out_shape, eager)
 
     def setup_context(ctx, inputs, output):
-        a, b, key, feature_axis, tf32, out_shape = inputs
-        ctx.options = (key, feature_axis, tf32)
+        a, b, key, feature_axis, tf32, out_shape, eager = inputs
+        ctx.options, ctx.eager = (key, feature_axis, tf32), eager
         _keep_registration(ctx, key)
         # Each operand's gradient is a pass with the other operand only (a bilinear map).
         needs_a, needs_b = ctx.needs_input_grad[:2]
@@ -90,7 +98,7 @@ def _pass_function(pass_name: str) -> type:
     def backward(ctx, grad):
         # (an expanded or transposed view, from sum() or .T; of y's leading dimensions where it had some)
         grad = (grad if ctx.rows_shape is None else grad.reshape(ctx.rows_shape)).contiguous()
-        return (*_cotangents(ctx, pass_name, grad, ctx.saved_tensors), None, None, None, None)
+        return (*_cotangents(ctx, pass_name, grad, ctx.saved_tensors), None, None, None, None, None)
 
     methods = {"forward": staticmethod(forward), "setup_context": staticmethod(setup_context),
                "backward": staticmethod(backward), "__doc__": f"The {pass_name} pass, differentiable in both operands."}
@@ -124,9 +132,12 @@ def _direct_apply(function: type):
     return _C_APPLY.__get__(None, function)
 
 
-def _applier(name: str, a, b):
-    """How to apply the function of pass ``name`` (or ``"bias_act"``) to operands ``a`` and ``b``."""
-    return _DIRECT[name] if _eager(a, b) else _FUNCTION_OF[name].apply
+def _apply(name: str, a, b, *options, eager: bool | None = None):
+    """The function of pass ``name`` (or ``"bias_act"``) applied to ``a``, ``b`` and ``options``, its
+    last argument whether it runs eagerly (:func:`_eager`, computed here where not given)."""
+    if eager is None:
+        eager = _eager(a, b)
+    return (_DIRECT[name] if eager else _FUNCTION_OF[name].apply)(a, b, *options, eager)
 
 
 def _activation_grad(activation: str, grad: torch.Tensor, saved: torch.Tensor) -> torch.Tensor:
@@ -154,7 +165,7 @@ def _differentiable_activation_grad(ctx, grad, x, w, bias) -> torch.Tensor:
     """dz = grad · A'(z) as a function of x, W and the bias, for a backward that builds a graph: z
     is recomputed through the differentiable product, so that dz carries A''(z) to the next order."""
     key, feature_axis, tf32 = ctx.options
-    z = FUNCTIONS["fprop"].apply(x, w, key, feature_axis, tf32, None)
+    z = _apply("fprop", x, w, key, feature_axis, tf32, None)
     if bias is not None:
         z = z + (bias if feature_axis == 1 else bias.view(-1, 1))
     with torch.enable_grad():
@@ -173,18 +184,18 @@ class BiasAct(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(x, w, bias, key, feature_axis, tf32, activation, keep_pre, out_shape):
+    def forward(x, w, bias, key, feature_axis, tf32, activation, keep_pre, out_shape, eager):
         # (grad mode is off in here: whether a gradient will be taken is the caller's to say)
-        return _run_epilogue(x, w, bias, key, feature_axis, tf32, activation, keep_pre, out_shape)
+        return _run_epilogue(x, w, bias, key, feature_axis, tf32, activation, keep_pre, out_shape, eager)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        x, w, bias, key, feature_axis, tf32, activation, keep_pre, out_shape = inputs
+        x, w, bias, key, feature_axis, tf32, activation, keep_pre, out_shape, eager = inputs
         y, pre = output
         ctx.mark_non_differentiable(pre)
         # No zeros for pre's gradient: a tensor of y's size filled every step (80 µs at workload F).
         ctx.set_materialize_grads(False)
-        ctx.options = (key, feature_axis, tf32)
+        ctx.options, ctx.eager = (key, feature_axis, tf32), eager
         ctx.activation, ctx.feature_axis = activation, feature_axis
         _keep_registration(ctx, key)
         ctx.rows_shape = _rows_shape(out_shape, feature_axis) or tuple(y.shape)
@@ -195,7 +206,7 @@ class BiasAct(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad, _):
         if grad is None:  # (y was not used in the loss)
-            return (None,) * 9
+            return (None,) * 10
         x, w, bias, saved = ctx.saved_tensors
         grad = grad.reshape(ctx.rows_shape).contiguous()
         if torch.is_grad_enabled() and ctx.activation != "none":
@@ -206,11 +217,11 @@ class BiasAct(torch.autograd.Function):
         dbias = None
         if ctx.needs_input_grad[2]:
             dbias = dz.sum(0 if ctx.feature_axis == 1 else 1)
-        return dx, dw, dbias, None, None, None, None, None, None
+        return dx, dw, dbias, None, None, None, None, None, None, None
 
 
-def _run_epilogue(x, w, bias, key, feature_axis, tf32, activation, keep_pre, out_shape):
-    if _eager(x, w) and (bias is None or bias.__class__ in _PLAIN):
+def _run_epilogue(x, w, bias, key, feature_axis, tf32, activation, keep_pre, out_shape, eager=None):
+    if _eager_with_bias(x, w, bias) if eager is None else eager:
         return run_epilogue(x, w, bias, key, feature_axis, tf32, activation, keep_pre, out_shape)
     y, pre = fprop_epilogue(x, w, bias, key, feature_axis, tf32, activation, keep_pre)
     if out_shape is not None:
@@ -229,7 +240,7 @@ def product(x: torch.Tensor, w: torch.Tensor, key: str, feature_axis: int, tf32:
     the leading dimensions the caller flattened out of ``x`` (in eager mode y is then a tensor of
     that shape, not a view). Without a gradient to record, the pass runs as it is."""
     if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad):
-        return _applier("fprop", x, w)(x, w, key, feature_axis, tf32, out_shape)
+        return _apply("fprop", x, w, key, feature_axis, tf32, out_shape)
     return _run("fprop", x, w, key, feature_axis, tf32, out_shape)
 
 
@@ -246,8 +257,8 @@ def biased_product(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, 
             # z from the kernel (with the bias), A by PyTorch: see keeps_pre_fused.
             z = biased_product(x, w, bias, key, feature_axis, tf32, "none", out_shape)
             return _TORCH_ACTIVATIONS[activation](z)
-        apply = _applier("bias_act", x, w) if bias is None or bias.__class__ in _PLAIN else BiasAct.apply
-        return apply(x, w, bias, key, feature_axis, tf32, activation, keep_pre, out_shape)[0]
+        return _apply("bias_act", x, w, bias, key, feature_axis, tf32, activation, keep_pre, out_shape,
+                      eager=_eager_with_bias(x, w, bias))[0]
     return _run_epilogue(x, w, bias, key, feature_axis, tf32, activation, False, out_shape)[0]
 
 
@@ -273,5 +284,5 @@ _PUBLIC = torch.library.Library("bsmm", "FRAGMENT")
 for _name, _public in (("fprop", "matmul"), ("bprop", "matmul_bprop"), ("updat", "matmul_updat")):
     _first, _second = PASSES[_name].operands
     _PUBLIC.define(f"{_public}(Tensor {_first}, Tensor {_second}, str key, int feature_axis, bool tf32) -> Tensor")
-    _PUBLIC.impl(_public, lambda a, b, key, feature_axis, tf32, _fn=FUNCTIONS[_name]:
-                 _fn.apply(a, b, key, feature_axis, tf32, None), "CompositeImplicitAutograd")
+    _PUBLIC.impl(_public, lambda a, b, key, feature_axis, tf32, _pass=_name:
+                 _apply(_pass, a, b, key, feature_axis, tf32, None), "CompositeImplicitAutograd")
