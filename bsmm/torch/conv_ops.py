@@ -1,9 +1,10 @@
 """The convolutions of :class:`bsmm.nn.conv.BlocksparseConv` as PyTorch custom operators:
 ``bsmm::conv_fprop``, ``bsmm::conv_bprop`` and ``bsmm::conv_updat``.
 
-They are built as the products of :mod:`bsmm.torch.ops` are (a layout key, fake
-implementations, an autograd formula through the other two), taking ``key, spec, tf32``,
-``spec`` being the geometry and the input's spatial shape as ints (:func:`conv_spec`).
+``torch.library.custom_op`` operators with a layout key, fake implementations and an autograd
+formula through the other two (:mod:`bsmm.torch.autograd`, the pass table's cotangents), taking
+``key, spec, tf32``, ``spec`` being the geometry and the input's spatial shape as ints
+(:func:`conv_spec`).
 """
 
 from __future__ import annotations
