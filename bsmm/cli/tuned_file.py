@@ -1,23 +1,21 @@
 """The tuned file of ``python -m bsmm tune``: kept tiles by architecture and a record of each.
 
 :func:`bsmm.config.tuned_path` names it; :func:`bsmm.config.settings` reads its ``[kernels]``
-tables over ``bsmm.toml``'s (``BSMM_TUNED=0`` ignores them). Written as TOML text by
-:func:`toml_text` (the standard library reads TOML, it does not write it).
+tables over ``bsmm.toml``'s (``BSMM_TUNED=0`` ignores them). Written by ``tomli_w`` (the
+standard library reads TOML, it does not write it).
 """
 
 from __future__ import annotations
 
 import datetime
-import json
 import os
-import re
 import tomllib
 from pathlib import Path
 
 from bsmm.config import settings, tuned_path
 from bsmm.cli.tune_results import EntryResult
 
-__all__ = ["tuned_entries", "write_tuned", "toml_text", "format_report", "current_tuned_table", "in_effect"]
+__all__ = ["tuned_entries", "write_tuned", "format_report", "current_tuned_table", "in_effect"]
 
 
 def tuned_entries(path: Path | None = None) -> dict:
@@ -47,56 +45,19 @@ def write_tuned(results: list[EntryResult], device: str, arch: str, path: Path |
         data.setdefault("tuned", {})[entry.name] = {
             "device": device, "date": today, "replaced": list(result.current), "tile": list(result.kept),
             "time_ratio": round(result.confirmed, 4), "cases": [str(c) for c in result.cases]}
+    # Imported here: only `bsmm tune` writes TOML (tomli-w is a dependency of bsmm; a copy of bsmm
+    # run from a source tree without it still reads tuned files and benchmarks).
+    try:
+        import tomli_w
+    except ImportError as error:  # pragma: no cover - depends on the environment
+        raise RuntimeError("writing the tuned file needs tomli-w: pip install tomli-w") from error
     path.parent.mkdir(parents=True, exist_ok=True)
     scratch = path.with_suffix(f".tmp{os.getpid()}")
     scratch.write_text("# Launch tiles measured by `python -m bsmm tune` on this machine; read over bsmm.toml.\n"
                        "# BSMM_TUNED=0 ignores this file; `python -m bsmm tune --reset` removes it.\n\n"
-                       + toml_text(data))
+                       + tomli_w.dumps(data))
     os.replace(scratch, path)  # readers never see half a file
     return path
-
-
-_BARE_KEY = re.compile(r"[A-Za-z0-9_-]+")
-
-
-def toml_text(data: dict) -> str:
-    """``data`` (tables of numbers, strings, booleans and lists of them) written as TOML.
-
-    Examples
-    --------
-    >>> print(toml_text({"kernels": {"sm90": {"tma16": {"sparse": {"64": {"large": [256, 64]}}}}}}).strip())
-    [kernels.sm90.tma16.sparse.64]
-    large = [256, 64]
-    """
-    lines: list[str] = []
-
-    def key(k: str) -> str:
-        return k if _BARE_KEY.fullmatch(k) else json.dumps(k)
-
-    def value(v) -> str:
-        if isinstance(v, bool):
-            return "true" if v else "false"
-        if isinstance(v, (int, float)):
-            return repr(v)
-        if isinstance(v, str):
-            return json.dumps(v, ensure_ascii=False)
-        if isinstance(v, (list, tuple)):
-            return "[" + ", ".join(value(x) for x in v) + "]"
-        raise TypeError(f"cannot write {type(v).__name__} to TOML")
-
-    def table(path: list[str], d: dict) -> None:
-        leaves = [(k, v) for k, v in d.items() if not isinstance(v, dict)]
-        if leaves and path:
-            lines.append(f"[{'.'.join(key(p) for p in path)}]")
-        lines.extend(f"{key(k)} = {value(v)}" for k, v in leaves)
-        if leaves:
-            lines.append("")
-        for k, v in d.items():
-            if isinstance(v, dict):
-                table(path + [k], v)
-
-    table([], data)
-    return "\n".join(lines)
 
 
 def format_report(results: list[EntryResult]) -> str:

@@ -78,12 +78,19 @@ def test_an_unreadable_tuned_file_names_itself_and_the_way_out(cache):
         bsmm.config.settings()
 
 
-def test_toml_text_round_trips():
-    data = {"kernels": {"sm90": {"tma16": {"sparse": {"64": {"large": [256, 64, 64, 16, 1, 4], "n16": [16, 1]}}}}},
-            "tuned": {"sm90.tma16.sparse.64.large": {"device": 'NVIDIA "H100" ü', "time_ratio": 0.9312, "ok": True,
-                                                      "cases": ["fprop float16 N=4096", "bprop"]}},
-            "top": 3}
-    assert tomllib.loads(tuned_file.toml_text(data)) == data
+def test_the_tuned_file_reads_back_what_was_written(tmp_path):
+    """Written by tomli-w: entry names with dots, a device name with quotes and non-ASCII text, merged
+    with what the file held, read back by the standard library."""
+    path = tmp_path / "tuned.toml"
+    result = tune.EntryResult(ENTRY64, [TMA64], CASES[:1], tuple(TMA64.tile.as_list()), kept=(256, 64, 64, 16, 1, 4),
+                              confirmed=0.93124)
+    tuned_file.write_tuned([result], 'NVIDIA "H100" ü', "sm90", path)
+    tuned_file.write_tuned([result], "another GPU", "sm80", path)
+    data = tomllib.loads(path.read_text())
+    name = ENTRY64.on("sm90").name
+    assert data["tuned"][name]["device"] == 'NVIDIA "H100" ü' and data["tuned"][name]["time_ratio"] == 0.9312
+    assert data["tuned"][ENTRY64.on("sm80").name]["device"] == "another GPU"
+    assert tuned_file.tuned_entries(path) == data["tuned"]
 
 
 def _entry_variants():
