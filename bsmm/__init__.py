@@ -43,6 +43,18 @@ __all__ = [
 ]
 __version__ = "0.1.0"
 
+#: Names a user may type for a class bsmm spells otherwise -> bsmm's name. The operators keep the
+#: seed's spelling (BlocksparseMatMul); the matrix and the framework layers are BlockSparse*.
+_SPELLINGS = {"BlockSparseMatMul": "BlocksparseMatMul", "BlockSparseConv": "BlocksparseConv",
+              "BlockSparseLSTM": "BlocksparseLSTM", "BlocksparseMatrix": "BlockSparseMatrix"}
+
+
+def __getattr__(name: str):
+    """A missing attribute's error, naming the class meant where the name is another spelling of one."""
+    hint = f"; the class is bsmm.{_SPELLINGS[name]}" if name in _SPELLINGS else ""
+    raise AttributeError(f"module 'bsmm' has no attribute {name!r}{hint}")
+
+
 # A library logs and leaves handlers to the application: records of the "bsmm" logger are shown
 # only where the application configures logging (logging.basicConfig(level=logging.INFO)).
 logging.getLogger(__name__).addHandler(logging.NullHandler())

@@ -23,8 +23,6 @@ Examples
 ((4, 16), (3, 8, 8))
 """
 
-from __future__ import annotations
-
 # First, for clear ImportErrors where JAX is missing or too old (the modules below import it).
 try:
     import jax

@@ -12,8 +12,6 @@ graphs); graphs holding the op cannot be exported as SavedModels for use without
 gradients are first order only.
 """
 
-from __future__ import annotations
-
 # First: bsmm.tf.functional names the package to install where TensorFlow is missing, and
 # bsmm.tf.layers where Keras 3 is.
 from bsmm.tf.functional import blocksparse_matmul

@@ -20,8 +20,6 @@
   (:mod:`~bsmm.torch.registry`: :func:`register`, :func:`lookup`).
 """
 
-from __future__ import annotations
-
 # First, for its clear ImportError when PyTorch is missing (the modules below import torch).
 from bsmm.torch.ops import lookup, register
 from bsmm.torch.functional import blocksparse_conv, blocksparse_matmul  # noqa: I001  (after ops: see above)
