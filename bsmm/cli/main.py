@@ -5,6 +5,8 @@ The arguments, their checks and the help are in :mod:`bsmm.cli.arguments`; here,
 
 from __future__ import annotations
 
+import ctypes
+import os
 import platform
 import sys
 
@@ -53,10 +55,24 @@ def _demo(args) -> int:
         print(format_gpu_table(bench_gpu(workloads=("S",), bar=_bar_wanted(args))))
         print(_torch_step())
     else:
-        print(f"\nno GPU here: {problem}.\nspeed, CPU backend vs dense NumPy (workload S: N=32, C=K=12288, "
-              "block 32, float32):")
+        if not _nvidia_driver_loaded():
+            # No driver, no GPU: a CUDA extra (what the problem may name) cannot help here.
+            problem = "no NVIDIA driver is loaded on this machine (no GPU, or a container started without one)"
+        print(f"\nno GPU here: {problem}; the demo runs on the CPU backend.\nspeed, CPU backend vs dense NumPy "
+              "(workload S: N=32, C=K=12288, block 32, float32):")
         print(format_table(bench_cpu(densities=(0.25, 0.1, 0.02), repeats=3, bar=_bar_wanted(args))))
     return 0
+
+
+def _nvidia_driver_loaded() -> bool:
+    """Whether an NVIDIA driver is here, without CuPy: Linux's kernel module, or the driver's library."""
+    if os.path.exists("/proc/driver/nvidia/version"):
+        return True
+    try:
+        ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return False
+    return True
 
 
 def _torch_step() -> str:

@@ -265,19 +265,53 @@ def test_import_bsmm_imports_no_tqdm():
 
 
 # ---- demo ----------------------------------------------------------------------------------------
-def test_the_cpu_demo_prints_the_seed_example_and_a_speed_table(capsys, no_gpu, monkeypatch):
-    # The demo's table at a small shape: the real one (C = K = 12288) takes half a minute.
+@pytest.fixture
+def small_cpu_table(monkeypatch):
+    """The demo's table at a small shape: the real one (C = K = 12288) takes half a minute."""
     monkeypatch.setattr(bench, "bench_cpu", functools.partial(bench.bench_cpu, C=512, K=512))
+
+
+def test_the_cpu_demo_prints_the_seed_example_and_a_speed_table(capsys, no_gpu, small_cpu_table, monkeypatch):
+    monkeypatch.setattr(cli, "_nvidia_driver_loaded", lambda: True)  # a driver, but no CuPy: the extra helps
     assert cli.main(["demo"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("seed example: BlocksparseMatMul(")
     error = float(re.search(r"on the CPU: shape \(64, 4096\), relative error vs float64 dense (\S+)", out)[1])
     assert error < 1e-5
     assert "no GPU here: CuPy is not installed: pip install 'bsmm[cuda12]'" in out
+    assert "the demo runs on the CPU backend" in out
     table = [line for line in out.splitlines() if line.startswith("| cpu |")]
     assert [line.split("|")[6:8] for line in table] == [[f" {d} ", f" {p} "] for d in ("25%", "10%", "2%")
                                                         for p in ("fprop", "bprop", "updat")]
     assert "eff.: speed-up × density" in out and "spread:" in out
+
+
+@pytest.mark.parametrize("problem", ["CuPy is not installed: pip install 'bsmm[cuda12]' (CUDA 12 driver)",
+                                     "CuPy finds no CUDA GPU here"])
+def test_the_demo_without_an_nvidia_driver_says_so_and_suggests_no_cuda_extra(capsys, small_cpu_table, monkeypatch,
+                                                                              problem):
+    monkeypatch.setattr(arguments, "gpu_problem", lambda: problem)
+    monkeypatch.setattr(cli, "_nvidia_driver_loaded", lambda: False)
+    assert cli.main(["demo"]) == 0
+    out = capsys.readouterr().out
+    assert ("no GPU here: no NVIDIA driver is loaded on this machine (no GPU, or a container started without one); "
+            "the demo runs on the CPU backend.") in out
+    assert "pip install" not in out and "cuda12" not in out and "CuPy" not in out
+    assert len([line for line in out.splitlines() if line.startswith("| cpu |")]) == 9
+
+
+def test_the_nvidia_driver_is_found_by_its_kernel_module_or_its_library(monkeypatch):
+    monkeypatch.setattr(cli.os.path, "exists", lambda path: path == "/proc/driver/nvidia/version")
+    assert cli._nvidia_driver_loaded()
+    monkeypatch.setattr(cli.os.path, "exists", lambda path: False)
+
+    def no_library(name):
+        raise OSError(f"{name}: cannot open shared object file")
+
+    monkeypatch.setattr(cli.ctypes, "CDLL", no_library)
+    assert not cli._nvidia_driver_loaded()
+    monkeypatch.setattr(cli.ctypes, "CDLL", lambda name: object())
+    assert cli._nvidia_driver_loaded()
 
 
 def test_the_gpu_demo_says_how_to_get_pytorch(monkeypatch):

@@ -8,6 +8,8 @@
 # pythonX.Y, else in pyenv's versions; a missing one fails the check (ALLOW_MISSING_PYTHON=1: SKIP).
 set -euo pipefail
 PYTHON=${PYTHON:-python3}
+# A relative path (.venv/bin/python) must still work from the folders the commands below run in.
+[[ $PYTHON == */* ]] && PYTHON="$(cd "$(dirname "$PYTHON")" && pwd)/$(basename "$PYTHON")"
 here=$(cd "$(dirname "$0")/../.." && pwd)
 work=$(mktemp -d)
 trap 'kill $(jobs -p) 2>/dev/null || true; rm -rf "$work"' EXIT
@@ -16,9 +18,12 @@ start=$SECONDS
 # Build from a copy of what the wheel is made of: in the checkout, setuptools would also pack
 # whatever earlier builds left in build/lib.
 mkdir "$work/src"
+# There, the commands docs/install.md gives a user: `python -m build --wheel`, then
+# `pip install dist/bsmm-*.whl` (below, into each fresh environment).
 (cd "$here" && cp -r setup.cfg pyproject.toml README.md LICENSE bsmm.toml bsmm cuda "$work/src/")
-"$PYTHON" -m build --wheel --outdir "$work/dist" "$work/src" >"$work/build.log" 2>&1 || { cat "$work/build.log"; exit 1; }
-wheel=$(echo "$work"/dist/bsmm-*.whl)
+echo "in a copy of the sources: python -m build --wheel; pip install dist/bsmm-*.whl"
+(cd "$work/src" && "$PYTHON" -m build --wheel) >"$work/build.log" 2>&1 || { cat "$work/build.log"; exit 1; }
+wheel=$(echo "$work"/src/dist/bsmm-*.whl)
 
 "$PYTHON" - "$wheel" "$work/src" <<'PY'
 import email, pathlib, re, sys, zipfile
@@ -80,8 +85,9 @@ for version in 3.11 3.12; do
   fi
   versions+=("$version")
   "$python" -m venv --without-pip "$work/venv$version"
-  "$PYTHON" -m pip --python "$work/venv$version/bin/python" install --quiet "$wheel" pytest hypothesis \
-    >"$work/pip$version.log" 2>&1 &
+  # The documented `pip install dist/bsmm-*.whl`, by $PYTHON's pip into the new environment.
+  (cd "$work/src" && "$PYTHON" -m pip --python "$work/venv$version/bin/python" install --quiet dist/bsmm-*.whl \
+    pytest hypothesis) >"$work/pip$version.log" 2>&1 &
   installs[$version]=$!
 done
 for version in "${versions[@]}"; do
