@@ -38,10 +38,7 @@ SKIP = re.compile(r"skip \((?P<reason>[^()]+)\)")
 #: Blocks known to fail, in pages outside the change that added this test, by file and first line
 #: (their line numbers move as the page is edited); each such case must fail (strict), so the entry
 #: goes once the block is fixed or marked.
-KNOWN_BROKEN = {
-    ("docs/gpu_internals.md", "from bsmm.backends.cuda.policy import current_policy, planning"):
-        "uses bsmm and layout, which nothing on its page defines (issue 39: give it its imports and a layout)",
-}
+KNOWN_BROKEN: dict = {}
 #: The environment of the blocks: eight CPU devices for JAX, which docs/distributed.md's (2, 4)
 #: mesh needs; no tuned tiles of this machine; TensorFlow's start-up lines off.
 ENVIRONMENT = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8", "BSMM_TUNED": "0",
