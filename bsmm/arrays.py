@@ -229,7 +229,10 @@ def output_array(out, like: Operand, shape: tuple, dtype, inputs: tuple = ()):
     if array.dtype != dtype:
         raise TypeError(f"out has dtype {array.dtype} but the inputs have {dtype}")
     if not array.flags.c_contiguous:
-        raise ValueError(f"out must be C-contiguous; got strides {array.strides}")
+        raise ValueError(  # a copy would not do: the result is written into out itself
+            f"out must be C-contiguous; got strides {array.strides}; pass a C-contiguous array, or out=None for a "
+            f"new one"
+        )
     if like.backend == "cpu" and not array.flags.writeable:
         raise ValueError("out is read-only")
     for operand in inputs:

@@ -65,6 +65,17 @@ def _check_tf32(tf32, default: bool) -> bool:
     return bool(tf32)
 
 
+# How to make an input of each caller's library C-contiguous, for the refusal's message.
+_CONTIGUOUS_COPY = {"numpy": "numpy.ascontiguousarray({0})", "cupy": "cupy.ascontiguousarray({0})",
+                    "torch": "{0}.contiguous()"}
+
+
+def _not_contiguous(operand: Operand, argument: str) -> ValueError:
+    """The refusal of a strided input: the passes read dense memory and copy nothing behind the caller's back."""
+    fix = _CONTIGUOUS_COPY.get(operand.library, "a C-contiguous copy of {0}").format(argument)
+    return ValueError(f"{argument} must be C-contiguous; got strides {operand.array.strides}; pass {fix}")
+
+
 class BlocksparseMatMul:
     """y = x·W where ``W`` (C, K) is block-sparse with the given layout.
 
@@ -315,7 +326,7 @@ class BlocksparseMatMul:
         if array.dtype != dtype:
             raise TypeError(f"{argument} has dtype {array.dtype} but the activations have {dtype}; pass one dtype")
         if not array.flags.c_contiguous:
-            raise ValueError(f"{argument} must be C-contiguous; got strides {array.strides}")
+            raise _not_contiguous(operand, argument)
         return operand
 
     @staticmethod
@@ -326,7 +337,7 @@ class BlocksparseMatMul:
         if array.dtype != dtype:
             raise TypeError(f"{argument} has dtype {array.dtype} but the activations have {dtype}; pass one dtype")
         if not array.flags.c_contiguous:
-            raise ValueError(f"{argument} must be C-contiguous; got strides {array.strides}")
+            raise _not_contiguous(operand, argument)
 
     def updat(self, x, dy, out=None, accumulate: bool = False):
         """dW = xᵀ·dy on the present blocks only.
@@ -382,7 +393,7 @@ class BlocksparseMatMul:
                 f"got {tuple(array.shape)}"
             )
         if not array.flags.c_contiguous:
-            raise ValueError(f"{argument} must be C-contiguous; got strides {array.strides}")
+            raise _not_contiguous(operand, argument)
         return array.shape[1 - self.feature_axis]
 
     def _check_weights(self, operand: Operand, argument: str, dtype) -> None:
@@ -394,7 +405,7 @@ class BlocksparseMatMul:
         elif array.dtype != dtype:
             raise TypeError(f"{argument} has dtype {array.dtype} but the activations have {dtype}; pass one dtype")
         if not array.flags.c_contiguous:
-            raise ValueError(f"{argument} must be C-contiguous; got strides {array.strides}")
+            raise _not_contiguous(operand, argument)
 
     @property
     def kept_calls(self) -> dict:

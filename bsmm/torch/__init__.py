@@ -6,12 +6,13 @@
 (torch.Size([3, 32, 32]), torch.Size([5, 64]))
 
 - :mod:`~bsmm.torch.functional`: :func:`blocksparse_matmul` and :func:`blocksparse_conv`, under autocast.
-- :mod:`~bsmm.torch.layers`: :class:`BlockSparseLinear`, :class:`BlockSparseConv1d`, ``2d`` and ``3d``.
+- :mod:`~bsmm.torch.layers`: :class:`BlockSparseLinear`, :class:`BlockSparseConv1d`, ``2d`` and ``3d``;
+  :func:`load_layouts` rebuilds a model's layers to the layouts of a checkpoint.
 - :mod:`~bsmm.torch.lstm`: :class:`BlockSparseLSTM`, one ``nn.LSTM`` layer on block-sparse (small-world) layouts.
 - :mod:`~bsmm.torch.distributed`: :class:`ShardedBlockSparseLinear`, one layer's blocks spread over a
   process group (model parallelism); data parallelism is ``DistributedDataParallel`` or ``fully_shard``.
 - :mod:`~bsmm.torch.conversions`: :func:`to_sparse_bsr` and :func:`from_sparse_bsr`, between
-  :class:`bsmm.BlockSparseMatrix` and ``torch.sparse_bsr`` tensors, the block values shared.
+  :class:`bsmm.BlockSparseMatrix` (or a layer's weight) and ``torch.sparse_bsr`` tensors, the block values shared.
 - :mod:`~bsmm.torch.ops` and :mod:`~bsmm.torch.conv_ops`: the ``torch.library`` operators both run, one per
   entry of the pass table and the fused bias + activation (``torch.compile(fullgraph=True)`` traces through
   them); their differentiation (:mod:`~bsmm.torch.eager`: autograd functions from the table's cotangents,
@@ -24,7 +25,7 @@
 from bsmm.torch.ops import lookup, register
 from bsmm.torch.functional import blocksparse_conv, blocksparse_matmul  # noqa: I001  (after ops: see above)
 from bsmm.torch.conversions import from_sparse_bsr, to_sparse_bsr
-from bsmm.torch.layers import BlockSparseConv1d, BlockSparseConv2d, BlockSparseConv3d, BlockSparseLinear
+from bsmm.torch.layers import BlockSparseConv1d, BlockSparseConv2d, BlockSparseConv3d, BlockSparseLinear, load_layouts
 from bsmm.torch.lstm import BlockSparseLSTM
 from bsmm.torch.distributed import ShardedBlockSparseLinear
 from bsmm.torch.normalization import l2_normalize
@@ -32,4 +33,4 @@ from bsmm.torch.normalization import l2_normalize
 __all__ = ["BlockSparseConv1d", "BlockSparseConv2d", "BlockSparseConv3d", "BlockSparseLinear", "BlockSparseLSTM",
            "ShardedBlockSparseLinear",
            "blocksparse_conv", "blocksparse_matmul", "register", "lookup",
-           "from_sparse_bsr", "to_sparse_bsr", "l2_normalize"]
+           "from_sparse_bsr", "to_sparse_bsr", "l2_normalize", "load_layouts"]

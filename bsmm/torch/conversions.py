@@ -1,4 +1,5 @@
-"""``BlockSparseMatrix`` to and from PyTorch's block-sparse tensors (``layout=torch.sparse_bsr``).
+"""``BlockSparseMatrix`` to and from PyTorch's block-sparse tensors (``layout=torch.sparse_bsr``);
+a ``BlockSparseLinear``'s weight to one.
 
 The two formats store the same thing: bsmm's ``data`` (nnzb, bs, bs), blocks in row-major
 order over the layout with sorted block columns, is exactly a BSR tensor's ``values()``
@@ -28,6 +29,7 @@ from bsmm.block_index import block_index
 from bsmm.config import settings
 from bsmm.matrix import BlockSparseMatrix
 from bsmm.torch.checks import check_dtype
+from bsmm.torch.layers import BlockSparseLinear
 from bsmm.torch.passes import _shared_as
 
 __all__ = ["from_sparse_bsr", "to_sparse_bsr"]
@@ -40,28 +42,36 @@ def _tensor_of(array) -> torch.Tensor:
     return torch.from_dlpack(array)
 
 
-def to_sparse_bsr(matrix: BlockSparseMatrix, *, copy: bool | None = None) -> torch.Tensor:
+def to_sparse_bsr(matrix: BlockSparseMatrix | BlockSparseLinear, *, copy: bool | None = None) -> torch.Tensor:
     """``matrix`` as a ``torch.sparse_bsr`` tensor of its shape, blocksize and dtype.
 
     Parameters
     ----------
-    matrix : BlockSparseMatrix (C, K)
+    matrix : BlockSparseMatrix (C, K), or BlockSparseLinear
         NumPy data gives a CPU tensor, CuPy data a tensor on the same CUDA device.
+        A :class:`~bsmm.torch.BlockSparseLinear` gives its weight ``W`` in bsmm's
+        orientation, (in_features, out_features), on the weight's device
+        (:meth:`BlockSparseLinear.to_sparse_bsr`). ``nn.Linear`` stores the
+        transpose, (out_features, in_features): ``bsr.t()`` is that as a
+        ``torch.sparse_bsc`` view (PyTorch transposes a BSR tensor into BSC, not
+        BSR), and ``bsr.t().to_sparse_bsr((bs, bs))`` or
+        ``layer.to_linear().weight.to_sparse_bsr((bs, bs))`` a BSR copy.
     copy : bool or None
         None: share the block values where the layouts allow (an untransposed
-        matrix), copy them otherwise (a ``.T`` view). True: always copy.
-        False: share or raise.
+        matrix, a layer's weight), copy them otherwise (a ``.T`` view). True:
+        always copy. False: share or raise.
 
     Returns
     -------
     torch.Tensor (C, K), layout ``torch.sparse_bsr``
-        ``values()`` (nnzb, bs, bs) is ``matrix.data`` itself unless copied;
+        ``values()`` (nnzb, bs, bs) is ``matrix.data`` itself unless copied (for a
+        layer: its ``weight``, differentiable, as :meth:`BlockSparseLinear.to_dense_weight`);
         ``crow_indices()`` and ``col_indices()`` are new int64 tensors.
 
     Raises
     ------
     TypeError
-        If ``matrix`` is not a ``BlockSparseMatrix``.
+        If ``matrix`` is not a ``BlockSparseMatrix`` or a ``BlockSparseLinear``.
     ValueError
         If ``copy=False`` and ``matrix`` is a ``.T`` view.
 
@@ -78,8 +88,13 @@ def to_sparse_bsr(matrix: BlockSparseMatrix, *, copy: bool | None = None) -> tor
     >>> bool(torch.equal(bsr.to_dense(), torch.from_numpy(dense)))
     True
     """
+    if isinstance(matrix, BlockSparseLinear):
+        weight = matrix.weight.clone() if copy else matrix.weight  # the blocks, in bsmm's row-major order
+        return _bsr(matrix.op.index.indptr, matrix.op.index.indices, weight, (matrix.in_features, matrix.out_features))
     if not isinstance(matrix, BlockSparseMatrix):
-        raise TypeError(f"matrix must be a bsmm.BlockSparseMatrix; got {type(matrix).__name__}")
+        raise TypeError(
+            f"matrix must be a bsmm.BlockSparseMatrix or a bsmm.torch.BlockSparseLinear; got {type(matrix).__name__}"
+        )
     index = matrix.index
     if matrix.transposed:
         if copy is False:
@@ -94,11 +109,15 @@ def to_sparse_bsr(matrix: BlockSparseMatrix, *, copy: bool | None = None) -> tor
     else:
         values = matrix.data.copy() if copy else matrix.data
         crow, col = index.indptr, index.indices
-    values = _tensor_of(values)
+    return _bsr(crow, col, _tensor_of(values), matrix.shape)
+
+
+def _bsr(crow: np.ndarray, col: np.ndarray, values: torch.Tensor, shape: tuple) -> torch.Tensor:
+    """The BSR tensor of bsmm's index (``indptr`` and ``indices``, copied into int64) and ``values``."""
     return torch.sparse_bsr_tensor(
         torch.from_numpy(crow.astype(np.int64)).to(values.device),
         torch.from_numpy(col.astype(np.int64)).to(values.device),
-        values, size=matrix.shape, check_invariants=False,  # bsmm's index is sorted and distinct by construction
+        values, size=shape, check_invariants=False,  # bsmm's index is sorted and distinct by construction
     )
 
 

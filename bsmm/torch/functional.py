@@ -1,9 +1,13 @@
 """The functional API: :func:`blocksparse_matmul` and :func:`blocksparse_conv`.
 
 Under ``torch.autocast`` the input and the weight are cast to the autocast dtype first, as
-``nn.Linear`` does (copies, as in any autocast region; the pass itself copies nothing). Inputs
-must be contiguous: a ``ValueError`` rather than a hidden copy. Both reach their operators by the
-layout's registry key; the layers call :func:`matmul_by_key` and :func:`conv_by_key` with the key they hold.
+``nn.Linear`` does (copies, as in any autocast region; the pass itself copies nothing). They take
+what ``F.linear`` and ``F.conv2d`` take: a non-contiguous input or weight (a transposed or sliced
+view) is copied into a contiguous tensor first, as those functions do internally; the operators
+(``torch.ops.bsmm.*``) and the NumPy/CuPy API keep a strict contract and refuse it instead. Meta
+tensors (deferred initialisation) run the operators' fake kernels: shapes only. Both reach their
+operators by the layout's registry key; the layers call :func:`matmul_by_key` and
+:func:`conv_by_key` with the key they hold.
 """
 
 from __future__ import annotations
@@ -29,7 +33,8 @@ _OPS: "weakref.WeakKeyDictionary[BlocksparseMatMul, Registration]" = weakref.Wea
 def _autocast(x: torch.Tensor, w: torch.Tensor):
     """Cast both to the autocast dtype where autocast is on for x's device, as ``F.linear`` would."""
     device_type = x.device.type
-    if torch.is_autocast_enabled(device_type):
+    # Meta tensors (deferred initialisation) have no autocast state; asking raises, so they are left alone.
+    if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
         dtype = torch.get_autocast_dtype(device_type)
         if dtype in SUPPORTED_DTYPES:
             # float64 (CPU only) is left alone, as autocast does: computed in float64 on the CPU, refused on a GPU.
@@ -52,8 +57,12 @@ def matmul_by_key(x, w, key: str, features_in: int, features_out: int, feature_a
     if x.dim() == 0 or x.shape[axis] != features_in:
         expected = f"(..., {features_in})" if feature_axis == 1 else f"({features_in}, ...)"
         raise ValueError(f"x must have shape {expected} with feature_axis={feature_axis}; got {tuple(x.shape)}")
+    # As nn.Linear: a strided view is copied (differentiably) rather than refused; the kernels read dense memory.
+    # (Tested first, not called unconditionally: this is every layer call's host path.)
     if not x.is_contiguous():
-        raise ValueError(f"x must be contiguous; got shape {tuple(x.shape)}, strides {x.stride()}")
+        x = x.contiguous()
+    if not w.is_contiguous():
+        w = w.contiguous()
     out_shape = None
     if x.dim() != 2:  # on a contiguous tensor these reshapes are views; y is made in its final shape
         if feature_axis == 1:
@@ -93,9 +102,11 @@ def blocksparse_matmul(x: torch.Tensor, w: torch.Tensor, op: BlocksparseMatMul, 
     Parameters
     ----------
     x : (..., C) tensor, or (C, ...) with ``op.feature_axis == 0``
-        float32, float16 or bfloat16, contiguous, on the CPU or a CUDA device; float64 on the CPU.
+        float32, float16 or bfloat16, on the CPU or a CUDA device; float64 on the CPU; or
+        on the meta device (shapes only). Any strides: a non-contiguous ``x`` is copied
+        first (``x.contiguous()``), as ``F.linear`` does.
     w : (nnzb, bs, bs) tensor, ``op.w_shape``
-        Block data, x's dtype and device.
+        Block data, x's dtype and device; copied first too where not contiguous.
     op : bsmm.BlocksparseMatMul
         The layout, block size, feature axis and TF32 choice.
     bias : (K,) tensor, optional
@@ -115,8 +126,7 @@ def blocksparse_matmul(x: torch.Tensor, w: torch.Tensor, op: BlocksparseMatMul, 
         If ``x`` or ``w`` is not a tensor or not of a supported dtype, their dtypes
         differ, or ``op`` is not a BlocksparseMatMul.
     ValueError
-        If a shape does not fit ``op``, a tensor is not contiguous, or ``x`` and
-        ``w`` are on different devices.
+        If a shape does not fit ``op``, or ``x`` and ``w`` are on different devices.
 
     Notes
     -----
@@ -154,8 +164,7 @@ def conv_by_key(x, w, key: str, base: tuple, tf32: bool) -> torch.Tensor:
     if x.dim() != rank + 2:
         expected = "(N, *spatial, C)" if channels_last else "(N, C, *spatial)"
         raise ValueError(f"x must have shape {expected} with {rank} spatial dimensions; got {tuple(x.shape)}")
-    if not x.is_contiguous():
-        raise ValueError(f"x must be contiguous; got shape {tuple(x.shape)}, strides {x.stride()}")
+    x, w = x.contiguous(), w.contiguous()  # as matmul_by_key: strided views copied, not refused
     spatial = x.shape[1:-1] if channels_last else x.shape[2:]
     return conv_fprop(x, w, key, [*base, *spatial], tf32)
 
@@ -174,7 +183,8 @@ def blocksparse_conv(x: torch.Tensor, w: torch.Tensor, conv: BlocksparseConv) ->
     Parameters
     ----------
     x : (N, *spatial, C) tensor, or (N, C, *spatial) with ``conv.channels_last == False``
-        Contiguous; float32, float16 or bfloat16 on the CPU or a CUDA device, float64 on the CPU.
+        Any strides (a non-contiguous one is copied first, as ``w`` is); float32, float16 or
+        bfloat16 on the CPU or a CUDA device, float64 on the CPU.
     w : ``conv.w_shape`` = (*kernel_size, nnzb, bs, bs) tensor of x's dtype and device
     conv : bsmm.nn.conv.BlocksparseConv
         Layout, geometry, channel layout and TF32 choice.

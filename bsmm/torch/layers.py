@@ -21,7 +21,7 @@ from bsmm.torch.conv_ops import conv_spec
 from bsmm.torch.functional import conv_by_key, matmul_by_key
 from bsmm.torch.registry import register
 
-__all__ = ["BlockSparseConv1d", "BlockSparseConv2d", "BlockSparseConv3d", "BlockSparseLinear"]
+__all__ = ["BlockSparseConv1d", "BlockSparseConv2d", "BlockSparseConv3d", "BlockSparseLinear", "load_layouts"]
 
 
 def _layout_array(layout) -> np.ndarray:
@@ -43,6 +43,20 @@ def bias_along(bias: torch.Tensor, y: torch.Tensor, feature_axis: int) -> torch.
     return bias if feature_axis == 1 else bias.view(-1, *([1] * (y.dim() - 1)))
 
 
+def _check_multiple(argument: str, value: int, block_size: int) -> None:
+    """Refuse a feature count that is not a multiple of ``block_size``, naming the nearest ones that are."""
+    if value % block_size == 0:
+        return
+    # Refused rather than padded: padding changes the layer's shape and its parameter count behind the caller.
+    below, above = value // block_size * block_size, (value // block_size + 1) * block_size
+    nearest = f"{below} or {above}" if below else f"{above}"
+    raise ValueError(
+        f"{argument} must be a multiple of block_size {block_size}; got {value} (nearest: {nearest}). Keep a "
+        f"layer of such a size as torch.nn.Linear (a 10-class head, 784 pixel inputs), or pad its features to "
+        f"a multiple"
+    )
+
+
 class _BlockSparseLayer(torch.nn.Module):
     """What the block-sparse layers share: the operator ``op`` (a BlocksparseMatMul or a
     BlocksparseConv), its registration, the ``layout`` buffer, the weight and bias, their
@@ -51,9 +65,12 @@ class _BlockSparseLayer(torch.nn.Module):
     def _build(self, make_op, sizes: tuple, bias: bool, device, dtype) -> None:
         """Make ``self.op`` and the parameters; ``sizes``: (argument, value, layout axis) to check."""
         dtype = torch.get_default_dtype() if dtype is None else dtype
-        check_dtype(dtype, torch.empty(0, device=device).device, "dtype")
+        device_of = torch.empty(0, device=device).device
+        # On the meta device the layer's final device is not known yet: float64 is checked where it runs.
+        check_dtype(dtype, torch.device("cpu") if device_of.type == "meta" else device_of, "dtype")
         self.op = make_op()
         for argument, value, blocks in sizes:
+            _check_multiple(argument, value, self.op.block_size)
             expected = self.op.layout.shape[blocks] * self.op.block_size
             if value != expected:
                 raise ValueError(
@@ -72,10 +89,17 @@ class _BlockSparseLayer(torch.nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        """Draw the weight and bias again (see Notes), with PyTorch's random generator."""
+        """Draw the weight and bias again (see Notes), with PyTorch's random generator, and write
+        the ``layout`` buffer from the operator's layout.
+
+        With ``module.to_empty(device=...)`` after building on ``device="meta"`` (deferred
+        initialisation, as for ``fully_shard``), this is the call that makes the layer usable:
+        ``to_empty`` leaves the buffer's memory uninitialised too.
+        """
         taps = math.prod(getattr(self.op, "kernel_size", ()))  # 1 for a product
         bounds = fan_in_bounds(self.op.layout, self.op.block_size, taps)
         with torch.no_grad():
+            self.layout.copy_(torch.from_numpy(np.array(self.op.layout)))
             block_bounds = torch.tensor(bounds[self.op.index.indices], dtype=self.weight.dtype,
                                         device=self.weight.device)
             self.weight.uniform_(-1.0, 1.0).mul_(block_bounds.view(-1, 1, 1))
@@ -91,6 +115,22 @@ class _BlockSparseLayer(torch.nn.Module):
         cols = torch.tensor(self.op.index.indices, dtype=torch.long, device=self.weight.device)
         blocks = self.weight.movedim(-3, 0)  # (nnzb, *kernel_size, bs, bs)
         return blocks.new_zeros(*self.op.layout.shape, *blocks.shape[1:]).index_put((rows, cols), blocks)
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        # The operator, not the buffer, is what the weight was made for: a buffer edited in place
+        # would save a layout that the weight does not fit, and the checkpoint would not load.
+        layout = self.layout
+        if layout.device.type != "meta" and not np.array_equal(layout.detach().cpu().numpy() != 0,
+                                                                self.op.layout != 0):
+            name = type(self).__name__
+            raise RuntimeError(
+                f"{prefix}layout no longer equals the layout this {name} computes with (layer.op.layout): it was "
+                f"changed in place ({int(torch.count_nonzero(layout))} blocks against {self.op.blocks}), so its "
+                f"weight would be saved with a layout it does not fit. A layer's layout is fixed when it is built: "
+                f"build a new {name} with the new layout, or restore the buffer with layer.reset_parameters() "
+                f"(new weights) or layer.layout.copy_(torch.tensor(layer.op.layout))"
+            )
+        super()._save_to_state_dict(destination, prefix, keep_vars)
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
@@ -145,13 +185,27 @@ class BlockSparseLinear(_BlockSparseLayer):
         The present blocks of ``W``, row-major over the layout (``op.w_shape``).
     bias : Parameter (out_features,) or None
     layout : buffer (C // block_size, K // block_size) uint8
-        Saved in the ``state_dict``; loading a state_dict of another layout raises.
-        It records the layout: changing it in place does not change the layer.
+        Saved in the ``state_dict``; loading a state_dict of another layout raises (rebuild
+        the layers first: :meth:`from_state_dict`, :func:`load_layouts`). It records the
+        layout: changing it in place does not change the layer, and ``state_dict()`` then
+        raises rather than save a layout the weight does not fit.
     op : bsmm.BlocksparseMatMul
         The operator over the layout (``op.to_dense``, ``op.flops``, ...).
 
+    Raises
+    ------
+    ValueError
+        If ``in_features`` or ``out_features`` is not a multiple of ``block_size`` (the
+        message names the nearest multiples: keep such a layer, a 10-class head or 784
+        pixel inputs, as ``nn.Linear``), or does not match ``layout``'s shape.
+
     Notes
     -----
+    As ``nn.Linear``: inputs of any strides (a non-contiguous one is copied first),
+    ``device="meta"`` for deferred initialisation (forward and backward on meta tensors
+    give shapes; ``layer.to_empty(device=...)`` then :meth:`reset_parameters` makes it
+    usable, as ``fully_shard`` expects), ``torch.autocast``.
+
     Initialization follows ``nn.Linear`` with each output feature's true fan-in:
     the weights of block column ``k`` and the bias entries of its features are drawn
     from U(-1/sqrt(fan_in_k), 1/sqrt(fan_in_k)), ``fan_in_k = block_size ×`` the
@@ -259,7 +313,7 @@ class BlockSparseLinear(_BlockSparseLayer):
         if linear.in_features % block_size or linear.out_features % block_size:
             raise ValueError(
                 f"linear's in_features {linear.in_features} and out_features {linear.out_features} must be "
-                f"multiples of block_size {block_size}"
+                f"multiples of block_size {block_size}; keep such a layer as torch.nn.Linear"
             )
         check_dtype(weight.dtype, weight.device, "linear.weight")
         if layout is None:
@@ -288,6 +342,75 @@ class BlockSparseLinear(_BlockSparseLayer):
                 layer.bias.copy_(linear.bias)
         return layer
 
+    def to_sparse_bsr(self, *, copy: bool | None = None) -> torch.Tensor:
+        """``W`` as a ``torch.sparse_bsr`` tensor (in_features, out_features), blocksize (bs, bs).
+
+        bsmm's orientation: ``nn.Linear.weight`` is the transpose, (out_features,
+        in_features). PyTorch transposes a BSR tensor into a BSC one: ``bsr.t()`` is
+        ``nn.Linear``'s orientation as a ``torch.sparse_bsc`` view, and
+        ``bsr.t().to_sparse_bsr((bs, bs))`` (or ``self.to_linear().weight.to_sparse_bsr((bs, bs))``)
+        a BSR copy. ``values()`` is the ``weight`` itself (differentiable, sharing its
+        memory) unless ``copy=True``. See :func:`bsmm.torch.to_sparse_bsr`.
+
+        Examples
+        --------
+        >>> import numpy as np, torch, bsmm.torch
+        >>> layer = bsmm.torch.BlockSparseLinear(32, 16, np.array([[1, 0], [1, 1], [0, 1], [0, 0]]), block_size=8)
+        >>> bsr = layer.to_sparse_bsr()
+        >>> bsr.layout, tuple(bsr.shape), bsr.crow_indices().tolist(), bsr.col_indices().tolist()
+        (torch.sparse_bsr, (32, 16), [0, 1, 3, 4, 4], [0, 0, 1, 1])
+        >>> torch.equal(bsr.to_dense(), layer.to_dense_weight())
+        True
+        >>> torch.equal(bsr.t().to_dense(), layer.to_linear().weight)  # nn.Linear's (out, in), as BSC
+        True
+        """
+        from bsmm.torch.conversions import to_sparse_bsr  # conversions imports this module
+
+        return to_sparse_bsr(self, copy=copy)
+
+    @classmethod
+    def from_state_dict(cls, state_dict, prefix: str = "", *, feature_axis: int = 1, tf32: bool = False,
+                        device=None, dtype=None, activation: str | None = None) -> "BlockSparseLinear":
+        """A layer of the layout saved in ``state_dict``, holding its weight and bias.
+
+        Sizes, layout, block size and bias presence come from ``state_dict``'s
+        ``{prefix}layout``, ``{prefix}weight`` (nnzb, bs, bs) and ``{prefix}bias``;
+        what a state_dict does not hold is given as for :class:`BlockSparseLinear`.
+        ``device`` and ``dtype`` default to the saved weight's. The tensors are
+        copied; no random numbers are drawn. For whole models see :func:`load_layouts`.
+
+        Raises
+        ------
+        KeyError
+            If ``state_dict`` has no ``{prefix}layout`` or ``{prefix}weight``.
+        RuntimeError
+            If the saved weight does not fit the saved layout (``load_state_dict``'s error).
+
+        Examples
+        --------
+        >>> import numpy as np, torch, bsmm.torch
+        >>> saved = bsmm.torch.BlockSparseLinear(64, 32, np.array([[1], [0]]), block_size=32).state_dict()
+        >>> layer = bsmm.torch.BlockSparseLinear.from_state_dict(saved)
+        >>> layer
+        BlockSparseLinear(in_features=64, out_features=32, block_size=32, blocks=1, density=0.5, bias=True)
+        >>> torch.equal(layer.weight, saved["weight"])
+        True
+        """
+        for name in ("layout", "weight"):
+            if prefix + name not in state_dict:
+                raise KeyError(f"state_dict has no {prefix + name!r}, which a {cls.__name__} saves; "
+                               f"pass the prefix of the layer's keys (prefix={prefix!r} now)")
+        layout, weight = state_dict[prefix + "layout"], state_dict[prefix + "weight"]
+        block_size = weight.shape[-1]
+        rows, cols = tuple(layout.shape)
+        # Built on the meta device, so that reset_parameters draws nothing and allocates nothing twice.
+        layer = cls(rows * block_size, cols * block_size, layout, block_size, prefix + "bias" in state_dict,
+                    feature_axis, tf32, "meta", weight.dtype if dtype is None else dtype, activation)
+        layer.to_empty(device=weight.device if device is None else device)
+        layer.load_state_dict({name[len(prefix):]: value for name, value in state_dict.items()
+                               if name.startswith(prefix) and "." not in name[len(prefix):]})
+        return layer
+
     def to_linear(self) -> torch.nn.Linear:
         """An ``nn.Linear`` with this layer's dense weight (zeros where blocks are absent) and bias.
 
@@ -314,6 +437,79 @@ class BlockSparseLinear(_BlockSparseLayer):
         if self.activation is not None:
             text += f", activation={self.activation!r}"
         return text + (", tf32=True" if self.tf32 else "")
+
+
+def load_layouts(model: torch.nn.Module, state_dict) -> torch.nn.Module:
+    """Rebuild each :class:`BlockSparseLinear` of ``model`` whose layout differs from the one
+    saved in ``state_dict``, so that ``model.load_state_dict(state_dict)`` then succeeds.
+
+    A layer is replaced by one of its class built with :meth:`BlockSparseLinear.from_state_dict`:
+    the saved layout, block size, weight and bias, and the layer's own ``feature_axis``,
+    ``tf32``, ``activation``, device, dtype, training mode and ``requires_grad`` flags.
+    Layers whose saved layout equals theirs, or that ``state_dict`` does not hold, are kept.
+    The new layers are new modules: hooks on the old ones, and an optimizer built over
+    the old parameters, do not carry over (build the optimizer after loading).
+
+    Parameters
+    ----------
+    model : torch.nn.Module
+        Changed in place; if ``model`` itself is a ``BlockSparseLinear`` to rebuild, the
+        new layer is returned instead.
+    state_dict : mapping
+        ``model.state_dict()`` of a model of the same structure, other layouts allowed.
+
+    Returns
+    -------
+    torch.nn.Module
+        ``model``, or the layer that replaces it.
+
+    Raises
+    ------
+    ValueError
+        If a saved layer's feature counts differ from the layer it would replace (the
+        model around it expects the same sizes).
+
+    Examples
+    --------
+    >>> import numpy as np, torch, bsmm.torch
+    >>> def model(first, second):
+    ...     return torch.nn.Sequential(bsmm.torch.BlockSparseLinear(64, 64, first, block_size=32), torch.nn.ReLU(),
+    ...                                bsmm.torch.BlockSparseLinear(64, 32, second, block_size=32))
+    >>> saved = model(np.eye(2), np.array([[1], [0]])).state_dict()
+    >>> fresh = model(np.ones((2, 2)), np.array([[1], [0]]))
+    >>> fresh = bsmm.torch.load_layouts(fresh, saved)
+    >>> fresh.load_state_dict(saved)
+    <All keys matched successfully>
+    >>> fresh[0].layout.tolist(), fresh[2].layout.tolist()
+    ([[1, 0], [0, 1]], [[1], [0]])
+    """
+    replacements = []
+    for name, module in model.named_modules():
+        prefix = name + "." if name else ""
+        saved = state_dict.get(prefix + "layout")
+        if not isinstance(module, BlockSparseLinear) or saved is None:
+            continue
+        saved = saved.detach().cpu().numpy()
+        if saved.shape == module.op.layout.shape and np.array_equal(saved != 0, module.op.layout != 0):
+            continue
+        layer = type(module).from_state_dict(state_dict, prefix, feature_axis=module.feature_axis, tf32=module.tf32,
+                                             device=module.weight.device, dtype=module.weight.dtype,
+                                             activation=module.activation)
+        if (layer.in_features, layer.out_features) != (module.in_features, module.out_features):
+            raise ValueError(
+                f"{prefix}layout: the state_dict's layer maps {layer.in_features} to {layer.out_features} features, "
+                f"the model's {module.in_features} to {module.out_features}; load_layouts changes layouts, not sizes"
+            )
+        layer.train(module.training)
+        for new, old in zip(layer.parameters(), module.parameters()):
+            new.requires_grad_(old.requires_grad)
+        replacements.append((name, layer))
+    for name, layer in replacements:  # after the walk: named_modules must not see a changing tree
+        if not name:
+            return layer
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent), child, layer)
+    return model
 
 
 class _BlockSparseConvNd(_BlockSparseLayer):

@@ -122,7 +122,8 @@ def test_to_sparse_bsr_copy_true_copies(device):
 
 
 def test_to_sparse_bsr_refuses_other_types():
-    with pytest.raises(TypeError, match="matrix must be a bsmm.BlockSparseMatrix; got ndarray"):
+    with pytest.raises(TypeError,
+                       match="matrix must be a bsmm.BlockSparseMatrix or a bsmm.torch.BlockSparseLinear; got ndarray"):
         bt.to_sparse_bsr(np.ones((8, 8)))
 
 
