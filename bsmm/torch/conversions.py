@@ -29,7 +29,6 @@ from bsmm.block_index import block_index
 from bsmm.config import settings
 from bsmm.matrix import BlockSparseMatrix
 from bsmm.torch.checks import check_dtype
-from bsmm.torch.layers import BlockSparseLinear
 from bsmm.torch.passes import _shared_as
 
 __all__ = ["from_sparse_bsr", "to_sparse_bsr"]
@@ -42,7 +41,7 @@ def _tensor_of(array) -> torch.Tensor:
     return torch.from_dlpack(array)
 
 
-def to_sparse_bsr(matrix: BlockSparseMatrix | BlockSparseLinear, *, copy: bool | None = None) -> torch.Tensor:
+def to_sparse_bsr(matrix, *, copy: bool | None = None) -> torch.Tensor:
     """``matrix`` as a ``torch.sparse_bsr`` tensor of its shape, blocksize and dtype.
 
     Parameters
@@ -88,9 +87,8 @@ def to_sparse_bsr(matrix: BlockSparseMatrix | BlockSparseLinear, *, copy: bool |
     >>> bool(torch.equal(bsr.to_dense(), torch.from_numpy(dense)))
     True
     """
-    if isinstance(matrix, BlockSparseLinear):
-        weight = matrix.weight.clone() if copy else matrix.weight  # the blocks, in bsmm's row-major order
-        return _bsr(matrix.op.index.indptr, matrix.op.index.indices, weight, (matrix.in_features, matrix.out_features))
+    if isinstance(matrix, torch.nn.Module) and hasattr(matrix, "to_sparse_bsr"):  # a BlockSparseLinear
+        return matrix.to_sparse_bsr(copy=copy)
     if not isinstance(matrix, BlockSparseMatrix):
         raise TypeError(
             f"matrix must be a bsmm.BlockSparseMatrix or a bsmm.torch.BlockSparseLinear; got {type(matrix).__name__}"
@@ -110,6 +108,12 @@ def to_sparse_bsr(matrix: BlockSparseMatrix | BlockSparseLinear, *, copy: bool |
         values = matrix.data.copy() if copy else matrix.data
         crow, col = index.indptr, index.indices
     return _bsr(crow, col, _tensor_of(values), matrix.shape)
+
+
+def weight_bsr(index, weight: torch.Tensor, copy: bool | None = None) -> torch.Tensor:
+    """A layer's weight blocks (nnzb, bs, bs), in ``index``'s row-major order, as the BSR tensor of
+    ``W`` (C, K): the values are ``weight`` itself (differentiable), or a clone with ``copy``."""
+    return _bsr(index.indptr, index.indices, weight.clone() if copy else weight, (index.C, index.K))
 
 
 def _bsr(crow: np.ndarray, col: np.ndarray, values: torch.Tensor, shape: tuple) -> torch.Tensor:

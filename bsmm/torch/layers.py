@@ -18,6 +18,7 @@ from bsmm.matrix import BlockSparseMatrix
 from bsmm.nn.conv import BlocksparseConv
 from bsmm.torch.checks import check_dtype
 from bsmm.torch.conv_ops import conv_spec
+from bsmm.torch.conversions import weight_bsr
 from bsmm.torch.functional import conv_by_key, matmul_by_key
 from bsmm.torch.registry import register
 
@@ -364,9 +365,7 @@ class BlockSparseLinear(_BlockSparseLayer):
         >>> torch.equal(bsr.t().to_dense(), layer.to_linear().weight)  # nn.Linear's (out, in), as BSC
         True
         """
-        from bsmm.torch.conversions import to_sparse_bsr  # conversions imports this module
-
-        return to_sparse_bsr(self, copy=copy)
+        return weight_bsr(self.op.index, self.weight, copy)
 
     @classmethod
     def from_state_dict(cls, state_dict, prefix: str = "", *, feature_axis: int = 1, tf32: bool = False,
