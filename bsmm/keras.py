@@ -35,18 +35,18 @@ BACKENDS = {"tensorflow": "bsmm.tf", "jax": "bsmm.jax", "torch": "bsmm.torch"}
 def _backend_matmul(backend: str):
     """``blocksparse_matmul(x, w, op)`` of bsmm's adapter for a Keras backend, imported on first use."""
     if backend == "tensorflow":
-        from bsmm.tf.functional import blocksparse_matmul
+        from bsmm.tf.functional import blocksparse_matmul  # optional: only the backend in use is imported
 
         return blocksparse_matmul
     if backend == "jax":
-        from bsmm.jax.functional import blocksparse_matmul
+        from bsmm.jax.functional import blocksparse_matmul  # optional: only the backend in use is imported
 
         return blocksparse_matmul
     if backend == "torch":
-        from bsmm.torch.functional import blocksparse_matmul
+        from bsmm.torch.functional import blocksparse_matmul  # optional: only the backend in use is imported
 
-        # bsmm.torch refuses strided inputs rather than copy them; a Keras layer takes what it is given.
-        return lambda x, w, op: blocksparse_matmul(x.contiguous(), w, op)
+        # (bsmm.torch copies strided inputs itself, as F.linear does)
+        return blocksparse_matmul
     raise NotImplementedError(
         f"BlockSparseDense runs on Keras' {', '.join(BACKENDS)} backends; KERAS_BACKEND is {backend!r}"
     )

@@ -159,9 +159,6 @@ KNOWN = {
     ("bsmm/cli/main.py", "_bench_framework", "bsmm.cli.framework_bench"),
     ("bsmm/cli/main.py", "_tune", "bsmm.cli.tune"),
     ("bsmm/cli/main.py", "_tune", "bsmm.cli.tuned_file"),
-    ("bsmm/keras.py", "_backend_matmul", "bsmm.tf.functional"),
-    ("bsmm/keras.py", "_backend_matmul", "bsmm.jax.functional"),
-    ("bsmm/keras.py", "_backend_matmul", "bsmm.torch.functional"),
 }
 
 
