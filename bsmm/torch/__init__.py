@@ -8,6 +8,7 @@
 - :mod:`~bsmm.torch.functional`: :func:`blocksparse_matmul` and :func:`blocksparse_conv`, under autocast.
 - :mod:`~bsmm.torch.layers`: :class:`BlockSparseLinear`, :class:`BlockSparseConv1d`, ``2d`` and ``3d``;
   :func:`load_layouts` rebuilds a model's layers to the layouts of a checkpoint.
+- :mod:`~bsmm.torch.sparsify`: :func:`sparsify`, a model's ``nn.Linear`` layers made block-sparse in one call.
 - :mod:`~bsmm.torch.lstm`: :class:`BlockSparseLSTM`, one ``nn.LSTM`` layer on block-sparse (small-world) layouts.
 - :mod:`~bsmm.torch.distributed`: :class:`ShardedBlockSparseLinear`, one layer's blocks spread over a
   process group (model parallelism); data parallelism is ``DistributedDataParallel`` or ``fully_shard``.
@@ -29,8 +30,9 @@ from bsmm.torch.layers import BlockSparseConv1d, BlockSparseConv2d, BlockSparseC
 from bsmm.torch.lstm import BlockSparseLSTM
 from bsmm.torch.distributed import ShardedBlockSparseLinear
 from bsmm.torch.normalization import l2_normalize
+from bsmm.torch.sparsify import SparsifyReport, sparsify
 
 __all__ = ["BlockSparseConv1d", "BlockSparseConv2d", "BlockSparseConv3d", "BlockSparseLinear", "BlockSparseLSTM",
            "ShardedBlockSparseLinear",
            "blocksparse_conv", "blocksparse_matmul", "register", "lookup",
-           "from_sparse_bsr", "to_sparse_bsr", "l2_normalize", "load_layouts"]
+           "from_sparse_bsr", "to_sparse_bsr", "l2_normalize", "load_layouts", "sparsify", "SparsifyReport"]

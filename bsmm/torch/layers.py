@@ -13,6 +13,7 @@ import torch
 
 from bsmm.block_index import check_block_size
 from bsmm.epilogues import check_activation
+from bsmm.layouts import random_layout
 from bsmm.matmul import BlocksparseMatMul
 from bsmm.matrix import BlockSparseMatrix
 from bsmm.nn.conv import BlocksparseConv
@@ -161,8 +162,9 @@ class BlockSparseLinear(_BlockSparseLayer):
     ----------
     in_features, out_features : int
         ``C`` and ``K``; must equal ``layout.shape[0] * block_size`` and ``layout.shape[1] * block_size``.
-    layout : (C // block_size, K // block_size) array or tensor of 0/1
-        ``layout[c, k] != 0``: block ``(c, k)`` of ``W`` is present.
+    layout : (C // block_size, K // block_size) array or tensor of 0/1, optional
+        ``layout[c, k] != 0``: block ``(c, k)`` of ``W`` is present. Without it, ``density``
+        draws one.
     block_size : int
         8, 16, 32, 64 or 128.
     bias : bool
@@ -179,6 +181,10 @@ class BlockSparseLinear(_BlockSparseLayer):
         the layer is then ``A(Linear(x))`` in one launch. ``"gelu"`` is ``F.gelu``'s default
         (erf), ``"gelu_tanh"`` its ``approximate="tanh"``. GELU and SiLU keep the
         pre-activation for the backward (one more output, written by the same kernel).
+    density : float in [0, 1], keyword-only
+        In place of ``layout``: a random layout with ``round(density × blocks)`` blocks
+        (:func:`bsmm.layouts.random_layout`), drawn with ``seed`` (an int, a NumPy Generator or
+        None). Both sizes must then be multiples of ``block_size``.
 
     Attributes
     ----------
@@ -228,10 +234,20 @@ class BlockSparseLinear(_BlockSparseLayer):
     True
     """
 
-    def __init__(self, in_features: int, out_features: int, layout, block_size: int = 32, bias: bool = True,
-                 feature_axis: int = 1, tf32: bool = False, device=None, dtype=None, activation: str | None = None):
+    def __init__(self, in_features: int, out_features: int, layout=None, block_size: int = 32, bias: bool = True,
+                 feature_axis: int = 1, tf32: bool = False, device=None, dtype=None, activation: str | None = None,
+                 *, density: float | None = None, seed=None):
         super().__init__()
         self.activation = None if activation in (None, "none") else check_activation(activation)
+        if (layout is None) == (density is None):
+            raise ValueError("pass a layout or a density (a random layout of that fraction of blocks), not "
+                             f"{'both' if layout is not None else 'neither'}")
+        if layout is None:
+            for argument, value in (("in_features", in_features), ("out_features", out_features)):
+                _check_multiple(argument, value, block_size)
+            layout = random_layout(in_features // block_size, out_features // block_size, density, seed)
+        elif seed is not None:
+            raise ValueError("seed draws a layout of the given density: pass it with density=, not with a layout")
         self._build(lambda: BlocksparseMatMul(_layout_array(layout), block_size, feature_axis, tf32),
                     (("in_features", in_features, 0), ("out_features", out_features, 1)), bias, device, dtype)
         self.in_features, self.out_features = self.op.C, self.op.K
