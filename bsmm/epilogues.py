@@ -31,6 +31,10 @@ import dataclasses
 import math
 from typing import Callable
 
+import numpy as np
+
+from bsmm.arrays import array_module
+
 __all__ = ["ACTIVATIONS", "EPILOGUES", "Activation", "EpilogueCall", "activation_grad", "apply_epilogue",
            "check_activation", "epilogue_name"]
 
@@ -124,10 +128,6 @@ class EpilogueCall:
     bias: object = None
     pre: object = None
 
-    @property
-    def activation(self) -> str:
-        return self.name
-
     def pointers(self) -> tuple[int, int]:
         """(bias, pre) device pointers of CuPy arrays, 0 for those not given."""
         return (0 if self.bias is None else self.bias.data.ptr, 0 if self.pre is None else self.pre.data.ptr)
@@ -150,11 +150,9 @@ def activation_grad(dy, saved, activation: str | None):
     """``dz = dy · A'(z)`` from what the forward kept for ``activation``: ``y`` where
     :attr:`Activation.reads` is ``"output"``, ``z`` where it is ``"pre"`` (NumPy or CuPy arrays;
     computed in float32 at least, returned in ``dy``'s dtype)."""
-    import numpy as np
-
     if activation is None or activation == "none":
         return dy
-    xp = np if type(dy).__module__.startswith("numpy") else __import__("cupy")
+    xp = array_module(dy)
     compute = np.promote_types(dy.dtype, np.float32) if dy.dtype.kind == "f" and dy.dtype.itemsize >= 4 \
         else np.dtype(np.float32)
     d = ACTIVATIONS[activation].derivative(xp, saved.astype(compute))

@@ -23,7 +23,6 @@ import struct
 import sys
 import time
 
-import numpy as np
 
 
 def _events_ms(fn, steps, rounds, sync):
@@ -77,7 +76,7 @@ def _kernels(fn, sync):
     return kernels / 5, bsmm_ops
 
 
-def _layer(torch, bsmm_torch, c, k, bs, density, dtype, bias, activation=None):
+def _layer(bsmm_torch, c, k, bs, density, dtype, bias, activation=None):
     from bsmm.layouts import random_layout
 
     options = {}
@@ -120,8 +119,8 @@ def mlp_rows(quick):
         shapes.append(("F 4096→16384→4096, block 128, 10 %, N 8192", 8192, 4096, 16384, 128, 0.1))
     for name, n, d, hidden, bs, density in shapes:
         dtype = torch.bfloat16
-        up = _layer(torch, bsmm_torch, d, hidden, bs, density, dtype, True)
-        down = _layer(torch, bsmm_torch, hidden, d, bs, density, dtype, True)
+        up = _layer(bsmm_torch, d, hidden, bs, density, dtype, True)
+        down = _layer(bsmm_torch, hidden, d, bs, density, dtype, True)
         x = torch.randn(n, d, device="cuda", dtype=dtype, requires_grad=True)
         g = torch.randn(n, d, device="cuda", dtype=dtype)
 
@@ -181,7 +180,7 @@ def host_rows():
             ("torch forward (32, 2048) -> 8192, bias", (32, 2048), 2048, 8192, True, False),
             ("torch forward (8, 1, 2048) -> 8192, bias (decode)", (8, 1, 2048), 2048, 8192, True, False),
             ("torch step (32, 2048) -> 8192, bias", (32, 2048), 2048, 8192, True, True)):
-        layer = _layer(torch, bsmm_torch, c, k, 32, 0.1, dtype, bias)
+        layer = _layer(bsmm_torch, c, k, 32, 0.1, dtype, bias)
         dense = torch.nn.Linear(c, k, bias=bias, device="cuda", dtype=dtype)
         x = torch.randn(*shape, device="cuda", dtype=dtype, requires_grad=train)
         g = torch.randn(*shape[:-1], k, device="cuda", dtype=dtype)
@@ -278,8 +277,8 @@ def fused_rows(quick):
     if not quick:
         shapes.insert(0, ("F up N 8192, 4096→16384, block 128, 10 %", 8192, 4096, 16384, 128, 0.1))
     for name, n, c, k, bs, density in shapes:
-        plain = _layer(torch, bsmm_torch, c, k, bs, density, dtype, True)
-        fused = _layer(torch, bsmm_torch, c, k, bs, density, dtype, True, activation="gelu_tanh")
+        plain = _layer(bsmm_torch, c, k, bs, density, dtype, True)
+        fused = _layer(bsmm_torch, c, k, bs, density, dtype, True, activation="gelu_tanh")
         with torch.no_grad():
             fused.weight.copy_(plain.weight)
             fused.bias.copy_(plain.bias)

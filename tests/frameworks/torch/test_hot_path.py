@@ -33,6 +33,20 @@ def spies(cupy, monkeypatch):
     return counts
 
 
+def _checked_calls(step):
+    """(the passes ``step()`` ran through the checked path, its result): the checked path runs the
+    operator's passes; the kept raw-pointer repeat does not."""
+    checked = []
+    with pytest.MonkeyPatch.context() as patch:
+        for pass_name in ("fprop", "bprop", "updat"):
+            method = getattr(bsmm.BlocksparseMatMul, pass_name)
+            patch.setattr(bsmm.BlocksparseMatMul, pass_name,
+                          lambda self, *args, _method=method, **kwargs: checked.append(args) or _method(self, *args,
+                                                                                                        **kwargs))
+        result = step()
+    return checked, result
+
+
 def _layout(density=0.1, blocks=64):
     return (np.random.default_rng(1).random((blocks, blocks)) < density).astype(np.uint8)
 
@@ -79,14 +93,7 @@ def test_torch_training_step_after_the_first_plans_nothing_and_allocates_its_out
     torch.cuda.synchronize()
     before = dict(spies)
     stats = torch.cuda.memory_stats()["allocation.all.allocated"]
-    checked = []  # the checked path runs the operator's passes; the raw-pointer repeat does not
-    with pytest.MonkeyPatch.context() as patch:
-        for pass_name in ("fprop", "bprop", "updat"):
-            method = getattr(bsmm.BlocksparseMatMul, pass_name)
-            patch.setattr(bsmm.BlocksparseMatMul, pass_name,
-                          lambda self, *args, _method=method, **kwargs: checked.append(args) or _method(self, *args,
-                                                                                                        **kwargs))
-        again = step()
+    checked, again = _checked_calls(step)
     torch.cuda.synchronize()
     assert not checked, "a repeated step took the checked (DLPack) path instead of the kept raw-pointer call"
     assert spies == before, f"a repeated step planned, uploaded or synchronised: {before} -> {spies}"
@@ -123,14 +130,7 @@ def test_compiled_training_step_takes_the_kept_raw_pointer_calls(cupy, spies, ac
     first = step()
     torch.cuda.synchronize()
     before = dict(spies)
-    checked = []
-    with pytest.MonkeyPatch.context() as patch:
-        for pass_name in ("fprop", "bprop", "updat"):
-            method = getattr(bsmm.BlocksparseMatMul, pass_name)
-            patch.setattr(bsmm.BlocksparseMatMul, pass_name,
-                          lambda self, *args, _method=method, **kwargs: checked.append(args) or _method(self, *args,
-                                                                                                        **kwargs))
-        again = step()
+    checked, again = _checked_calls(step)
     torch.cuda.synchronize()
     assert not checked, "a compiled step took the checked (DLPack) path instead of the kept raw-pointer call"
     assert spies == before, f"a compiled step planned, uploaded or synchronised: {before} -> {spies}"
