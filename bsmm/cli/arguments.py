@@ -102,6 +102,10 @@ def _count(text: str) -> int:
     return value
 
 
+def _counts(text: str) -> tuple[int, ...]:
+    return tuple(_count(item) for item in _items(text))
+
+
 def _margin(text: str) -> float:
     """A percentage in [0, 100)."""
     try:
@@ -192,12 +196,47 @@ def _some_blocks(C: int, K: int, block_size: int, densities) -> None:
                            "holds no block at that density; raise it, or --C and --K")
 
 
+def _check_bench_model(args) -> None:
+    """``--model lstm``: its own grid (--hidden, --batch, --steps, --densities, --dtype), on a GPU with PyTorch."""
+    from bsmm.cli.model_bench import LSTM_GRID
+
+    for dest in ("framework", "N", "C", "K", "repeats", "quick", "block_size", "plot", "workloads"):
+        if _given(args, dest):
+            raise Refused(f"--{dest.replace('_', '-')} does not apply with --model (it times a model over "
+                           "--hidden, --batch, --densities, --dtype, --steps)")
+    if args.backend == "cpu":
+        raise Refused("--backend cpu does not apply with --model (it times models on the GPU)")
+    problem = gpu_problem()
+    if problem:
+        raise Refused(f"--model needs a CUDA GPU: {problem}")
+    if importlib.util.find_spec("torch") is None:
+        raise Refused("--model lstm times bsmm.torch.BlockSparseLSTM against cuDNN: PyTorch is not installed: "
+                       "pip install 'bsmm[torch]'")
+    cpu_only = [d for d in args.dtype or () if d in CPU_ONLY_DTYPES]
+    if cpu_only:
+        raise Refused(f"--dtype {','.join(cpu_only)}: the models run {', '.join(GPU_KINDS)} on the GPU")
+    block = LSTM_GRID["block_size"]
+    for hidden in args.hidden or ():
+        _multiple("--hidden", hidden, block)
+    args.hidden = args.hidden or LSTM_GRID["hidden"]
+    args.batch = args.batch or LSTM_GRID["batch"]
+    args.densities = args.densities or LSTM_GRID["densities"]
+    args.dtype = args.dtype or LSTM_GRID["dtypes"]
+    args.steps = args.steps or LSTM_GRID["steps"]
+    for hidden in args.hidden:
+        _some_blocks(hidden, hidden, block, args.densities)
+
+
 def _check_bench(args) -> None:
     """Refuses what the bench cannot run, and fills in the defaults of the mode it runs in."""
+    if args.model:
+        _check_bench_model(args)
+        return
     if args.framework:
         if args.backend == "cpu":
             raise Refused("--backend cpu does not apply with --framework (it times layers on the GPU)")
-        for dest in ("N", "C", "K", "repeats", "quick", "block_size", "densities", "dtype", "plot"):
+        for dest in ("N", "C", "K", "repeats", "quick", "block_size", "densities", "dtype", "plot", "hidden", "batch",
+                     "steps"):
             if _given(args, dest):
                 raise Refused(f"--{dest.replace('_', '-')} does not apply with --framework (it times the "
                                f"shapes of its workloads, {', '.join(SHAPES)})")
@@ -229,6 +268,9 @@ def _check_bench(args) -> None:
 
 
 def _check_bench_cpu(args) -> None:
+    for dest in ("hidden", "batch", "steps"):
+        if _given(args, dest):
+            raise Refused(f"--{dest} applies to --model lstm")
     for dest in ("workloads", "quick"):
         if _given(args, dest):
             raise Refused(f"--{dest} applies to the GPU bench (--backend gpu); the CPU bench times --N, --C, --K")
@@ -252,6 +294,9 @@ def _check_bench_cpu(args) -> None:
 
 
 def _check_bench_gpu(args) -> None:
+    for dest in ("hidden", "batch", "steps"):
+        if _given(args, dest):
+            raise Refused(f"--{dest} applies to --model lstm")
     for dest in ("N", "C", "K", "repeats"):
         if _given(args, dest):
             raise Refused(f"--{dest} applies to the CPU bench (--backend cpu); the GPU bench times the shapes of "
@@ -377,6 +422,13 @@ def build_parser(run: dict) -> argparse.ArgumentParser:
     bench.add_argument("--framework", type=_names(tuple(_FRAMEWORK_MODULES)),
                        help="torch, jax and/or cupy, comma-separated: time what users run (the layer's training "
                             "step, forward and allocating calls, and host time a call) beside the dense layer")
+    bench.add_argument("--model", choices=("lstm",),
+                       help="a model beside the framework's dense one: lstm, bsmm.torch.BlockSparseLSTM against "
+                            "cuDNN's nn.LSTM of the same width and of equal parameters, and the per-step passes' "
+                            "weight streaming against a copy")
+    bench.add_argument("--hidden", type=_counts, help="--model: hidden sizes, comma-separated (default: 4096,12288,16384)")
+    bench.add_argument("--batch", type=_counts, help="--model: sequences a batch, comma-separated (default: 8,32,128)")
+    bench.add_argument("--steps", type=_count, help="--model: time steps T (default: 32)")
     bench.add_argument("--N", type=_count, help="CPU: batch rows (default: 32)")
     bench.add_argument("--C", type=_count, help="CPU: input features, a multiple of the block size (default: 12288)")
     bench.add_argument("--K", type=_count, help="CPU: output features, a multiple of the block size (default: C)")

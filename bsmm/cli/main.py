@@ -98,6 +98,8 @@ def _bench(args) -> int:
 
     log = _say if args.verbose else None
     meta = {"machine": platform.platform(), "processor": platform.processor()}
+    if args.model:
+        return _bench_model(args, log, meta)
     if args.framework:
         return _bench_framework(args, log, meta)
     if args.backend == "gpu":
@@ -160,6 +162,28 @@ def _bench_framework(args, log, meta) -> int:
             json.dump({"meta": meta, "rows": [r.as_dict() for r in rows]}, file, indent=1)
     return 0
 
+
+def _bench_model(args, log, meta) -> int:
+    """``bench --model lstm``: BlockSparseLSTM against cuDNN, then the streaming rows (bsmm.cli.model_bench)."""
+    import json
+
+    import torch
+
+    from bsmm.cli.model_bench import bench_lstm, bench_streaming, format_lstm_rows, format_stream_rows
+
+    meta["gpu"] = torch.cuda.get_device_name()
+    rows = bench_lstm(hidden=args.hidden, densities=args.densities, batch=args.batch, dtypes=args.dtype,
+                      steps=args.steps, progress=log)
+    print(format_lstm_rows(rows))
+    streams = bench_streaming(hidden=max(args.hidden), density=max(args.densities),
+                              dtype=next((d for d in args.dtype if d != "float32"), args.dtype[0]))
+    print()
+    print(format_stream_rows(streams))
+    if args.json:
+        with open(args.json, "w") as file:
+            json.dump({"meta": meta, "rows": [r.as_dict() for r in rows],
+                       "streaming": [r.as_dict() for r in streams]}, file, indent=1)
+    return 0
 
 
 def _tune(args) -> int:

@@ -219,8 +219,16 @@ class BlocksparseLSTM:
             h_compute = xp.empty(h.shape, dtype=self.dtype)
             h_compute[0] = h[0]
         gates = xp.empty((steps, n, 4 * hidden), dtype=self.master_dtype)
+        fused = _fused_cell(xp, self.dtype)
+        if fused is not None:
+            b = xp.ascontiguousarray(b)
         for t in range(steps):
             self.recurrent_op.fprop(h_compute[t], wh, out=z[t], accumulate=True)
+            if fused is not None:  # one launch: gates, c, and h in both dtypes
+                fused.cell_forward(_stream(xp), self.dtype.name, n, hidden, z[t].data.ptr, 0, b.data.ptr,
+                                   c[t].data.ptr, gates[t].data.ptr, c[t + 1].data.ptr,
+                                   0 if h_compute is h else h_compute[t + 1].data.ptr, h[t + 1].data.ptr)
+                continue
             cell_forward(z[t], b, c[t], gates[t], h[t + 1], c[t + 1])
             if h_compute is not h:
                 h_compute[t + 1] = h[t + 1]
@@ -279,7 +287,10 @@ class BlocksparseLSTM:
         dz_compute = dz if self.dtype == self.master_dtype else xp.empty(dz.shape, dtype=self.dtype)
         # bprop writes dz_t·Whᵀ straight into dh_next in float32 (float64); half precision casts it in.
         dh_recurrent = dh_next if self.dtype == self.master_dtype else xp.empty((n, hidden), dtype=self.dtype)
-        for t in reversed(range(steps)):
+        fused = _fused_cell(xp, self.dtype)
+        if fused is not None:
+            self._backward_steps_fused(fused, cache, dh, dh_next, dc_next, dz, dz_compute, dh_recurrent)
+        for t in reversed(range(steps) if fused is None else ()):
             if dh is not None:
                 dh_next += dh[t]
             dc_next = cell_backward(dh_next, dc_next, cache.gates[t], cache.c[t], cache.c[t + 1], dz[t])
@@ -303,10 +314,41 @@ class BlocksparseLSTM:
         dx = self.input_op.bprop(dz_compute.reshape(rows, 4 * hidden), cache.wx).reshape(steps, n, self.input_size)
         return dx, grads, (dh_next, dc_next)
 
+    def _backward_steps_fused(self, fused, cache: LSTMCache, dh, dh_next, dc_next, dz, dz_compute, dh_recurrent):
+        """:meth:`backward`'s steps on the GPU: one launch of the fused cell and the recurrent bprop a
+        step. Leaves dh_next and dc_next holding the initial state's gradients, dz (and dz_compute) filled."""
+        xp = array_module(dh_next)
+        steps, n, hidden = cache.gates.shape[0], cache.gates.shape[1], self.hidden_size
+        stream = _stream(xp)
+        dh_master = None if dh is None else xp.ascontiguousarray(dh, dtype=self.master_dtype)
+        for t in reversed(range(steps)):
+            last = t == steps - 1
+            fused.cell_backward(stream, self.dtype.name, n, hidden, 0 if dh is None else dh_master[t].data.ptr,
+                                0 if last else dh_recurrent.data.ptr, dh_next.data.ptr if last else 0,
+                                dc_next.data.ptr, cache.gates[t].data.ptr, cache.c[t].data.ptr, cache.c[t + 1].data.ptr,
+                                0 if dz_compute is dz else dz_compute[t].data.ptr, dz[t].data.ptr)
+            self.recurrent_op.bprop(dz_compute[t], cache.wh, out=dh_recurrent)
+        if dh_recurrent is not dh_next:
+            dh_next[...] = dh_recurrent
+
     def __repr__(self) -> str:
         return (f"BlocksparseLSTM(input_size={self.input_size}, hidden_size={self.hidden_size}, "
                 f"block_size={self.block_size}, input_density={self.input_op.density:.3g}, "
                 f"recurrent_density={self.recurrent_op.density:.3g}, dtype={self.dtype.name})")
+
+
+def _fused_cell(xp, dtype: np.dtype):
+    """The fused cell's launches (:mod:`bsmm.backends.cuda.lstm_cell`) for CuPy arrays of a GPU dtype,
+    None for NumPy (and float64, which the GPU's passes refuse)."""
+    if xp is np or dtype == _F64:
+        return None
+    from bsmm.backends.cuda import lstm_cell  # lazily: CuPy's, on the GPU only
+
+    return lstm_cell
+
+
+def _stream(xp) -> int:
+    return xp.cuda.get_current_stream().ptr
 
 
 def _initial_weights(op, kind: str, rng) -> np.ndarray:

@@ -82,6 +82,8 @@ class _Sequence(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, h0, c0, weight_ih, weight_hh, bias, plan):
+        if x.is_cuda:
+            return _fused_forward(ctx, x, h0, c0, weight_ih, weight_hh, bias, plan)
         steps, n, _ = x.shape
         hidden = h0.shape[1]
         master = torch.float64 if x.dtype == torch.float64 else torch.float32
@@ -103,7 +105,7 @@ class _Sequence(torch.autograd.Function):
             torch.addcmul(f * cells[t], i, g, out=cells[t + 1])
             out[t] = o * torch.tanh(cells[t + 1])
             h_prev = out[t]
-        ctx.plan = plan
+        ctx.plan, ctx.fused = plan, False
         ctx.save_for_backward(x, h0, weight_ih, weight_hh, out, cells, gates)
         # Copies: an output that is a view of a saved tensor could not be changed in place.
         return out, out[-1].clone(), cells[-1].to(x.dtype, copy=True)
@@ -111,6 +113,8 @@ class _Sequence(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, d_out, d_h_last, d_c_last):
+        if ctx.fused:
+            return _fused_backward(ctx, d_out, d_h_last, d_c_last)
         x, h0, weight_ih, weight_hh, out, cells, gates = ctx.saved_tensors
         plan = ctx.plan
         steps, n, hidden = out.shape
@@ -144,6 +148,76 @@ class _Sequence(torch.autograd.Function):
         d_h0 = dh_next.to(dtype) if needs[1] else None
         d_c0 = dc_next.to(dtype) if needs[2] else None
         return d_x, d_h0, d_c0, d_weight_ih, d_weight_hh, d_bias, None
+
+
+def _stream(device: torch.device) -> int:
+    return torch.cuda.current_stream(device).cuda_stream
+
+
+def _cell():
+    from bsmm.backends.cuda import lstm_cell  # lazily: the fused cell needs CuPy, on CUDA only
+
+    return lstm_cell
+
+
+def _fused_forward(ctx, x, h0, c0, weight_ih, weight_hh, bias, plan):
+    """:class:`_Sequence`'s forward on CUDA: a step is the recurrent fprop and one launch of the fused
+    cell (``cuda/bsmm_lstm_cell.cu``), which adds ``x·Wx``, ``h·Wh`` and the bias in float32."""
+    steps, n, _ = x.shape
+    hidden = h0.shape[1]
+    dtype = str(x.dtype).removeprefix("torch.")
+    z = _input_fprop(x.view(steps * n, -1), weight_ih, plan).view(steps, n, _GATES * hidden)
+    bias_f32 = None if bias is None else bias.to(torch.float32).contiguous()
+    out = x.new_empty(steps, n, hidden)
+    cells = torch.empty(steps + 1, n, hidden, dtype=torch.float32, device=x.device)
+    cells[0] = c0
+    gates = torch.empty(steps, n, _GATES * hidden, dtype=torch.float32, device=x.device)
+    stream, cell = _stream(x.device), _cell()
+    h_prev = h0
+    for t in range(steps):
+        z_rec = run_on(plan.recurrent_op, "fprop", h_prev, weight_hh, plan.recurrent_key)
+        cell.cell_forward(stream, dtype, n, hidden, z[t].data_ptr(), z_rec.data_ptr(),
+                          0 if bias_f32 is None else bias_f32.data_ptr(), cells[t].data_ptr(), gates[t].data_ptr(),
+                          cells[t + 1].data_ptr(), out[t].data_ptr(), 0)
+        h_prev = out[t]
+    ctx.plan, ctx.fused = plan, True
+    ctx.save_for_backward(x, h0, weight_ih, weight_hh, out, cells, gates)
+    return out, out[-1].clone(), cells[-1].to(x.dtype, copy=True)
+
+
+def _fused_backward(ctx, d_out, d_h_last, d_c_last):
+    """:class:`_Sequence`'s backward on CUDA: a step is one launch of the fused cell backward, writing
+    ``dz_t`` in the passes' dtype, and the recurrent bprop of it."""
+    x, h0, weight_ih, weight_hh, out, cells, gates = ctx.saved_tensors
+    plan = ctx.plan
+    steps, n, hidden = out.shape
+    dtype = str(out.dtype).removeprefix("torch.")
+    needs = ctx.needs_input_grad
+    d_out = d_out.to(torch.float32).contiguous()
+    dh_init = d_h_last.to(torch.float32).contiguous()
+    dc = d_c_last.to(torch.float32, memory_format=torch.contiguous_format, copy=True)  # updated in place
+    dz = torch.empty(steps, n, _GATES * hidden, dtype=out.dtype, device=out.device)
+    stream, cell = _stream(out.device), _cell()
+    dh_rec = None
+    for t in reversed(range(steps)):
+        cell.cell_backward(stream, dtype, n, hidden, d_out[t].data_ptr(), 0 if dh_rec is None else dh_rec.data_ptr(),
+                           dh_init.data_ptr() if dh_rec is None else 0, dc.data_ptr(), gates[t].data_ptr(),
+                           cells[t].data_ptr(), cells[t + 1].data_ptr(), dz[t].data_ptr(), 0)
+        if t > 0 or needs[1]:
+            dh_rec = run_on(plan.recurrent_op, "bprop", dz[t], weight_hh, plan.recurrent_key)
+    dz_rows = dz.view(steps * n, _GATES * hidden)
+    d_weight_hh = None
+    if needs[4]:
+        h_in = torch.cat((h0.unsqueeze(0), out[:-1])).view(steps * n, hidden)
+        d_weight_hh = run_on(plan.recurrent_op, "updat", h_in, dz_rows, plan.recurrent_key)
+    rows = x.view(steps * n, -1)
+    d_x = _input_bprop(dz_rows, weight_ih, plan).view(x.shape) if needs[0] else None
+    d_weight_ih = _input_updat(rows, dz_rows, plan) if needs[3] else None
+    # Summed in float32 from dz in the passes' dtype (the float32 dz of the CPU path is not kept).
+    d_bias = dz_rows.sum(dim=0, dtype=torch.float32).to(out.dtype) if needs[5] else None
+    d_h0 = dh_rec if needs[1] else None
+    d_c0 = dc.to(out.dtype) if needs[2] else None
+    return d_x, d_h0, d_c0, d_weight_ih, d_weight_hh, d_bias, None
 
 
 # The passes share memory with NumPy and CuPy through DLPack, which torch.compile cannot trace: a

@@ -100,6 +100,8 @@ def make_case(name, rng):
         return 7, 5, 8, None, None, 3, 3
     if name == "small_world":
         return 64, 64, 8, small_world_layout(8, 30, seed=1), small_world_layout(8, 30, "watts_strogatz", 2), 5, 4
+    if name == "wide":  # on the GPU, the fused cell's rows of 320 units: two thread blocks and part of a third
+        return 32, 320, 32, random_layout(rng, 1, 10, 0.6), small_world_layout(10, 30, seed=3), 3, 5
     raise AssertionError(name)
 
 
@@ -143,7 +145,7 @@ def compare_to_reference(xp, case, dtype, seed=0):
     assert errors[worst] <= tolerance(dtype), f"{case} {dtype}: {worst} off by {errors[worst]:.3g}; {errors}"
 
 
-CASES = ("random", "skewed", "per_gate", "n1_t1", "dense_odd", "small_world")
+CASES = ("random", "skewed", "per_gate", "n1_t1", "dense_odd", "small_world", "wide")
 
 
 @pytest.mark.parametrize("case", CASES)

@@ -29,7 +29,8 @@ from pathlib import Path
 from bsmm.config import settings
 from bsmm.dtypes import SUPPORTED_DTYPES
 from bsmm.epilogues import EPILOGUES
-from bsmm.backends.cuda.kernels import (ARCH_ONLY_MODES, GATHER_UNITS, BlockTransposeVariant, GatherVariant, TransposeVariant, Variant,
+from bsmm.backends.cuda.kernels import (ARCH_ONLY_MODES, C_TYPES, GATHER_UNITS, BlockTransposeVariant, GatherVariant,
+                                        LstmCellVariant, TransposeVariant, Variant,
                           _cached_cubin, compile_variant, tiling_problem)
 from bsmm.backends.cuda.policy import current_policy
 from bsmm.backends.cuda.selection import math_mode
@@ -46,6 +47,8 @@ def all_variants() -> list[Variant | GatherVariant | TransposeVariant | BlockTra
     variants = {GatherVariant(unit) for unit in GATHER_UNITS}  # the convolution's row gathers
     variants.add(TransposeVariant(2))  # updat's transposed operands (half precision at blocks 16, 32)
     variants.add(TransposeVariant(4))  # (TF32 on Hopper)
+    variants.update(LstmCellVariant(dtype, direction) for dtype in C_TYPES  # the LSTM's fused cell
+                    for direction in LstmCellVariant.ARGS)
     block_sizes = settings()["limits"]["block_sizes"]
     # Every GPU dtype with tf32 off and on: math_mode maps both to what that dtype runs (tf32 only
     # changes float32's), and the set keeps each variant once.
@@ -119,7 +122,7 @@ def epilogue_variants(variants) -> set:
     return {dataclasses.replace(v, epilogue=name) for v in kinds.values() for name in EPILOGUES if name != "store"}
 
 
-AnyVariant = Variant | GatherVariant | TransposeVariant | BlockTransposeVariant
+AnyVariant = Variant | GatherVariant | TransposeVariant | BlockTransposeVariant | LstmCellVariant
 
 #: What tells two kernels apart for the sample (:func:`describe`).
 FIELDS = ("kind", "pass", "block_size", "dtype", "tma", "streamed", "groups", "act_transposed", "feature_axis",
@@ -140,7 +143,7 @@ def describe(variant: AnyVariant) -> dict:
     fields = dict.fromkeys(FIELDS)
     fields["kind"] = type(variant).__name__
     fields["block_size"] = getattr(variant, "block_size", None)
-    fields["dtype"] = getattr(variant, "unit_bytes", getattr(variant, "element_bytes", None))
+    fields["dtype"] = getattr(variant, "unit_bytes", getattr(variant, "element_bytes", getattr(variant, "dtype", None)))
     return fields
 
 

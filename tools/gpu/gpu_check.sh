@@ -3,7 +3,7 @@
 # test suite (each census path among them), the randomized sweep at users' shapes, the checks past
 # 2**31 elements, memcheck and initcheck over a sample of the census, and the benchmark. Full logs
 # go to $OUT; a short table is printed last.
-#   tools/gpu/gpu_check.sh [check|smoke|tests|bench|all|note|conv|race|models|tune|framework|multi|callpath] [bench args...]
+#   tools/gpu/gpu_check.sh [check|smoke|tests|bench|all|note|conv|race|models|tune|framework|multi|callpath|lstm] [bench args...]
 # check (the default): correctness, then sweep. correctness: compile, census, GPU tests, edges.
 # sweep: compile, the randomized sweep (SWEEP_CASES cases, default 2000, within SWEEP_BUDGET s, default 180), sanitizers (every
 # CENSUS_STRIDE-th census shape, default 25), the framework bench (torch, jax and cupy, S, D, F). (The device tool runs
@@ -20,6 +20,8 @@
 # GPUs, beside dense). NCCL's NVLink multicast stays off (the lent machines require it).
 # callpath: tools/probes/probe_call_path.py (eager against compiled, host times, fused epilogues); with
 # BEFORE=<tree of another commit>, that tree's run first, side by side. check and sweep run it last.
+# lstm: the LSTM's GPU tests, `bsmm bench --model lstm` ($LSTM_BENCH_ARGS), tools/probes/profile_lstm.py and
+# tools/probes/probe_streaming.py (NO_STREAM_PROBE=1 skips it).
 # tune: `python -m bsmm tune` with the remaining arguments (e.g. --workload T --block-size 64
 # --dtype float16 --dry-run); its report, and the kept tiles in $BSMM_CACHE_DIR/tuned.toml.
 set -uo pipefail
@@ -32,7 +34,7 @@ summary=()
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv >"$OUT/gpu.txt" 2>&1
 python3 -c "import cupy, numpy, sys; print('python', sys.version.split()[0], 'cupy', cupy.__version__, 'numpy', numpy.__version__, 'nvrtc', cupy.cuda.nvrtc.getVersion())" | tee -a "$OUT/gpu.txt"
 
-if [[ $stage != framework ]]; then  # (the framework stage compiles the few kernels it runs on first use)
+if [[ $stage != framework && $stage != lstm ]]; then  # (these stages compile the few kernels they run on first use)
   t0=$(date +%s)
   python3 tools/ci/compile_kernels.py --arch sm_90a --jobs 16 --populate-cache --quiet >"$OUT/compile.log" 2>&1 || status=1
   echo "compile: $(tail -1 "$OUT/compile.log") [$(( $(date +%s) - t0 ))s]"
@@ -138,6 +140,27 @@ if [[ $stage == note || $stage == conv ]]; then
   grep -E "^\|" "$OUT/conv.md" | awk '!seen[$0]++'
   echo "conv profile (wide32, block 32, 50 %):"
   cat "$OUT/profile_conv.txt"
+fi
+if [[ $stage == lstm ]]; then
+  # The sparse-wide LSTM (issue 36): its GPU tests (fused cell, layers), the streaming probe, the
+  # model bench ($LSTM_BENCH_ARGS, default the seed's shape) and the profile of one step.
+  t0=$(date +%s)
+  python3 -m pytest -q -m gpu tests/frameworks/torch/test_lstm_torch.py tests/nn/test_lstm.py -p no:cacheprovider \
+    >"$OUT/pytest_lstm.log" 2>&1 || status=1
+  grep -E "^(FAILED|ERROR)" "$OUT/pytest_lstm.log" | head -20
+  echo "lstm gpu tests: $(tail -1 "$OUT/pytest_lstm.log") [$(( $(date +%s) - t0 ))s]"
+  t0=$(date +%s)
+  python3 -m bsmm bench --model lstm ${LSTM_BENCH_ARGS:---hidden 12288 --densities 10 --batch 32 --dtype bfloat16} \
+    --json "$OUT/lstm_bench.json" >"$OUT/lstm_bench.md" 2>"$OUT/lstm_bench.log" || status=1
+  echo "lstm bench [$(( $(date +%s) - t0 ))s]:"; cat "$OUT/lstm_bench.md"; tail -3 "$OUT/lstm_bench.log"
+  t0=$(date +%s)
+  python3 tools/probes/profile_lstm.py >"$OUT/profile_lstm.md" 2>&1 || status=1
+  echo "lstm profile [$(( $(date +%s) - t0 ))s]:"; cat "$OUT/profile_lstm.md"
+  if [[ -z ${NO_STREAM_PROBE:-} ]]; then
+    t0=$(date +%s)
+    python3 tools/probes/probe_streaming.py --json "$OUT/streaming.json" >"$OUT/streaming.md" 2>&1 || status=1
+    echo "streaming probe [$(( $(date +%s) - t0 ))s]:"; cat "$OUT/streaming.md"
+  fi
 fi
 if [[ $stage == callpath || $stage == check || $stage == sweep ]]; then
   # The call path, eager against compiled, host times and the fused epilogues

@@ -37,7 +37,7 @@ from bsmm.backends.cuda.policy import Tile
 from bsmm.epilogues import EPILOGUES
 from bsmm.passes import PASSES
 
-__all__ = ["Variant", "tiling_problem", "static_shared_bytes", "GatherVariant", "TransposeVariant", "compile_variant", "load_kernel", "arch_for", "cuda_include_dirs", "compile_options", "variant_name"]
+__all__ = ["Variant", "tiling_problem", "static_shared_bytes", "GatherVariant", "TransposeVariant", "LstmCellVariant", "compile_variant", "load_kernel", "arch_for", "cuda_include_dirs", "compile_options", "variant_name"]
 
 _log = logging.getLogger(__name__)
 
@@ -256,6 +256,33 @@ class BlockTransposeVariant:
     @property
     def name_expression(self) -> str:
         return f"bsmm::transpose_blocks<{self.block_size}>"
+
+
+@dataclasses.dataclass(frozen=True)
+class LstmCellVariant:
+    """``bsmm::lstm_cell_forward`` or ``lstm_cell_backward`` (``cuda/bsmm_lstm_cell.cu``): one LSTM
+    step's element-wise math, reading and writing the passes' ``dtype`` (float32 inside)."""
+
+    dtype: str
+    direction: str  # "forward" or "backward"
+    source_file = "bsmm_lstm_cell.cu"
+    math = "elementwise"
+    shared_bytes = 0
+    threads = 128
+    #: Parameters, 8 bytes each, of each direction.
+    ARGS = {"forward": 9, "backward": 10}
+
+    def __post_init__(self):
+        if self.dtype not in C_TYPES or self.direction not in self.ARGS:
+            raise ValueError(f"LstmCellVariant: dtype one of {sorted(C_TYPES)} and direction 'forward' or "
+                             f"'backward'; got {self.dtype!r}, {self.direction!r}")
+
+    @property
+    def name_expression(self) -> str:
+        """>>> LstmCellVariant("bfloat16", "backward").name_expression
+        'bsmm::lstm_cell_backward<__nv_bfloat16>'
+        """
+        return f"bsmm::lstm_cell_{self.direction}<{C_TYPES[self.dtype]}>"
 
 
 def variant_name(variant: Variant | GatherVariant | TransposeVariant | BlockTransposeVariant) -> str:

@@ -521,3 +521,68 @@ def test_gpu_matches_the_cpu_layer_through_training_steps():
     for step, (on_cpu, on_gpu) in enumerate(zip(runs["cpu"], runs["gpu"])):
         for index, (a, b) in enumerate(zip(on_cpu, on_gpu)):
             assert rel_error(host(b), host(a)) <= 1e-5, (step, index)
+
+
+# -- the fused cell on CUDA (cuda/bsmm_lstm_cell.cu) ------------------------------------------------------------
+def poison_free_memory(cuda) -> None:
+    """NaN into blocks that PyTorch's caching allocator then holds free: its small pool (tensors up to
+    1 MiB) and its large one, which later ``torch.empty`` calls hand out again."""
+    held = [torch.full((1 << 17,), float("nan"), device=cuda) for _ in range(64)]  # 512 KiB each
+    held.append(torch.full((1 << 24,), float("nan"), device=cuda))  # 64 MiB
+    del held
+
+
+#: (hidden, block size, T, N): hidden 320 is two whole thread blocks of 128 units a row and a partial third;
+#: 96 is one partial block; N = 1 and N = 33 (not a multiple of a tile) rows.
+FUSED_SHAPES = [(320, 32, 4, 5), (96, 32, 3, 1), (128, 16, 2, 33)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("hidden,bs,steps,n", FUSED_SHAPES)
+def test_fused_cell_matches_the_float64_reference_at_wide_layers(dtype, hidden, bs, steps, n):
+    """The fused cell's forward and backward, every output and gradient, against the float64 LSTM; the
+    allocator's free memory poisoned with NaN first, so that an element the kernels leave unwritten shows."""
+    cuda = cuda_or_skip()
+    rng = np.random.default_rng(hidden + n)
+    torch.manual_seed(hidden)
+    lstm = bt.BlockSparseLSTM(hidden, hidden, block_size=bs, density=0.3, seed=4, input_layout="recurrent",
+                              device=cuda, dtype=TORCH_DTYPES[dtype])
+    with torch.no_grad():
+        lstm.bias.uniform_(-1, 1)
+    layout, input_layout = host(lstm.recurrent_layout), host(lstm.input_layout)
+    wh, wx = dense_weight(layout, host(lstm.weight_hh), bs), dense_weight(input_layout, host(lstm.weight_ih), bs)
+    x, h0, c0, d_out, d_h, d_c = random_problem(rng, steps, n, hidden, hidden)
+    x, h0, c0 = (rounded(a, dtype) for a in (x, h0, c0))
+    expected = reference_lstm(wx, wh, host(lstm.bias), x, h0, c0, d_out, d_h, d_c)
+    poison_free_memory(cuda)
+    actual = run_layer(lstm, x, h0, c0, d_out, d_h, d_c)
+    actual["dwx"] = dense_weight(input_layout, host(actual["dwx"]), bs)
+    actual["dwh"] = dense_weight(layout, host(actual["dwh"]), bs)
+    for name, mask in (("dwx", input_layout), ("dwh", layout)):
+        expected[name] *= dense_weight(mask, np.ones(lstm.weight_hh.shape), bs)
+    check_errors(actual, expected, dtype, f"fused H={hidden} N={n}")
+
+
+@pytest.mark.gpu
+def test_fused_cell_is_one_launch_a_step_each_way():
+    """A step forward is the recurrent fprop and one cell kernel, backward one cell kernel and the
+    recurrent bprop: no per-step element-wise operators of PyTorch."""
+    cuda = cuda_or_skip()
+    steps = 6
+    lstm = bt.BlockSparseLSTM(64, 64, block_size=16, density=0.5, seed=0, input_layout="recurrent", device=cuda)
+    x = torch.randn(steps, 4, 64, device=cuda)
+    lstm(x)[0].sum().backward()  # warm: kernels compiled and calls kept
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
+        output, _ = lstm(x)
+        output.sum().backward()
+        torch.cuda.synchronize()
+    names = [event.name for event in profile.events() if event.device_type == torch.autograd.DeviceType.CUDA]
+    cells = [name for name in names if "lstm_cell" in name]
+    assert sum("lstm_cell_forward" in name for name in cells) == steps
+    assert sum("lstm_cell_backward" in name for name in cells) == steps
+    passes = [name for name in names if "bsmm_matmul" in name]
+    # fprop of x and of each step; bprop of each step and of dx; updat of Wh and of Wx.
+    assert len(passes) == 1 + steps + steps + 1 + 2, passes
+    # Everything else (state copies, casts, the bias sum, the output's copies) does not grow with T.
+    assert len(names) - len(cells) - len(passes) <= 16, names
