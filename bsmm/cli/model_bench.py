@@ -171,6 +171,8 @@ def bench_lstm(hidden=LSTM_GRID["hidden"], densities=LSTM_GRID["densities"], bat
                 dense_layers = {"equal": torch.nn.LSTM(equal, equal, device="cuda", dtype=dtype)}
                 if same_width:
                     dense_layers["same"] = torch.nn.LSTM(h, h, device="cuda", dtype=dtype)
+                for layer in dense_layers.values():
+                    layer.flatten_parameters()  # cuDNN's weights in one buffer, as a model moved to the GPU has them
                 for n in batch:
                     times: dict = {}
                     notes = []

@@ -3,8 +3,9 @@ the weight bytes and the dense product, in one run (issue 36, item 1).
 
 Shapes: the sparse-wide LSTM's recurrent matrix (H 12288 -> 4H, block 32, a small-world layout tiled
 over the four gates, 10 %, bfloat16) and workload D's forward (8192², block 32, random 10 %, float16).
-Each candidate is a planner policy (``bsmm.backends.cuda.policy.planning``): today's, columns cut into
-shorter parts, other stage counts, TMA off. Prints a Markdown table; ``--json`` writes the rows.
+Each candidate is a planner policy (``bsmm.backends.cuda.policy.planning``): today's, TMA mma.sync
+whatever the weights' size (before ``tma_mma_max_stream_bytes``), columns cut into parts of 64 blocks,
+TMA off. The first run (results/v24/) also tried 4 and 6 stages and parts of 16 and 32. Prints a Markdown table; ``--json`` writes the rows.
 
     python tools/probes/probe_streaming.py [--json out.json]
 """
@@ -45,13 +46,8 @@ def timed(run, calls: int = 20, batches: int = 9) -> float:
 def candidates():
     base = current_policy()
     yield "today", base
-    for blocks in (16, 32, 64):
-        yield f"parts of {blocks}", base.replace(tma_mma_min_part_blocks=blocks, min_part_blocks=blocks)
-    for stages in (4, 6):
-        policy = base
-        for batch, bm, wm in (("n16", 16, 1), ("n32", 32, 2), ("n64", 64, 2)):
-            policy = policy.with_tile("sm90", "tma_mma16", "sparse", 32, batch, [bm, 32, 32, wm, 2, stages])
-        yield f"{stages} stages", policy
+    yield "TMA at any size", base.replace(tma_mma_max_stream_bytes=1 << 50)
+    yield "parts of 64", base.replace(tma_mma_min_part_blocks=64, min_part_blocks=64)
     yield "no TMA", base.replace(tma=False)
 
 

@@ -196,6 +196,14 @@ def test_tma_only_for_plain_passes_long_enough_and_listed():
     assert tma("tma_mma16", small, "fprop", 32, policy=above) is None
     below = policy.replace(tma_mma_max_column_blocks=64, tma_mma_min_column_blocks=33)  # the host's call wins
     assert tma("tma_mma16", small, "fprop", 32, policy=below) is None
+    # Weights past tma_mma_max_stream_bytes (8 MiB here) at up to 32 rows stream through cp.async; 64 rows keep TMA.
+    wide = bsmm.block_index(np.ones((256, 64), dtype=np.uint8), 32)  # 16384 blocks of 2 KiB in half precision
+    streamed = policy.replace(tma_mma_max_stream_bytes=8 << 20)
+    assert tma("tma_mma16", wide, "fprop", 32) is not None  # today's 48 MiB
+    assert tma("tma_mma16", wide, "fprop", 32, policy=streamed) is None
+    assert tma("tma_mma16", wide, "bprop", 8, policy=streamed) is None
+    assert tma("tma_mma16", wide, "fprop", 64, policy=streamed) == _listed("tma_mma16", "sparse", 32, "n64")
+    assert tma("tma_mma16", small, "fprop", 32, policy=streamed) is not None  # 64 KiB
 
 
 def test_wgmma_groups_only_for_half_precision_aligned_long_passes_on_hopper():
