@@ -32,7 +32,7 @@ from bsmm.layouts.small_world import small_world_layout
 from bsmm.matmul import BlocksparseMatMul
 from bsmm.nn.lstm_gates import GATES
 from bsmm.torch.checks import check_dtype, check_like
-from bsmm.torch.passes import matmul_operator, run_on
+from bsmm.torch.passes import kept_store_call, matmul_operator, run_on
 from bsmm.torch.registry import Registration, register
 
 __all__ = ["BlockSparseLSTM"]
@@ -150,36 +150,31 @@ class _Sequence(torch.autograd.Function):
         return d_x, d_h0, d_c0, d_weight_ih, d_weight_hh, d_bias, None
 
 
-def _stream(device: torch.device) -> int:
-    return torch.cuda.current_stream(device).cuda_stream
-
-
-def _cell():
-    from bsmm.backends.cuda import lstm_cell  # lazily: the fused cell needs CuPy, on CUDA only
-
-    return lstm_cell
-
-
 def _fused_forward(ctx, x, h0, c0, weight_ih, weight_hh, bias, plan):
     """:class:`_Sequence`'s forward on CUDA: a step is the recurrent fprop and one launch of the fused
-    cell (``cuda/bsmm_lstm_cell.cu``), which adds ``x·Wx``, ``h·Wh`` and the bias in float32."""
+    cell (``cuda/bsmm_lstm_cell.cu``), which adds ``x·Wx``, ``h·Wh`` and the bias in float32. After the
+    first step, both are launches on raw pointers into buffers made once (:class:`_Steps`)."""
     steps, n, _ = x.shape
     hidden = h0.shape[1]
-    dtype = str(x.dtype).removeprefix("torch.")
     z = _input_fprop(x.view(steps * n, -1), weight_ih, plan).view(steps, n, _GATES * hidden)
     bias_f32 = None if bias is None else bias.to(torch.float32).contiguous()
     out = x.new_empty(steps, n, hidden)
     cells = torch.empty(steps + 1, n, hidden, dtype=torch.float32, device=x.device)
     cells[0] = c0
     gates = torch.empty(steps, n, _GATES * hidden, dtype=torch.float32, device=x.device)
-    stream, cell = _stream(x.device), _cell()
-    h_prev = h0
+    loop = _Steps(out.device, out.dtype)
+    bias_ptr = 0 if bias_f32 is None else bias_f32.data_ptr()
+    z_rec = run_on(plan.recurrent_op, "fprop", h0, weight_hh, plan.recurrent_key)
+    call = kept_store_call(plan.recurrent_op, "fprop", h0, weight_hh)
     for t in range(steps):
-        z_rec = run_on(plan.recurrent_op, "fprop", h_prev, weight_hh, plan.recurrent_key)
-        cell.cell_forward(stream, dtype, n, hidden, z[t].data_ptr(), z_rec.data_ptr(),
-                          0 if bias_f32 is None else bias_f32.data_ptr(), cells[t].data_ptr(), gates[t].data_ptr(),
-                          cells[t + 1].data_ptr(), out[t].data_ptr(), 0)
-        h_prev = out[t]
+        if t > 0:
+            h_prev = loop.at(out, t - 1)
+            if call is not None:
+                call.launch(loop.stream, h_prev, weight_hh.data_ptr(), z_rec.data_ptr())
+            else:
+                z_rec = run_on(plan.recurrent_op, "fprop", out[t - 1], weight_hh, plan.recurrent_key)
+        loop.cell.cell_forward(loop.stream, loop.dtype, n, hidden, loop.at(z, t), z_rec.data_ptr(), bias_ptr,
+                               loop.at(cells, t), loop.at(gates, t), loop.at(cells, t + 1), loop.at(out, t), 0)
     ctx.plan, ctx.fused = plan, True
     ctx.save_for_backward(x, h0, weight_ih, weight_hh, out, cells, gates)
     return out, out[-1].clone(), cells[-1].to(x.dtype, copy=True)
@@ -187,24 +182,29 @@ def _fused_forward(ctx, x, h0, c0, weight_ih, weight_hh, bias, plan):
 
 def _fused_backward(ctx, d_out, d_h_last, d_c_last):
     """:class:`_Sequence`'s backward on CUDA: a step is one launch of the fused cell backward, writing
-    ``dz_t`` in the passes' dtype, and the recurrent bprop of it."""
+    ``dz_t`` in the passes' dtype, and the recurrent bprop of it (into one buffer, after the first)."""
     x, h0, weight_ih, weight_hh, out, cells, gates = ctx.saved_tensors
     plan = ctx.plan
     steps, n, hidden = out.shape
-    dtype = str(out.dtype).removeprefix("torch.")
     needs = ctx.needs_input_grad
     d_out = d_out.to(torch.float32).contiguous()
     dh_init = d_h_last.to(torch.float32).contiguous()
     dc = d_c_last.to(torch.float32, memory_format=torch.contiguous_format, copy=True)  # updated in place
     dz = torch.empty(steps, n, _GATES * hidden, dtype=out.dtype, device=out.device)
-    stream, cell = _stream(out.device), _cell()
-    dh_rec = None
+    loop = _Steps(out.device, out.dtype)
+    dh_rec, call = None, None
     for t in reversed(range(steps)):
-        cell.cell_backward(stream, dtype, n, hidden, d_out[t].data_ptr(), 0 if dh_rec is None else dh_rec.data_ptr(),
-                           dh_init.data_ptr() if dh_rec is None else 0, dc.data_ptr(), gates[t].data_ptr(),
-                           cells[t].data_ptr(), cells[t + 1].data_ptr(), dz[t].data_ptr(), 0)
-        if t > 0 or needs[1]:
+        loop.cell.cell_backward(loop.stream, loop.dtype, n, hidden, loop.at(d_out, t),
+                                0 if dh_rec is None else dh_rec.data_ptr(), dh_init.data_ptr() if dh_rec is None else 0,
+                                dc.data_ptr(), loop.at(gates, t), loop.at(cells, t), loop.at(cells, t + 1),
+                                loop.at(dz, t), 0)
+        if t == 0 and not needs[1]:
+            break
+        if call is not None:  # dh_rec is read by the cell above before the bprop below overwrites it
+            call.launch(loop.stream, loop.at(dz, t), weight_hh.data_ptr(), dh_rec.data_ptr())
+        else:
             dh_rec = run_on(plan.recurrent_op, "bprop", dz[t], weight_hh, plan.recurrent_key)
+            call = kept_store_call(plan.recurrent_op, "bprop", dz[t], weight_hh)
     dz_rows = dz.view(steps * n, _GATES * hidden)
     d_weight_hh = None
     if needs[4]:
@@ -218,6 +218,28 @@ def _fused_backward(ctx, d_out, d_h_last, d_c_last):
     d_h0 = dh_rec if needs[1] else None
     d_c0 = dc.to(out.dtype) if needs[2] else None
     return d_x, d_h0, d_c0, d_weight_ih, d_weight_hh, d_bias, None
+
+
+class _Steps:
+    """What the fused loops launch with: the stream, the cell's launches, and the address of step ``t``
+    of a contiguous (steps, N, ·) tensor (no tensor is indexed a step)."""
+
+    __slots__ = ("stream", "cell", "dtype")
+
+    def __init__(self, device: torch.device, dtype: torch.dtype):
+        self.stream = torch.cuda.current_stream(device).cuda_stream
+        self.cell = _cell()
+        self.dtype = str(dtype).removeprefix("torch.")
+
+    @staticmethod
+    def at(tensor: torch.Tensor, t: int) -> int:
+        return tensor.data_ptr() + t * tensor.stride(0) * tensor.element_size()
+
+
+def _cell():
+    from bsmm.backends.cuda import lstm_cell  # lazily: the fused cell needs CuPy, on CUDA only
+
+    return lstm_cell
 
 
 # The passes share memory with NumPy and CuPy through DLPack, which torch.compile cannot trace: a

@@ -21,7 +21,7 @@ from bsmm.matmul import BlocksparseMatMul
 from bsmm.torch.checks import ARRAY_DTYPES, epilogue_shapes, pass_shape
 from bsmm.torch.registry import registration
 
-__all__ = ["into_new", "matmul_operator", "run_epilogue", "run_on", "run_pass"]
+__all__ = ["into_new", "kept_store_call", "matmul_operator", "run_epilogue", "run_on", "run_pass"]
 
 
 def _shared_as(module, tensor: torch.Tensor):
@@ -140,6 +140,19 @@ def _repeat_on_cuda(op: BlocksparseMatMul, pass_name: str, a: torch.Tensor, b: t
         return None
     call.launch(stream, a_ptr, b_ptr, out_ptr, False, bias_ptr, pre_ptr)
     return out, pre
+
+
+def kept_store_call(op: BlocksparseMatMul, pass_name: str, a: torch.Tensor, b: torch.Tensor):
+    """The call ``op`` kept for this pass on tensors like ``a`` and ``b`` (contiguous CUDA tensors of one
+    device and dtype), to launch on raw pointers again and again (``call.launch(stream, a_ptr, b_ptr,
+    out_ptr)``), or None where it has none or it would not fit them. A loop of one shape (an LSTM's
+    steps) checks once here and then launches into buffers of its own: no tensor is made a step."""
+    call = op.kept_calls.get((pass_name, a.shape, ARRAY_DTYPES.get(a.dtype), op.feature_axis, op.tf32, "store"))
+    if (call is None or not a.is_cuda or b.dtype is not a.dtype or b.shape != call.other_shape
+            or not (a.is_contiguous() and b.is_contiguous()) or a.get_device() != call.device
+            or b.get_device() != call.device or launches.current_device() != call.device):
+        return None
+    return call
 
 
 def into_new(method, a: torch.Tensor, b: torch.Tensor, shape: tuple, out_shape: tuple | None = None,
