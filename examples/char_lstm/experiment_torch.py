@@ -86,6 +86,7 @@ def build(kind: str, vocab: int, args) -> tuple[CharModel, dict]:
             input_layout="recurrent", device="meta").parameters())
         width = equal_parameter_width(count)
         lstm = torch.nn.LSTM(width, width, device=args.device, dtype=dtype)
+        lstm.flatten_parameters()  # cuDNN's weights in one buffer (else compacted at every call)
         info = {"hidden": width, "density": 1.0}
     model = CharModel(vocab, lstm, width).to(device=args.device, dtype=dtype)
     info["lstm_parameters"] = sum(p.numel() for p in lstm.parameters())
