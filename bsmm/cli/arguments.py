@@ -15,6 +15,7 @@ import sys
 from bsmm.cli.bench import SPREAD_LIMIT
 from bsmm.cli.bench_gpu import WORKLOADS, gpu_plan
 from bsmm.cli.framework_bench import SHAPES
+from bsmm.cli.model_bench import LSTM_GRID
 from bsmm.config import settings
 from bsmm.dtypes import CPU_ONLY_DTYPES, GPU_KINDS, KIND_DTYPES
 from bsmm.passes import PASS_NAMES
@@ -198,8 +199,6 @@ def _some_blocks(C: int, K: int, block_size: int, densities) -> None:
 
 def _check_bench_model(args) -> None:
     """``--model lstm``: its own grid (--hidden, --batch, --steps, --densities, --dtype), on a GPU with PyTorch."""
-    from bsmm.cli.model_bench import LSTM_GRID
-
     for dest in ("framework", "N", "C", "K", "repeats", "quick", "block_size", "plot", "workloads"):
         if _given(args, dest):
             raise Refused(f"--{dest.replace('_', '-')} does not apply with --model (it times a model over "

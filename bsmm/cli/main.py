@@ -169,7 +169,8 @@ def _bench_model(args, log, meta) -> int:
 
     import torch
 
-    from bsmm.cli.model_bench import bench_lstm, bench_streaming, format_lstm_rows, format_stream_rows
+    from bsmm.cli.model_bench import (  # lazily: the command's modules load when it runs
+        bench_lstm, bench_streaming, format_lstm_rows, format_stream_rows)
 
     meta["gpu"] = torch.cuda.get_device_name()
     rows = bench_lstm(hidden=args.hidden, densities=args.densities, batch=args.batch, dtypes=args.dtype,

@@ -22,6 +22,10 @@ import math
 import statistics
 from typing import Callable
 
+from bsmm.layouts.small_world import small_world_layout
+from bsmm.matmul import BlocksparseMatMul
+from bsmm.nn.lstm_gates import gate_layout
+
 __all__ = ["LstmRow", "StreamRow", "LSTM_GRID", "bench_lstm", "bench_streaming", "equal_parameter_width",
            "format_lstm_rows", "format_stream_rows"]
 
@@ -155,7 +159,7 @@ def bench_lstm(hidden=LSTM_GRID["hidden"], densities=LSTM_GRID["densities"], bat
     """:class:`LstmRow` s over the grid (see the module docstring); needs a CUDA GPU and PyTorch."""
     import torch
 
-    import bsmm.torch
+    import bsmm.torch  # lazily: PyTorch is optional
 
     gpu_time = _timer(torch)
     rows = []
@@ -207,13 +211,9 @@ def bench_streaming(hidden: int = 12288, density: float = 0.1, batch=(1, 8, 16, 
     bprop at each ``batch`` (from CuPy into kept outputs) beside a copy of the weight bytes."""
     import cupy
 
-    import bsmm
-    from bsmm.nn.lstm_gates import gate_layout
-    from bsmm.layouts.small_world import small_world_layout
-
     blocks = hidden // block_size
     layout = gate_layout(small_world_layout(blocks, round(density * blocks * blocks), "barabasi_albert", 0), blocks)
-    op = bsmm.BlocksparseMatMul(layout, block_size=block_size)
+    op = BlocksparseMatMul(layout, block_size=block_size)
     rng = cupy.random.default_rng(0)
     w = rng.standard_normal(op.w_shape, dtype=cupy.float32).astype(dtype)
     weight_bytes = w.nbytes

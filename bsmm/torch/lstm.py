@@ -32,6 +32,7 @@ from bsmm.layouts.small_world import small_world_layout
 from bsmm.matmul import BlocksparseMatMul
 from bsmm.nn.lstm_gates import GATES
 from bsmm.torch.checks import check_dtype, check_like
+from bsmm.torch import lstm_steps
 from bsmm.torch.passes import kept_store_call, matmul_operator, run_on
 from bsmm.torch.registry import Registration, register
 
@@ -52,6 +53,7 @@ class _Plan(NamedTuple):
     input_op: BlocksparseMatMul | None
     input_key: str | None
     registrations: tuple
+    graphs: lstm_steps.SequenceGraphs | None = None  # the layer's, where it replays its loops from CUDA graphs
 
 
 def _input_fprop(rows: torch.Tensor, weight: torch.Tensor, plan: _Plan) -> torch.Tensor:
@@ -152,94 +154,125 @@ class _Sequence(torch.autograd.Function):
 
 def _fused_forward(ctx, x, h0, c0, weight_ih, weight_hh, bias, plan):
     """:class:`_Sequence`'s forward on CUDA: a step is the recurrent fprop and one launch of the fused
-    cell (``cuda/bsmm_lstm_cell.cu``), which adds ``x·Wx``, ``h·Wh`` and the bias in float32. After the
-    first step, both are launches on raw pointers into buffers made once (:class:`_Steps`)."""
-    steps, n, _ = x.shape
-    hidden = h0.shape[1]
-    z = _input_fprop(x.view(steps * n, -1), weight_ih, plan).view(steps, n, _GATES * hidden)
-    bias_f32 = None if bias is None else bias.to(torch.float32).contiguous()
-    out = x.new_empty(steps, n, hidden)
-    cells = torch.empty(steps + 1, n, hidden, dtype=torch.float32, device=x.device)
-    cells[0] = c0
-    gates = torch.empty(steps, n, _GATES * hidden, dtype=torch.float32, device=x.device)
-    loop = _Steps(out.device, out.dtype)
-    bias_ptr = 0 if bias_f32 is None else bias_f32.data_ptr()
-    z_rec = run_on(plan.recurrent_op, "fprop", h0, weight_hh, plan.recurrent_key)
-    call = kept_store_call(plan.recurrent_op, "fprop", h0, weight_hh)
-    for t in range(steps):
-        if t > 0:
-            h_prev = loop.at(out, t - 1)
-            if call is not None:
-                call.launch(loop.stream, h_prev, weight_hh.data_ptr(), z_rec.data_ptr())
-            else:
-                z_rec = run_on(plan.recurrent_op, "fprop", out[t - 1], weight_hh, plan.recurrent_key)
-        loop.cell.cell_forward(loop.stream, loop.dtype, n, hidden, loop.at(z, t), z_rec.data_ptr(), bias_ptr,
-                               loop.at(cells, t), loop.at(gates, t), loop.at(cells, t + 1), loop.at(out, t), 0)
-    ctx.plan, ctx.fused = plan, True
+    cell (``cuda/bsmm_lstm_cell.cu``), which adds ``x·Wx``, ``h·Wh`` and the bias in float32
+    (:mod:`bsmm.torch.lstm_steps`). Where the layer keeps CUDA graphs and the step's pass ran before,
+    the loop is the replay of a graph (:func:`_graph_forward`)."""
+    with torch.cuda.device(x.device):
+        call = kept_store_call(plan.recurrent_op, "fprop", h0, weight_hh)
+        if plan.graphs is not None and call is not None and not lstm_steps.capturing():
+            return _graph_forward(ctx, x, h0, c0, weight_ih, weight_hh, bias, plan, call)
+        steps, n, _ = x.shape
+        hidden = h0.shape[1]
+        z = _input_fprop(x.view(steps * n, -1), weight_ih, plan).view(steps, n, _GATES * hidden)
+        bias_f32 = None if bias is None else bias.to(torch.float32).contiguous()
+        out = x.new_empty(steps, n, hidden)
+        cells = torch.empty(steps + 1, n, hidden, dtype=torch.float32, device=x.device)
+        cells[0] = c0
+        gates = torch.empty(steps, n, _GATES * hidden, dtype=torch.float32, device=x.device)
+        z_rec = run_on(plan.recurrent_op, "fprop", h0, weight_hh, plan.recurrent_key)
+        call = _kept(plan.recurrent_op, "fprop", h0, weight_hh)
+        lstm_steps.forward_steps(lstm_steps.StepLaunches(x.device, x.dtype), call, weight_hh, z, h0,
+                                 0 if bias_f32 is None else bias_f32.data_ptr(), cells, gates, out, z_rec,
+                                 first_done=True)
+    ctx.plan, ctx.fused, ctx.buffers = plan, True, None
     ctx.save_for_backward(x, h0, weight_ih, weight_hh, out, cells, gates)
     return out, out[-1].clone(), cells[-1].to(x.dtype, copy=True)
 
 
+def _graph_forward(ctx, x, h0, c0, weight_ih, weight_hh, bias, plan, call):
+    """The forward with its loop replayed from the graph of a buffer set of the layer's
+    (:class:`~bsmm.torch.lstm_steps.SequenceGraphs`): inputs copied in, results copied out."""
+    steps, n, _ = x.shape
+    hidden = h0.shape[1]
+    key = (steps, n, x.dtype, x.device, weight_hh.data_ptr(), bias is not None)
+    buffers, token = plan.graphs.acquire(key, lambda: lstm_steps.StepBuffers(steps, n, hidden, x.dtype, x.device,
+                                                                             bias is not None))
+    rows = x.view(steps * n, -1)
+    z_rows = buffers.z.view(steps * n, -1)
+    in_call = None if plan.input_op is None else kept_store_call(plan.input_op, "fprop", rows, weight_ih)
+    if plan.input_op is None:
+        torch.matmul(rows, weight_ih, out=z_rows)
+    elif in_call is not None:
+        in_call.launch(torch.cuda.current_stream(x.device).cuda_stream, rows.data_ptr(), weight_ih.data_ptr(),
+                       z_rows.data_ptr())
+    else:
+        z_rows.copy_(_input_fprop(rows, weight_ih, plan))
+    buffers.h0.copy_(h0)
+    buffers.cells[0].copy_(c0)
+    if bias is not None:
+        buffers.bias.copy_(bias)
+    if buffers.forward_graph is None:
+        bias_ptr = 0 if bias is None else buffers.bias.data_ptr()
+        buffers.forward_graph = lstm_steps.capture(lambda: lstm_steps.forward_steps(
+            lstm_steps.StepLaunches(x.device, x.dtype), call, weight_hh, buffers.z, buffers.h0, bias_ptr,
+            buffers.cells, buffers.gates, buffers.out, buffers.z_rec))
+    buffers.forward_graph.replay()
+    ctx.plan, ctx.fused, ctx.buffers, ctx.token = plan, True, buffers, token
+    ctx.save_for_backward(x, h0, weight_ih, weight_hh, buffers.out, buffers.cells, buffers.gates)
+    return buffers.out.clone(), buffers.out[-1].clone(), buffers.cells[-1].to(x.dtype, copy=True)
+
+
 def _fused_backward(ctx, d_out, d_h_last, d_c_last):
     """:class:`_Sequence`'s backward on CUDA: a step is one launch of the fused cell backward, writing
-    ``dz_t`` in the passes' dtype, and the recurrent bprop of it (into one buffer, after the first)."""
+    ``dz_t`` in the passes' dtype, and the recurrent bprop of it (into one buffer, after the first);
+    replayed from a graph where the forward's was."""
     x, h0, weight_ih, weight_hh, out, cells, gates = ctx.saved_tensors
-    plan = ctx.plan
+    plan, buffers = ctx.plan, ctx.buffers
     steps, n, hidden = out.shape
     needs = ctx.needs_input_grad
-    d_out = d_out.to(torch.float32).contiguous()
-    dh_init = d_h_last.to(torch.float32).contiguous()
-    dc = d_c_last.to(torch.float32, memory_format=torch.contiguous_format, copy=True)  # updated in place
-    dz = torch.empty(steps, n, _GATES * hidden, dtype=out.dtype, device=out.device)
-    loop = _Steps(out.device, out.dtype)
-    dh_rec, call = None, None
-    for t in reversed(range(steps)):
-        loop.cell.cell_backward(loop.stream, loop.dtype, n, hidden, loop.at(d_out, t),
-                                0 if dh_rec is None else dh_rec.data_ptr(), dh_init.data_ptr() if dh_rec is None else 0,
-                                dc.data_ptr(), loop.at(gates, t), loop.at(cells, t), loop.at(cells, t + 1),
-                                loop.at(dz, t), 0)
-        if t == 0 and not needs[1]:
-            break
-        if call is not None:  # dh_rec is read by the cell above before the bprop below overwrites it
-            call.launch(loop.stream, loop.at(dz, t), weight_hh.data_ptr(), dh_rec.data_ptr())
+    with torch.cuda.device(out.device):
+        if buffers is not None and not lstm_steps.capturing() and (
+                call := kept_store_call(plan.recurrent_op, "bprop", buffers.dz[0], weight_hh)) is not None:
+            dz, dh0, dc = _graph_backward(buffers, call, weight_hh, d_out, d_h_last, d_c_last, needs[1])
         else:
-            dh_rec = run_on(plan.recurrent_op, "bprop", dz[t], weight_hh, plan.recurrent_key)
-            call = kept_store_call(plan.recurrent_op, "bprop", dz[t], weight_hh)
-    dz_rows = dz.view(steps * n, _GATES * hidden)
-    d_weight_hh = None
-    if needs[4]:
-        h_in = torch.cat((h0.unsqueeze(0), out[:-1])).view(steps * n, hidden)
-        d_weight_hh = run_on(plan.recurrent_op, "updat", h_in, dz_rows, plan.recurrent_key)
-    rows = x.view(steps * n, -1)
-    d_x = _input_bprop(dz_rows, weight_ih, plan).view(x.shape) if needs[0] else None
-    d_weight_ih = _input_updat(rows, dz_rows, plan) if needs[3] else None
-    # Summed in float32 from dz in the passes' dtype (the float32 dz of the CPU path is not kept).
-    d_bias = dz_rows.sum(dim=0, dtype=torch.float32).to(out.dtype) if needs[5] else None
-    d_h0 = dh_rec if needs[1] else None
-    d_c0 = dc.to(out.dtype) if needs[2] else None
+            dz = torch.empty(steps, n, _GATES * hidden, dtype=out.dtype, device=out.device)
+            dc = d_c_last.to(torch.float32, memory_format=torch.contiguous_format, copy=True)  # updated in place
+
+            def first_bprop(t):
+                return (run_on(plan.recurrent_op, "bprop", dz[t], weight_hh, plan.recurrent_key),
+                        _kept(plan.recurrent_op, "bprop", dz[t], weight_hh))
+
+            dh0 = lstm_steps.backward_steps(lstm_steps.StepLaunches(out.device, out.dtype), None, weight_hh,
+                                            d_out.to(torch.float32).contiguous(),
+                                            d_h_last.to(torch.float32).contiguous(), dc, gates, cells, dz, None,
+                                            needs[1], first_bprop)
+        dz_rows = dz.view(steps * n, _GATES * hidden)
+        d_weight_hh = None
+        if needs[4]:
+            h_in = torch.cat((h0.unsqueeze(0), out[:-1])).view(steps * n, hidden)
+            d_weight_hh = run_on(plan.recurrent_op, "updat", h_in, dz_rows, plan.recurrent_key)
+        rows = x.view(steps * n, -1)
+        d_x = _input_bprop(dz_rows, weight_ih, plan).view(x.shape) if needs[0] else None
+        d_weight_ih = _input_updat(rows, dz_rows, plan) if needs[3] else None
+        # Summed in float32 from dz in the passes' dtype (the float32 dz of the CPU path is not kept).
+        d_bias = dz_rows.sum(dim=0, dtype=torch.float32).to(out.dtype) if needs[5] else None
+    d_h0 = dh0 if needs[1] else None
+    d_c0 = dc.to(out.dtype, copy=True) if needs[2] else None
     return d_x, d_h0, d_c0, d_weight_ih, d_weight_hh, d_bias, None
 
 
-class _Steps:
-    """What the fused loops launch with: the stream, the cell's launches, and the address of step ``t``
-    of a contiguous (steps, N, ·) tensor (no tensor is indexed a step)."""
+def _graph_backward(buffers, call, weight_hh, d_out, d_h_last, d_c_last, need_dh0: bool):
+    """The backward loop replayed from the graph of the forward's buffer set: (dz, dh0, dc), dz and dc
+    the set's (read before the set is freed), dh0 a copy."""
+    buffers.d_out.copy_(d_out)
+    buffers.dh_init.copy_(d_h_last)
+    buffers.dc.copy_(d_c_last)
+    graph = buffers.backward_graphs.get(need_dh0)
+    if graph is None:
+        graph = buffers.backward_graphs[need_dh0] = lstm_steps.capture(lambda: lstm_steps.backward_steps(
+            lstm_steps.StepLaunches(buffers.dz.device, buffers.dz.dtype), call, weight_hh, buffers.d_out,
+            buffers.dh_init, buffers.dc, buffers.gates, buffers.cells, buffers.dz, buffers.dh_rec, need_dh0))
+    graph.replay()
+    return buffers.dz, buffers.dh_rec.clone() if need_dh0 else None, buffers.dc
 
-    __slots__ = ("stream", "cell", "dtype")
 
-    def __init__(self, device: torch.device, dtype: torch.dtype):
-        self.stream = torch.cuda.current_stream(device).cuda_stream
-        self.cell = _cell()
-        self.dtype = str(dtype).removeprefix("torch.")
-
-    @staticmethod
-    def at(tensor: torch.Tensor, t: int) -> int:
-        return tensor.data_ptr() + t * tensor.stride(0) * tensor.element_size()
-
-
-def _cell():
-    from bsmm.backends.cuda import lstm_cell  # lazily: the fused cell needs CuPy, on CUDA only
-
-    return lstm_cell
+def _kept(op, pass_name: str, a: torch.Tensor, b: torch.Tensor):
+    """The call ``op`` kept for the pass just run on ``a`` and ``b``."""
+    call = kept_store_call(op, pass_name, a, b)
+    if call is None:
+        raise RuntimeError(f"bsmm: BlockSparseLSTM found no kept {pass_name} call after running it on {tuple(a.shape)}; "
+                           "please report this")
+    return call
 
 
 # The passes share memory with NumPy and CuPy through DLPack, which torch.compile cannot trace: a
@@ -302,6 +335,12 @@ class BlockSparseLSTM(torch.nn.Module):
         Of the small-world graph.
     tf32 : bool
         On the GPU, float32 products on TF32 tensor cores.
+    cuda_graphs : bool
+        On CUDA, replay each sequence's per-step loops (forward and backward) from CUDA graphs the layer
+        captures once per (T, N, dtype, device) into buffers of its own (:mod:`bsmm.torch.lstm_steps`):
+        a sequence then costs a handful of host calls instead of four launches a step. Inside a CUDA
+        graph capture of the caller's, the loops run as launches that capture records. False: always
+        the launches.
     device, dtype
         Of the parameters: float32, float16 or bfloat16, or float64 on the CPU.
 
@@ -357,8 +396,11 @@ class BlockSparseLSTM(torch.nn.Module):
 
     def __init__(self, input_size: int, hidden_size: int, recurrent_layout=None, block_size: int = 32,
                  bias: bool = True, batch_first: bool = False, *, input_layout=None, density=None,
-                 kind: str = "barabasi_albert", seed=None, tf32: bool = False, device=None, dtype=None):
+                 kind: str = "barabasi_albert", seed=None, tf32: bool = False, cuda_graphs: bool = True, device=None,
+                 dtype=None):
         super().__init__()
+        self.cuda_graphs = bool(cuda_graphs)
+        self._graphs = lstm_steps.SequenceGraphs()
         self.input_size = check_int(input_size, "input_size", 1)
         self.hidden_size = check_int(hidden_size, "hidden_size", 1)
         self.block_size = bs = check_block_size(block_size)
@@ -456,6 +498,7 @@ class BlockSparseLSTM(torch.nn.Module):
             matmul_operator(self._recurrent.key, 1, self.tf32), self._recurrent.key,
             None if self._input is None else matmul_operator(self._input.key, 1, self.tf32),
             None if self._input is None else self._input.key, (self._recurrent, self._input),
+            self._graphs if self.cuda_graphs else None,
         )
         output, h_n, c_n = _sequence(x, h0, c0, self.weight_ih, self.weight_hh, self.bias, plan)
         if not batched:  # N = 1: h_n and c_n are (1, H) already
@@ -517,4 +560,5 @@ class BlockSparseLSTM(torch.nn.Module):
                 f"recurrent_density={self._recurrent.index.density:.3g}, input_density="
                 f"{'dense' if self._input is None else format(self._input.index.density, '.3g')}, "
                 f"bias={self.bias is not None}")
-        return text + (", batch_first=True" if self.batch_first else "") + (", tf32=True" if self.tf32 else "")
+        return (text + (", batch_first=True" if self.batch_first else "") + (", tf32=True" if self.tf32 else "")
+                + ("" if self.cuda_graphs else ", cuda_graphs=False"))

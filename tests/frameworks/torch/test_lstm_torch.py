@@ -570,7 +570,8 @@ def test_fused_cell_is_one_launch_a_step_each_way():
     recurrent bprop: no per-step element-wise operators of PyTorch."""
     cuda = cuda_or_skip()
     steps = 6
-    lstm = bt.BlockSparseLSTM(64, 64, block_size=16, density=0.5, seed=0, input_layout="recurrent", device=cuda)
+    lstm = bt.BlockSparseLSTM(64, 64, block_size=16, density=0.5, seed=0, input_layout="recurrent", device=cuda,
+                              cuda_graphs=False)
     x = torch.randn(steps, 4, 64, device=cuda)
     lstm(x)[0].sum().backward()  # warm: kernels compiled and calls kept
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
@@ -587,3 +588,128 @@ def test_fused_cell_is_one_launch_a_step_each_way():
     assert len(passes) == 1 + steps + (steps - 1) + 2, passes
     # Everything else (state copies, casts, the bias sum, the output's copies) does not grow with T.
     assert len(names) - len(cells) - len(passes) <= 16, names
+
+
+# -- the loops replayed from the layer's CUDA graphs (bsmm.torch.lstm_steps) -------------------------------------
+def twin_layers(cuda, **options):
+    """The same layer twice: replaying its loops from CUDA graphs, and launching them."""
+    torch.manual_seed(5)
+    kwargs = dict(block_size=32, density=0.3, seed=1, input_layout="recurrent", device=cuda, **options)
+    graphed = bt.BlockSparseLSTM(128, 128, **kwargs)
+    launched = bt.BlockSparseLSTM(128, 128, cuda_graphs=False, **kwargs)
+    launched.load_state_dict(graphed.state_dict())
+    return graphed, launched
+
+
+def training_run(lstm, xs, h0, c0):
+    """Outputs and gradients of a step per input, SGD in between (the weights change in place)."""
+    optimizer = torch.optim.SGD(lstm.parameters(), lr=0.1)
+    results = []
+    for x in xs:
+        optimizer.zero_grad()
+        x = x.clone().requires_grad_(True)
+        h = h0.clone().requires_grad_(True)
+        output, (h_n, c_n) = lstm(x, (h, c0))
+        (output.square().sum() + h_n.sum() + 2 * c_n.sum()).backward()
+        results.append([output.detach().clone(), h_n.detach().clone(), c_n.detach().clone(), x.grad, h.grad,
+                        *(p.grad.clone() for p in lstm.parameters())])
+        optimizer.step()
+    return results
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_graph_replays_equal_the_launched_loops_bit_for_bit(dtype):
+    """Call 1 launches (and keeps the passes' calls), call 2 captures, calls 3 and 4 replay: every output and
+    gradient equals the launched layer's exactly (the same kernels on the same data), through SGD steps."""
+    cuda = cuda_or_skip()
+    graphed, launched = twin_layers(cuda, dtype=TORCH_DTYPES[dtype])
+    xs = [torch.randn(5, 3, 128, device=cuda, dtype=TORCH_DTYPES[dtype]) for _ in range(4)]
+    h0 = torch.randn(1, 3, 128, device=cuda, dtype=TORCH_DTYPES[dtype])
+    c0 = torch.randn(1, 3, 128, device=cuda, dtype=TORCH_DTYPES[dtype])
+    for step, (a, b) in enumerate(zip(training_run(graphed, xs, h0, c0), training_run(launched, xs, h0, c0))):
+        for index, (u, v) in enumerate(zip(a, b)):
+            assert torch.equal(u, v), (step, index)
+    assert graphed._graphs.free_sets() >= 1  # the sets came back once autograd let go of them
+
+
+@pytest.mark.gpu
+def test_graph_sets_of_forwards_alive_together_stay_apart():
+    """Two forwards before their backwards (and one under no_grad between them) take sets of their own:
+    each backward sees its own forward's states; an output handed out is never written again."""
+    cuda = cuda_or_skip()
+    graphed, launched = twin_layers(cuda)
+    xs = [torch.randn(4, 2, 128, device=cuda) for _ in range(3)]
+    for lstm in (graphed, launched):  # warm: kept calls (graphed: then captured on the next calls)
+        lstm(xs[0])[0].sum().backward()
+    results = {}
+    for name, lstm in (("graphed", graphed), ("launched", launched)):
+        for p in lstm.parameters():
+            p.grad = None
+        first, _ = lstm(xs[0])
+        kept = first.detach().clone()
+        second, _ = lstm(xs[1])
+        with torch.no_grad():
+            third, _ = lstm(xs[2])
+        (second * 3).sum().backward()
+        grads_second = [p.grad.clone() for p in lstm.parameters()]
+        first.sum().backward()
+        assert torch.equal(first.detach(), kept), name  # not overwritten by the later calls
+        results[name] = [first.detach(), second.detach(), third, *grads_second, *(p.grad for p in lstm.parameters())]
+    for index, (u, v) in enumerate(zip(results["graphed"], results["launched"])):
+        assert torch.equal(u, v), index
+
+
+@pytest.mark.gpu
+def test_graphs_follow_replaced_weights_and_retained_graphs():
+    cuda = cuda_or_skip()
+    graphed, launched = twin_layers(cuda)
+    x = torch.randn(3, 2, 128, device=cuda)
+    for _ in range(2):
+        for lstm in (graphed, launched):
+            lstm(x)[0].sum().backward()
+    replacement = torch.randn_like(graphed.weight_hh) * 0.05
+    for lstm in (graphed, launched):  # Wh at a new address: the graphs of the old one must not be replayed
+        lstm.weight_hh = torch.nn.Parameter(replacement.clone())
+    outputs = []
+    for lstm in (graphed, launched):
+        for p in lstm.parameters():
+            p.grad = None
+        output, _ = lstm(x)
+        loss = output.square().sum()
+        loss.backward(retain_graph=True)
+        loss.backward()  # twice through the retained graph: the gradients add up
+        outputs.append([output.detach(), *(p.grad for p in lstm.parameters())])
+    for index, (u, v) in enumerate(zip(*outputs)):
+        assert torch.equal(u, v), index
+
+
+@pytest.mark.gpu
+def test_inside_a_user_cuda_graph_the_loops_are_captured_as_launches():
+    """A training step the caller captures whole (the layer's own graphs are not nested in it) replays to
+    the launched layer's results."""
+    cuda = cuda_or_skip()
+    graphed, launched = twin_layers(cuda)
+    x = torch.randn(4, 2, 128, device=cuda)
+    d_out = torch.randn(4, 2, 128, device=cuda)
+
+    def step(lstm):
+        for p in lstm.parameters():
+            p.grad = None
+        lstm(x)[0].backward(d_out)
+        return [p.grad for p in lstm.parameters()]
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            step(graphed)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step(graphed)
+    graph.replay()
+    torch.cuda.synchronize()
+    expected = step(launched)
+    for u, v in zip(captured, expected):
+        assert torch.equal(u, v)
