@@ -20,8 +20,9 @@
 # GPUs, beside dense). NCCL's NVLink multicast stays off (the lent machines require it).
 # callpath: tools/probes/probe_call_path.py (eager against compiled, host times, fused epilogues); with
 # BEFORE=<tree of another commit>, that tree's run first, side by side. check and sweep run it last.
-# lstm: the LSTM's GPU tests, `bsmm bench --model lstm` ($LSTM_BENCH_ARGS), tools/probes/profile_lstm.py and
-# tools/probes/probe_streaming.py (NO_STREAM_PROBE=1 skips it).
+# lstm: the LSTM's GPU tests, `bsmm bench --model lstm` ($LSTM_BENCH_ARGS), tools/probes/profile_lstm.py, the LSTM
+# sweep (tools/gpu/lstm_sweep.py, $LSTM_SWEEP_BUDGET s; check and sweep run it too), with LSTM_SANITIZE=1 memcheck and
+# racecheck of the fused-cell and graph tests, and tools/probes/probe_streaming.py (NO_STREAM_PROBE=1 skips it).
 # tune: `python -m bsmm tune` with the remaining arguments (e.g. --workload T --block-size 64
 # --dtype float16 --dry-run); its report, and the kept tiles in $BSMM_CACHE_DIR/tuned.toml.
 set -uo pipefail
@@ -65,6 +66,10 @@ if [[ $stage == check || $stage == sweep ]]; then
   python3 tools/gpu/gpu_sweep.py --cases "${SWEEP_CASES:-2000}" --budget "${SWEEP_BUDGET:-180}" --json "$OUT/sweep.json" >"$OUT/sweep.log" 2>&1 || status=1
   grep -m 20 -E "FAIL" "$OUT/sweep.log"
   summary+=("sweep: $(head -1 "$OUT/sweep.log"); $(grep -m1 -E "^cases|checks" "$OUT/sweep.log") [$(( $(date +%s) - t0 ))s]")
+  t0=$(date +%s)
+  python3 tools/gpu/lstm_sweep.py --budget "${LSTM_SWEEP_BUDGET:-60}" >"$OUT/lstm_sweep.log" 2>&1 || status=1
+  grep -m 10 FAIL "$OUT/lstm_sweep.log"
+  summary+=("$(tail -1 "$OUT/lstm_sweep.log") [$(( $(date +%s) - t0 ))s]")
   for tool in memcheck initcheck; do
     t0=$(date +%s)
     BSMM_CENSUS_STRIDE=${CENSUS_STRIDE:-25} compute-sanitizer --tool $tool --error-exitcode 9 python3 -m pytest -q -m gpu \
@@ -156,6 +161,17 @@ if [[ $stage == lstm ]]; then
   t0=$(date +%s)
   python3 tools/probes/profile_lstm.py >"$OUT/profile_lstm.md" 2>&1 || status=1
   echo "lstm profile [$(( $(date +%s) - t0 ))s]:"; cat "$OUT/profile_lstm.md"
+  t0=$(date +%s)
+  python3 tools/gpu/lstm_sweep.py --budget "${LSTM_SWEEP_BUDGET:-60}" >"$OUT/lstm_sweep.log" 2>&1 || status=1
+  grep -m 10 FAIL "$OUT/lstm_sweep.log"; echo "$(tail -1 "$OUT/lstm_sweep.log") [$(( $(date +%s) - t0 ))s]"
+  if [[ -n ${LSTM_SANITIZE:-} ]]; then  # the fused cell and the captured loops under memcheck and racecheck
+    for tool in memcheck racecheck; do
+      t0=$(date +%s)
+      compute-sanitizer --tool $tool --error-exitcode 9 python3 -m pytest -q -m gpu tests/frameworks/torch/test_lstm_torch.py \
+        -k "fused or graph" -p no:cacheprovider >"$OUT/lstm_$tool.log" 2>&1 || status=1
+      echo "lstm $tool: $(grep -E "ERROR SUMMARY|RACECHECK SUMMARY" "$OUT/lstm_$tool.log" | sort | uniq -c | tr -s ' ') $(tail -1 "$OUT/lstm_$tool.log") [$(( $(date +%s) - t0 ))s]"
+    done
+  fi
   if [[ -z ${NO_STREAM_PROBE:-} ]]; then
     t0=$(date +%s)
     python3 tools/probes/probe_streaming.py --json "$OUT/streaming.json" >"$OUT/streaming.md" 2>&1 || status=1
