@@ -34,7 +34,8 @@ def _autocast(x: torch.Tensor, w: torch.Tensor):
     """Cast both to the autocast dtype where autocast is on for x's device, as ``F.linear`` would."""
     device_type = x.device.type
     # Meta tensors (deferred initialisation) have no autocast state; asking raises, so they are left alone.
-    if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
+    # (Compared by name: torch.compile of PyTorch 2.11 cannot trace torch.amp.is_autocast_available.)
+    if device_type != "meta" and torch.is_autocast_enabled(device_type):
         dtype = torch.get_autocast_dtype(device_type)
         if dtype in SUPPORTED_DTYPES:
             # float64 (CPU only) is left alone, as autocast does: computed in float64 on the CPU, refused on a GPU.

@@ -29,6 +29,11 @@ set -uo pipefail
 OUT=${OUT:-/tmp/bsmm-out}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 BSMM_CACHE_DIR=${BSMM_CACHE_DIR:-/tmp/bsmm-cache}
+# Wheels the lent machine lacks (tomli-w, which writing tuned files needs), carried in .whl/ (ignored by git).
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=$PWD:/tmp/site
+fi
 stage=${1:-check}; shift || true
 status=0
 summary=()
