@@ -1,16 +1,8 @@
 """``BlockSparseLSTM``: one ``torch.nn.LSTM`` layer whose gate matrices follow block-sparse layouts.
 
-A sequence runs through one ``torch.autograd.Function`` (:class:`_Sequence`) rather than a
-graph of per-step operators:
-
-- forward: ``x·Wx + b`` of all ``T`` steps is one pass over ``T·N`` rows; each step then adds
-  ``h_{t-1}·Wh`` (a pass over ``N`` rows) into its gates and applies the cell's elementwise math.
-- backward: the steps in reverse give each step's pre-activation gradient ``dz_t`` and
-  ``dh_{t-1} = dz_t·Whᵀ`` (a pass over ``N`` rows). The weight gradients then come from one
-  ``updat`` each over all ``T·N`` rows: ``dWh = Σ_t h_{t-1}ᵀ·dz_t`` from the stacked states,
-  the sum over the steps taken inside the pass's float32 accumulator, into one buffer. Autograd
-  over per-step operators would instead make ``T`` separate ``dWh`` tensors and add them up,
-  rounding every partial sum to the weight's dtype. ``dx`` and ``dWx`` are one pass each as well.
+A sequence runs as one differentiable operation (:mod:`bsmm.torch.lstm_sequence`), eagerly and under
+``torch.compile``; on CUDA its steps are two launches each way, replayed from CUDA graphs the layer
+keeps (:mod:`bsmm.torch.lstm_steps`).
 
 The gates are bsmm's (:mod:`bsmm.nn.lstm_gates`): input, forget, output, candidate along the
 ``4H`` columns, so the parameters are those of :class:`bsmm.nn.lstm.BlocksparseLSTM`
@@ -20,266 +12,22 @@ stores ``Wᵀ`` and has two biases: see :class:`BlockSparseLSTM`'s Notes.
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import numpy as np
 import torch
-from torch.autograd.function import once_differentiable
 
 from bsmm.block_index import check_block_size, check_layout
 from bsmm.layouts.checks import check_int
 from bsmm.layouts.small_world import small_world_layout
 from bsmm.matmul import BlocksparseMatMul
 from bsmm.nn.lstm_gates import GATES
-from bsmm.torch.checks import check_dtype, check_like
 from bsmm.torch import lstm_steps
-from bsmm.torch.passes import kept_store_call, matmul_operator, run_on
+from bsmm.torch.checks import check_dtype, check_like
+from bsmm.torch.lstm_sequence import CompiledSequence, Sequence, plan_of
 from bsmm.torch.registry import Registration, register
 
 __all__ = ["BlockSparseLSTM"]
 
 _GATES = len(GATES)
-
-
-class _Plan(NamedTuple):
-    """The passes of one forward call: an operator and its registry key per block-sparse matrix.
-
-    ``input_op`` and ``input_key`` are None where ``Wx`` is dense (plain ``torch.matmul``). The
-    registrations keep both keys resolvable until the backward has run, whatever the caller drops.
-    """
-
-    recurrent_op: BlocksparseMatMul
-    recurrent_key: str
-    input_op: BlocksparseMatMul | None
-    input_key: str | None
-    registrations: tuple
-    graphs: lstm_steps.SequenceGraphs | None = None  # the layer's, where it replays its loops from CUDA graphs
-
-
-def _input_fprop(rows: torch.Tensor, weight: torch.Tensor, plan: _Plan) -> torch.Tensor:
-    if plan.input_op is None:
-        return rows @ weight
-    return run_on(plan.input_op, "fprop", rows, weight, plan.input_key)
-
-
-def _input_bprop(dz: torch.Tensor, weight: torch.Tensor, plan: _Plan) -> torch.Tensor:
-    if plan.input_op is None:
-        return dz @ weight.T
-    return run_on(plan.input_op, "bprop", dz, weight, plan.input_key)
-
-
-def _input_updat(rows: torch.Tensor, dz: torch.Tensor, plan: _Plan) -> torch.Tensor:
-    if plan.input_op is None:
-        return rows.T @ dz
-    return run_on(plan.input_op, "updat", rows, dz, plan.input_key)
-
-
-class _Sequence(torch.autograd.Function):
-    """The layer over a whole sequence: ``(x, h0, c0, Wx, Wh, b)`` -> ``(h_1..h_T, h_T, c_T)``.
-
-    ``x`` is (T, N, I) and contiguous, ``h0`` and ``c0`` (N, H). The cell state and the gate
-    activations are kept in float32 (float64 for float64): in half precision only the products'
-    operands and the returned states are rounded, as in :class:`bsmm.nn.lstm.BlocksparseLSTM`.
-    """
-
-    @staticmethod
-    def forward(ctx, x, h0, c0, weight_ih, weight_hh, bias, plan):
-        if x.is_cuda:
-            return _fused_forward(ctx, x, h0, c0, weight_ih, weight_hh, bias, plan)
-        steps, n, _ = x.shape
-        hidden = h0.shape[1]
-        master = torch.float64 if x.dtype == torch.float64 else torch.float32
-        z = _input_fprop(x.view(steps * n, -1), weight_ih, plan)
-        # Written in place step after step: the pass's fresh output, or its float32 copy.
-        gates = z.to(master).view(steps, n, _GATES * hidden)
-        if bias is not None:
-            gates += bias
-        out = x.new_empty(steps, n, hidden)
-        cells = gates.new_empty(steps + 1, n, hidden)
-        cells[0] = c0
-        h_prev = h0
-        for t in range(steps):
-            step = gates[t]
-            step += run_on(plan.recurrent_op, "fprop", h_prev, weight_hh, plan.recurrent_key)
-            step[:, :3 * hidden].sigmoid_()
-            step[:, 3 * hidden:].tanh_()
-            i, f, o, g = step.split(hidden, dim=1)
-            torch.addcmul(f * cells[t], i, g, out=cells[t + 1])
-            out[t] = o * torch.tanh(cells[t + 1])
-            h_prev = out[t]
-        ctx.plan, ctx.fused = plan, False
-        ctx.save_for_backward(x, h0, weight_ih, weight_hh, out, cells, gates)
-        # Copies: an output that is a view of a saved tensor could not be changed in place.
-        return out, out[-1].clone(), cells[-1].to(x.dtype, copy=True)
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, d_out, d_h_last, d_c_last):
-        if ctx.fused:
-            return _fused_backward(ctx, d_out, d_h_last, d_c_last)
-        x, h0, weight_ih, weight_hh, out, cells, gates = ctx.saved_tensors
-        plan = ctx.plan
-        steps, n, hidden = out.shape
-        dtype, master = out.dtype, cells.dtype
-        d_out = d_out.to(master)
-        dh_next, dc_next = d_h_last.to(master, copy=True), d_c_last.to(master, copy=True)
-        dz = torch.empty_like(gates)
-        for t in reversed(range(steps)):
-            dh = dh_next + d_out[t]
-            i, f, o, g = gates[t].split(hidden, dim=1)
-            tanh_c = torch.tanh(cells[t + 1])
-            dc = torch.addcmul(dc_next, dh * o, 1 - tanh_c * tanh_c)
-            d_i, d_f, d_o, d_g = dz[t].split(hidden, dim=1)
-            torch.mul(dc * g, i * (1 - i), out=d_i)
-            torch.mul(dc * cells[t], f * (1 - f), out=d_f)
-            torch.mul(dh * tanh_c, o * (1 - o), out=d_o)
-            torch.mul(dc * i, 1 - g * g, out=d_g)
-            dc_next = dc * f
-            dh_next = run_on(plan.recurrent_op, "bprop", dz[t].to(dtype), weight_hh, plan.recurrent_key).to(master)
-        needs = ctx.needs_input_grad
-        dz_rows = dz.view(steps * n, _GATES * hidden).to(dtype)
-        d_weight_hh = None
-        if needs[4]:
-            # The states each step read, h_0 ... h_{T-1}, stacked: one updat sums over the steps.
-            h_in = torch.cat((h0.unsqueeze(0), out[:-1])).view(steps * n, hidden)
-            d_weight_hh = run_on(plan.recurrent_op, "updat", h_in, dz_rows, plan.recurrent_key)
-        rows = x.view(steps * n, -1)
-        d_x = _input_bprop(dz_rows, weight_ih, plan).view(x.shape) if needs[0] else None
-        d_weight_ih = _input_updat(rows, dz_rows, plan) if needs[3] else None
-        d_bias = dz.sum(dim=(0, 1)).to(dtype) if needs[5] else None
-        d_h0 = dh_next.to(dtype) if needs[1] else None
-        d_c0 = dc_next.to(dtype) if needs[2] else None
-        return d_x, d_h0, d_c0, d_weight_ih, d_weight_hh, d_bias, None
-
-
-def _fused_forward(ctx, x, h0, c0, weight_ih, weight_hh, bias, plan):
-    """:class:`_Sequence`'s forward on CUDA: a step is the recurrent fprop and one launch of the fused
-    cell (``cuda/bsmm_lstm_cell.cu``), which adds ``x·Wx``, ``h·Wh`` and the bias in float32
-    (:mod:`bsmm.torch.lstm_steps`). Where the layer keeps CUDA graphs and the step's pass ran before,
-    the loop is the replay of a graph (:func:`_graph_forward`)."""
-    with torch.cuda.device(x.device):
-        call = kept_store_call(plan.recurrent_op, "fprop", h0, weight_hh)
-        if plan.graphs is not None and call is not None and not lstm_steps.capturing():
-            return _graph_forward(ctx, x, h0, c0, weight_ih, weight_hh, bias, plan, call)
-        steps, n, _ = x.shape
-        hidden = h0.shape[1]
-        z = _input_fprop(x.view(steps * n, -1), weight_ih, plan).view(steps, n, _GATES * hidden)
-        bias_f32 = None if bias is None else bias.to(torch.float32).contiguous()
-        out = x.new_empty(steps, n, hidden)
-        cells = torch.empty(steps + 1, n, hidden, dtype=torch.float32, device=x.device)
-        cells[0] = c0
-        gates = torch.empty(steps, n, _GATES * hidden, dtype=torch.float32, device=x.device)
-        z_rec = run_on(plan.recurrent_op, "fprop", h0, weight_hh, plan.recurrent_key)
-        call = _kept(plan.recurrent_op, "fprop", h0, weight_hh)
-        lstm_steps.forward_steps(lstm_steps.StepLaunches(x.device, x.dtype), call, weight_hh, z, h0,
-                                 0 if bias_f32 is None else bias_f32.data_ptr(), cells, gates, out, z_rec,
-                                 first_done=True)
-    ctx.plan, ctx.fused, ctx.buffers = plan, True, None
-    ctx.save_for_backward(x, h0, weight_ih, weight_hh, out, cells, gates)
-    return out, out[-1].clone(), cells[-1].to(x.dtype, copy=True)
-
-
-def _graph_forward(ctx, x, h0, c0, weight_ih, weight_hh, bias, plan, call):
-    """The forward with its loop replayed from the graph of a buffer set of the layer's
-    (:class:`~bsmm.torch.lstm_steps.SequenceGraphs`): inputs copied in, results copied out."""
-    steps, n, _ = x.shape
-    hidden = h0.shape[1]
-    key = (steps, n, x.dtype, x.device, weight_hh.data_ptr(), bias is not None)
-    buffers, token = plan.graphs.acquire(key, lambda: lstm_steps.StepBuffers(steps, n, hidden, x.dtype, x.device,
-                                                                             bias is not None))
-    rows = x.view(steps * n, -1)
-    z_rows = buffers.z.view(steps * n, -1)
-    in_call = None if plan.input_op is None else kept_store_call(plan.input_op, "fprop", rows, weight_ih)
-    if plan.input_op is None:
-        torch.matmul(rows, weight_ih, out=z_rows)
-    elif in_call is not None:
-        in_call.launch(torch.cuda.current_stream(x.device).cuda_stream, rows.data_ptr(), weight_ih.data_ptr(),
-                       z_rows.data_ptr())
-    else:
-        z_rows.copy_(_input_fprop(rows, weight_ih, plan))
-    buffers.h0.copy_(h0)
-    buffers.cells[0].copy_(c0)
-    if bias is not None:
-        buffers.bias.copy_(bias)
-    if buffers.forward_graph is None:
-        bias_ptr = 0 if bias is None else buffers.bias.data_ptr()
-        buffers.forward_graph = lstm_steps.capture(lambda: lstm_steps.forward_steps(
-            lstm_steps.StepLaunches(x.device, x.dtype), call, weight_hh, buffers.z, buffers.h0, bias_ptr,
-            buffers.cells, buffers.gates, buffers.out, buffers.z_rec))
-    buffers.forward_graph.replay()
-    ctx.plan, ctx.fused, ctx.buffers, ctx.token = plan, True, buffers, token
-    ctx.save_for_backward(x, h0, weight_ih, weight_hh, buffers.out, buffers.cells, buffers.gates)
-    return buffers.out.clone(), buffers.out[-1].clone(), buffers.cells[-1].to(x.dtype, copy=True)
-
-
-def _fused_backward(ctx, d_out, d_h_last, d_c_last):
-    """:class:`_Sequence`'s backward on CUDA: a step is one launch of the fused cell backward, writing
-    ``dz_t`` in the passes' dtype, and the recurrent bprop of it (into one buffer, after the first);
-    replayed from a graph where the forward's was."""
-    x, h0, weight_ih, weight_hh, out, cells, gates = ctx.saved_tensors
-    plan, buffers = ctx.plan, ctx.buffers
-    steps, n, hidden = out.shape
-    needs = ctx.needs_input_grad
-    with torch.cuda.device(out.device):
-        if buffers is not None and not lstm_steps.capturing() and (
-                call := kept_store_call(plan.recurrent_op, "bprop", buffers.dz[0], weight_hh)) is not None:
-            dz, dh0, dc = _graph_backward(buffers, call, weight_hh, d_out, d_h_last, d_c_last, needs[1])
-        else:
-            dz = torch.empty(steps, n, _GATES * hidden, dtype=out.dtype, device=out.device)
-            dc = d_c_last.to(torch.float32, memory_format=torch.contiguous_format, copy=True)  # updated in place
-
-            def first_bprop(t):
-                return (run_on(plan.recurrent_op, "bprop", dz[t], weight_hh, plan.recurrent_key),
-                        _kept(plan.recurrent_op, "bprop", dz[t], weight_hh))
-
-            dh0 = lstm_steps.backward_steps(lstm_steps.StepLaunches(out.device, out.dtype), None, weight_hh,
-                                            d_out.to(torch.float32).contiguous(),
-                                            d_h_last.to(torch.float32).contiguous(), dc, gates, cells, dz, None,
-                                            needs[1], first_bprop)
-        dz_rows = dz.view(steps * n, _GATES * hidden)
-        d_weight_hh = None
-        if needs[4]:
-            h_in = torch.cat((h0.unsqueeze(0), out[:-1])).view(steps * n, hidden)
-            d_weight_hh = run_on(plan.recurrent_op, "updat", h_in, dz_rows, plan.recurrent_key)
-        rows = x.view(steps * n, -1)
-        d_x = _input_bprop(dz_rows, weight_ih, plan).view(x.shape) if needs[0] else None
-        d_weight_ih = _input_updat(rows, dz_rows, plan) if needs[3] else None
-        # Summed in float32 from dz in the passes' dtype (the float32 dz of the CPU path is not kept).
-        d_bias = dz_rows.sum(dim=0, dtype=torch.float32).to(out.dtype) if needs[5] else None
-    d_h0 = dh0 if needs[1] else None
-    d_c0 = dc.to(out.dtype, copy=True) if needs[2] else None
-    return d_x, d_h0, d_c0, d_weight_ih, d_weight_hh, d_bias, None
-
-
-def _graph_backward(buffers, call, weight_hh, d_out, d_h_last, d_c_last, need_dh0: bool):
-    """The backward loop replayed from the graph of the forward's buffer set: (dz, dh0, dc), dz and dc
-    the set's (read before the set is freed), dh0 a copy."""
-    buffers.d_out.copy_(d_out)
-    buffers.dh_init.copy_(d_h_last)
-    buffers.dc.copy_(d_c_last)
-    graph = buffers.backward_graphs.get(need_dh0)
-    if graph is None:
-        graph = buffers.backward_graphs[need_dh0] = lstm_steps.capture(lambda: lstm_steps.backward_steps(
-            lstm_steps.StepLaunches(buffers.dz.device, buffers.dz.dtype), call, weight_hh, buffers.d_out,
-            buffers.dh_init, buffers.dc, buffers.gates, buffers.cells, buffers.dz, buffers.dh_rec, need_dh0))
-    graph.replay()
-    return buffers.dz, buffers.dh_rec.clone() if need_dh0 else None, buffers.dc
-
-
-def _kept(op, pass_name: str, a: torch.Tensor, b: torch.Tensor):
-    """The call ``op`` kept for the pass just run on ``a`` and ``b``."""
-    call = kept_store_call(op, pass_name, a, b)
-    if call is None:
-        raise RuntimeError(f"bsmm: BlockSparseLSTM found no kept {pass_name} call after running it on {tuple(a.shape)}; "
-                           "please report this")
-    return call
-
-
-# The passes share memory with NumPy and CuPy through DLPack, which torch.compile cannot trace: a
-# compiled model runs the sequence eagerly, between the graphs of what comes before and after it.
-@torch.compiler.disable
-def _sequence(*args):
-    return _Sequence.apply(*args)
 
 
 def _layout_array(layout) -> np.ndarray:
@@ -374,8 +122,9 @@ class BlockSparseLSTM(torch.nn.Module):
     ``k`` of ``Wh`` (``H`` for an empty column), with PyTorch's generator. For a dense layout this is
     ``torch.nn.LSTM``'s U(-1/sqrt(H), 1/sqrt(H)).
 
-    A sequence is one ``torch.autograd.Function`` (see the module docstring): the gradients are
-    first-order (no ``create_graph``), and a ``torch.compile``'d model runs it eagerly (a graph break).
+    A sequence is one differentiable operation (:mod:`bsmm.torch.lstm_sequence`): the gradients are
+    first-order (no ``create_graph``); a ``torch.compile``'d model traces it as two operators, with no
+    graph break at the layer.
 
     Examples
     --------
@@ -494,13 +243,14 @@ class BlockSparseLSTM(torch.nn.Module):
             if not isinstance(hx, (tuple, list)) or len(hx) != 2:
                 raise TypeError(f"hx must be a tuple (h0, c0); got {type(hx).__name__}")
             h0, c0 = (self._state(state, name, input, batched, n) for state, name in zip(hx, ("h0", "c0")))
-        plan = _Plan(
-            matmul_operator(self._recurrent.key, 1, self.tf32), self._recurrent.key,
-            None if self._input is None else matmul_operator(self._input.key, 1, self.tf32),
-            None if self._input is None else self._input.key, (self._recurrent, self._input),
-            self._graphs if self.cuda_graphs else None,
-        )
-        output, h_n, c_n = _sequence(x, h0, c0, self.weight_ih, self.weight_hh, self.bias, plan)
+        input_key = None if self._input is None else self._input.key
+        if torch.compiler.is_compiling():  # the sequence's two operators, traced into the caller's graph
+            output, h_n, c_n = CompiledSequence.apply(x, h0, c0, self.weight_ih, self.weight_hh, self.bias,
+                                                      self._recurrent.key, input_key, self.tf32)
+        else:
+            plan = plan_of(self._recurrent.key, input_key, self.tf32, (self._recurrent, self._input),
+                           self._graphs if self.cuda_graphs else None)
+            output, h_n, c_n = Sequence.apply(x, h0, c0, self.weight_ih, self.weight_hh, self.bias, plan)
         if not batched:  # N = 1: h_n and c_n are (1, H) already
             return output.squeeze(1), (h_n, c_n)
         if self.batch_first:

@@ -22,7 +22,7 @@ import pytest
 torch = pytest.importorskip("torch", reason="PyTorch is not installed: bsmm.torch tests skipped")
 
 import bsmm.torch as bt  # noqa: E402
-import bsmm.torch.lstm as torch_lstm  # noqa: E402
+import bsmm.torch.lstm_sequence as torch_lstm  # noqa: E402
 from bsmm.layouts.small_world import small_world_layout  # noqa: E402
 from reference import (  # noqa: E402
     dense_to_present_blocks, dense_weight, random_layout, rel_error, skewed_layout, tolerance,
@@ -362,24 +362,59 @@ def test_outputs_can_be_changed_in_place_and_gradients_accumulate():
     assert not output.requires_grad and output.shape == (3, 2, 16)
 
 
-def test_torch_compile_runs_the_sequence_eagerly():
-    """A compiled model around the layer: the same loss and gradients as eager (the sequence is a graph break)."""
+def compiled_against_eager(device, dtype=torch.float32):
+    """A model around the layer, eager and ``torch.compile(fullgraph=True)``'d (no graph break at the
+    layer: its sequence is the operators bsmm::lstm_forward and bsmm::lstm_backward): loss and every
+    gradient over three steps, and the number of compiles."""
     torch.manual_seed(12)
-    lstm = bt.BlockSparseLSTM(16, 16, np.array([[1, 1], [0, 1]]), 8)
-    head = torch.nn.Linear(16, 3)
-    x = torch.randn(3, 2, 16)
+    lstm = bt.BlockSparseLSTM(16, 16, np.array([[1, 1], [0, 1]]), 8, device=device, dtype=dtype)
+    head = torch.nn.Linear(16, 3, device=device, dtype=dtype)
+    xs = [torch.randn(3, 2, 16, device=device, dtype=dtype, requires_grad=True) for _ in range(3)]
+    c0 = torch.randn(1, 2, 16, device=device, dtype=dtype, requires_grad=True)
 
     def loss(x):
-        return head(torch.relu(lstm(x)[0])).square().sum()
+        output, (h_n, c_n) = lstm(x, (torch.zeros_like(c0), c0))
+        return head(torch.relu(output)).square().sum() + c_n.sum()
 
+    torch._dynamo.reset()
+    counters = torch._dynamo.utils.counters
+    counters.clear()
     results = []
-    for function in (loss, torch.compile(loss)):
-        lstm.zero_grad()
-        value = function(x)
-        value.backward()
-        results.append([value.detach(), *(p.grad.clone() for p in lstm.parameters())])
+    for function in (loss, torch.compile(loss, fullgraph=True)):
+        results.append([])
+        for x in xs:
+            lstm.zero_grad()
+            x.grad = c0.grad = None
+            value = function(x)
+            value.backward()
+            results[-1].append([value.detach(), x.grad, c0.grad, *(p.grad.clone() for p in lstm.parameters())])
+    return results, counters["stats"]["unique_graphs"]
+
+
+def test_torch_compile_traces_the_sequence_without_a_graph_break():
+    results, graphs = compiled_against_eager("cpu")
+    assert graphs == 1  # one graph for three calls: no recompile
     for eager, compiled in zip(*results):
-        assert rel_error(host(compiled), host(eager)) <= 1e-6
+        for a, b in zip(eager, compiled):
+            assert rel_error(host(b), host(a)) <= 1e-6
+
+
+def test_sequence_operators_pass_opcheck():
+    """bsmm::lstm_forward and bsmm::lstm_backward: schemas, fake kernels and no aliasing (torch.library.opcheck)."""
+    torch.manual_seed(3)
+    lstm = bt.BlockSparseLSTM(16, 16, np.array([[1, 1], [0, 1]]), 8, input_layout=np.ones((2, 2)))
+    x, h0, c0 = torch.randn(3, 2, 16), torch.randn(2, 16), torch.randn(2, 16)
+    keys = (lstm._recurrent.key, lstm._input.key, False)
+    forward = (x, h0, c0, lstm.weight_ih.detach(), lstm.weight_hh.detach(), lstm.bias.detach(), *keys)
+    torch.library.opcheck(torch.ops.bsmm.lstm_forward.default, forward, test_utils=("test_schema", "test_faketensor"))
+    out, cells, gates = torch.ops.bsmm.lstm_forward(*forward)
+    for needs in ([True] * 6, [False, True, False, True, True, False]):
+        backward = (x, h0, *forward[3:5], out, cells, gates, torch.randn_like(out), torch.randn_like(h0),
+                    torch.randn_like(c0), *keys, needs)
+        torch.library.opcheck(torch.ops.bsmm.lstm_backward.default, backward,
+                              test_utils=("test_schema", "test_faketensor"))
+        grads = torch.ops.bsmm.lstm_backward(*backward)
+        assert [g.numel() > 0 for g in grads] == needs
 
 
 def test_to_dense_weights_and_repr():
@@ -715,3 +750,14 @@ def test_inside_a_user_cuda_graph_the_loops_are_captured_as_launches():
     expected = step(launched)
     for u, v in zip(captured, expected):
         assert torch.equal(u, v)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_torch_compile_on_cuda_traces_the_sequence_without_a_graph_break(dtype):
+    cuda_or_skip()
+    results, graphs = compiled_against_eager("cuda", TORCH_DTYPES[dtype])
+    assert graphs == 1
+    for eager, compiled in zip(*results):
+        for a, b in zip(eager, compiled):
+            assert rel_error(host(b), host(a)) <= (1e-6 if dtype == "float32" else 2e-2)
