@@ -279,7 +279,9 @@ class LstmCellVariant:
 
     @property
     def name_expression(self) -> str:
-        """>>> LstmCellVariant("bfloat16", "backward").name_expression
+        """The template instance NVRTC compiles:
+
+        >>> LstmCellVariant("bfloat16", "backward").name_expression
         'bsmm::lstm_cell_backward<__nv_bfloat16>'
         """
         return f"bsmm::lstm_cell_{self.direction}<{C_TYPES[self.dtype]}>"

@@ -21,7 +21,8 @@ def test_both_models_train_for_the_budget_and_are_scored(tmp_path):
     results = json.loads(out.read_text())["results"]
     assert [r["model"] for r in results] == ["sparse", "dense"]
     for r in results:
-        assert r["train_seconds"] >= 1.0 and r["updates"] > 0 and len(r["curve"]) == 2
+        # A point a mark passed (a slow first update on a busy machine may pass both at once).
+        assert r["train_seconds"] >= 1.0 and r["updates"] > 0 and 1 <= len(r["curve"]) <= 2
         assert 0.5 < r["valid_bpc"] < 9.0  # below log2(vocabulary) + 1: scored, not NaN
     sparse, dense = results
     assert sparse["density"] < 1.0 and dense["density"] == 1.0
