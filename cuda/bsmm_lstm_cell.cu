@@ -12,8 +12,8 @@
 // The cell state, the gate activations and all arithmetic are float32; T (the passes' dtype)
 // is only what is read from and written for the passes. One thread owns one hidden unit j of
 // one row: it reads the unit's four gate columns and writes its c and h (or its four dz), so
-// no thread reads what another writes (dc is updated in place). Rows are blockIdx.y, units
-// threadIdx.x + blockIdx.x·blockDim.x: adjacent threads touch adjacent columns of every gate.
+// no thread reads what another writes (dc is updated in place). Rows are blockIdx.x (up to 2³¹ - 1),
+// units threadIdx.x + blockIdx.y·blockDim.x: adjacent threads touch adjacent columns of every gate.
 // Parameters are 8 bytes each (bsmm/backends/cuda/lstm_cell.py packs them as such).
 #include "bsmm_common.cuh"
 
@@ -33,9 +33,9 @@ __global__ void lstm_cell_forward(const T* __restrict__ z_in, const T* __restric
                                   float* __restrict__ gates, float* __restrict__ c, T* __restrict__ h,
                                   float* __restrict__ h_master, long long hidden) {
     wait_for_prior_grid();
-    const long long j = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    const long long j = (long long)blockIdx.y * blockDim.x + threadIdx.x;
     if (j >= hidden) return;
-    const long long row = blockIdx.y;
+    const long long row = blockIdx.x;
     const long long zrow = row * 4 * hidden, srow = row * hidden;
     float z[4];
 #pragma unroll
@@ -68,9 +68,9 @@ __global__ void lstm_cell_backward(const float* __restrict__ d_out, const T* __r
                                    const float* __restrict__ c, T* __restrict__ dz, float* __restrict__ dz_master,
                                    long long hidden) {
     wait_for_prior_grid();
-    const long long j = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    const long long j = (long long)blockIdx.y * blockDim.x + threadIdx.x;
     if (j >= hidden) return;
-    const long long row = blockIdx.y;
+    const long long row = blockIdx.x;
     const long long zrow = row * 4 * hidden, srow = row * hidden;
     float dh = 0.f;
     if (d_out != nullptr) dh += d_out[srow + j];

@@ -90,14 +90,13 @@ class StreamRow:
                                            "tb_per_s": self.weight_bytes / self.seconds / 1e12}
 
 
-def equal_parameter_width(parameters: int, input_equals_hidden: bool = True) -> int:
+def equal_parameter_width(parameters: int) -> int:
     """The hidden size H of a dense one-layer ``nn.LSTM`` (input size H, two biases) whose parameter
     count, 8H² + 8H, is nearest ``parameters``; a multiple of 8 (what cuDNN's tensor cores take).
 
     >>> equal_parameter_width(8 * 1024 * 1024 + 8 * 1024)
     1024
     """
-    assert input_equals_hidden
     hidden = (-1 + math.sqrt(1 + 4 * parameters / 8)) / 2
     return max(8, 8 * round(hidden / 8))
 

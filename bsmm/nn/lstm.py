@@ -290,15 +290,16 @@ class BlocksparseLSTM:
         fused = _fused_cell(xp, self.dtype)
         if fused is not None:
             self._backward_steps_fused(fused, cache, dh, dh_next, dc_next, dz, dz_compute, dh_recurrent)
-        for t in reversed(range(steps) if fused is None else ()):
-            if dh is not None:
-                dh_next += dh[t]
-            dc_next = cell_backward(dh_next, dc_next, cache.gates[t], cache.c[t], cache.c[t + 1], dz[t])
-            if dz_compute is not dz:
-                dz_compute[t] = dz[t]
-            self.recurrent_op.bprop(dz_compute[t], cache.wh, out=dh_recurrent)
-            if dh_recurrent is not dh_next:
-                dh_next[...] = dh_recurrent
+        else:
+            for t in reversed(range(steps)):
+                if dh is not None:
+                    dh_next += dh[t]
+                dc_next = cell_backward(dh_next, dc_next, cache.gates[t], cache.c[t], cache.c[t + 1], dz[t])
+                if dz_compute is not dz:
+                    dz_compute[t] = dz[t]
+                self.recurrent_op.bprop(dz_compute[t], cache.wh, out=dh_recurrent)
+                if dh_recurrent is not dh_next:
+                    dh_next[...] = dh_recurrent
         rows = steps * n
         # h[t] is the state step t read (h[0] the initial one): h[:T] stacks every step's input state, and the
         # slice of the contiguous (T + 1, N, H) array along its first axis is contiguous itself.

@@ -138,7 +138,8 @@ def _graph_forward(x, h0, c0, weight_ih, weight_hh, bias, plan, call):
     token), the first three the set's (copy what leaves; keep the token while they are in use)."""
     steps, n, _ = x.shape
     hidden = h0.shape[1]
-    key = (steps, n, x.dtype, x.device, weight_hh.data_ptr(), bias is not None)
+    key = lstm_steps.SetKey(steps, n, x.dtype, x.device, weight_hh.data_ptr(), bias is not None,
+                            id(plan.recurrent_op))
     buffers, token = plan.graphs.acquire(key, lambda: lstm_steps.StepBuffers(steps, n, hidden, x.dtype, x.device,
                                                                              bias is not None))
     rows = x.view(steps * n, -1)
@@ -157,7 +158,8 @@ def _graph_forward(x, h0, c0, weight_ih, weight_hh, bias, plan, call):
         buffers.bias.copy_(bias)
     if buffers.forward_graph is None:
         bias_ptr = 0 if bias is None else buffers.bias.data_ptr()
-        buffers.forward_graph = lstm_steps.capture(lambda: lstm_steps.forward_steps(
+        buffers.calls.append(call)
+        buffers.forward_graph = lstm_steps.capture(x.device, lambda: lstm_steps.forward_steps(
             lstm_steps.StepLaunches(x.device, x.dtype), call, weight_hh, buffers.z, buffers.h0, bias_ptr,
             buffers.cells, buffers.gates, buffers.out, buffers.z_rec))
     buffers.forward_graph.replay()
@@ -167,7 +169,7 @@ def _graph_forward(x, h0, c0, weight_ih, weight_hh, bias, plan, call):
 def backward_values(saved, d_out, d_h_last, d_c_last, plan: SequencePlan, needs, buffers=None) -> tuple:
     """(dx, dh0, dc0, dWx, dWh, db), None where ``needs`` (of x, h0, c0, Wx, Wh, b) is false, from the
     forward's ``saved`` (x, h0, Wx, Wh, out, cells, gates); ``buffers``: the forward's set, where its
-    loop was replayed from a graph."""
+    loop was replayed from a graph and the set is still the forward's (its token saved with it)."""
     if saved[0].is_cuda:
         with torch.cuda.device(saved[0].device):
             return _cuda_backward(saved, d_out, d_h_last, d_c_last, plan, needs, buffers)
@@ -247,7 +249,8 @@ def _graph_backward(buffers, call, weight_hh, d_out, d_h_last, d_c_last, need_dh
     buffers.dc.copy_(d_c_last)
     graph = buffers.backward_graphs.get(need_dh0)
     if graph is None:
-        graph = buffers.backward_graphs[need_dh0] = lstm_steps.capture(lambda: lstm_steps.backward_steps(
+        buffers.calls.append(call)
+        graph = buffers.backward_graphs[need_dh0] = lstm_steps.capture(buffers.dz.device, lambda: lstm_steps.backward_steps(
             lstm_steps.StepLaunches(buffers.dz.device, buffers.dz.dtype), call, weight_hh, buffers.d_out,
             buffers.dh_init, buffers.dc, buffers.gates, buffers.cells, buffers.dz, buffers.dh_rec, need_dh0))
     graph.replay()
@@ -270,7 +273,7 @@ class Sequence(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, h0, c0, weight_ih, weight_hh, bias, plan):
-        buffers = token = None
+        buffers, token = None, torch.empty(0)
         call = None
         if x.is_cuda and plan.graphs is not None and not lstm_steps.capturing():
             with torch.cuda.device(x.device):
@@ -280,8 +283,9 @@ class Sequence(torch.autograd.Function):
                                                                        call)
         if call is None:
             out, cells, gates = forward_values(x, h0, c0, weight_ih, weight_hh, bias, plan)
-        ctx.plan, ctx.buffers, ctx.token = plan, buffers, token
-        ctx.save_for_backward(x, h0, weight_ih, weight_hh, out, cells, gates)
+        # The token is saved with the tensors: the set is the forward's until autograd frees them.
+        ctx.plan, ctx.buffers = plan, buffers
+        ctx.save_for_backward(x, h0, weight_ih, weight_hh, out, cells, gates, token)
         # Copies: what leaves is the caller's (a set's buffers are written again by a later call, and an
         # output that is a view of a saved tensor could not be changed in place).
         return out.clone() if buffers is not None else out, out[-1].clone(), cells[-1].to(x.dtype, copy=True)
@@ -289,8 +293,9 @@ class Sequence(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, d_out, d_h_last, d_c_last):
-        return (*backward_values(ctx.saved_tensors, d_out, d_h_last, d_c_last, ctx.plan, ctx.needs_input_grad,
-                                 ctx.buffers), None)
+        *saved, token = ctx.saved_tensors
+        buffers = ctx.buffers if ctx.buffers is not None and ctx.buffers.owned_by(token) else None
+        return (*backward_values(saved, d_out, d_h_last, d_c_last, ctx.plan, ctx.needs_input_grad, buffers), None)
 
 
 # -- compiled: the same computation as two operators -------------------------------------------------------------

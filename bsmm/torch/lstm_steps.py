@@ -7,23 +7,25 @@ eagerly or captured. :class:`SequenceGraphs`, kept by the layer, captures each l
 (steps, N, dtype, device, Wh) into a CUDA graph over buffers of its own (a :class:`StepBuffers`) and
 replays it: a sequence then costs a handful of host calls rather than four launches a step.
 
-A buffer set belongs to one forward until autograd lets go of it (the graph of that forward is
-freed, after its backward or when its outputs are dropped; at once under ``torch.no_grad``): a
-second forward before the first's backward takes another set. What leaves for the caller (the
-output, the final state, ``dh0``, ``dc0``) is copied out of the set, never handed out.
+A buffer set belongs to one forward until its saved tensors are freed (after its backward, unless the
+graph is retained; when the forward's outputs are dropped; at once under ``torch.no_grad``): a second
+forward before the first's backward takes another set. What leaves for the caller (the output, the
+final state, ``dh0``, ``dc0``) is copied out of the set, never handed out.
 """
 
 from __future__ import annotations
 
 import threading
 import weakref
+from typing import NamedTuple
 
 import torch
 
 
-__all__ = ["StepLaunches", "StepBuffers", "SequenceGraphs", "backward_steps", "capture", "capturing", "forward_steps"]
+__all__ = ["StepLaunches", "StepBuffers", "SetKey", "SequenceGraphs", "backward_steps", "capture", "capturing",
+           "forward_steps"]
 
-#: Free buffer sets kept per key beyond those in use (each holds a sequence's gates and dz).
+#: Buffer sets held by no forward that a layer keeps (each holds a sequence's gates and dz).
 MAX_FREE_SETS = 2
 
 
@@ -80,12 +82,25 @@ def backward_steps(loop: StepLaunches, call, weight_hh: torch.Tensor, d_out: tor
     return dh_rec
 
 
+class SetKey(NamedTuple):
+    """What a buffer set's graphs were captured for: the sequence's shape and dtype, the device, the
+    recurrent weight's address and the passes' identity (their operator: layout and TF32)."""
+
+    steps: int
+    n: int
+    dtype: torch.dtype
+    device: torch.device
+    weight_hh: int
+    bias: bool
+    operator: int
+
+
 class StepBuffers:
     """One sequence's buffers for the captured loops, and the graphs over them.
 
     Inputs copied in each call: ``z`` (x·Wx, (T, N, 4H)), ``h0``, ``cells[0]``, ``bias`` (float32);
     ``d_out``, ``dh_init``, ``dc`` (float32). Results read out: ``out``, ``cells``, ``gates``; ``dz``,
-    ``dh_rec``, ``dc``.
+    ``dh_rec``, ``dc``. Made outside inference mode, whatever the caller's (training reuses the set).
     """
 
     def __init__(self, steps: int, n: int, hidden: int, dtype: torch.dtype, device: torch.device, bias: bool):
@@ -93,20 +108,27 @@ class StepBuffers:
             return torch.empty(shape, dtype=of, device=device)
 
         f32, width = torch.float32, 4 * hidden
-        self.z, self.h0, self.z_rec = empty(steps, n, width), empty(n, hidden), empty(n, width)
-        self.bias = empty(width, of=f32) if bias else None
-        self.out, self.cells, self.gates = empty(steps, n, hidden), empty(steps + 1, n, hidden, of=f32), \
-            empty(steps, n, width, of=f32)
-        self.d_out, self.dh_init, self.dc = empty(steps, n, hidden, of=f32), empty(n, hidden, of=f32), \
-            empty(n, hidden, of=f32)
-        self.dz, self.dh_rec = empty(steps, n, width), empty(n, hidden)
+        with torch.inference_mode(False):
+            self.z, self.h0, self.z_rec = empty(steps, n, width), empty(n, hidden), empty(n, width)
+            self.bias = empty(width, of=f32) if bias else None
+            self.out, self.cells, self.gates = empty(steps, n, hidden), empty(steps + 1, n, hidden, of=f32), \
+                empty(steps, n, width, of=f32)
+            self.d_out, self.dh_init, self.dc = empty(steps, n, hidden, of=f32), empty(n, hidden, of=f32), \
+                empty(n, hidden, of=f32)
+            self.dz, self.dh_rec = empty(steps, n, width), empty(n, hidden)
         self.forward_graph: torch.cuda.CUDAGraph | None = None
         self.backward_graphs: dict = {}  # need_dh0 -> graph
+        self.calls: list = []  # the passes' kept calls the graphs launch (their plans' tables and workspaces)
         self.owner: int | None = None  # id of the token of the forward that holds the set
+        self.stream: torch.cuda.Stream | None = None  # where the set was last used
+
+    def owned_by(self, token: torch.Tensor) -> bool:
+        return self.owner == id(token)
 
 
 class SequenceGraphs:
-    """The buffer sets and graphs of one layer, by (steps, N, dtype, device, Wh's address, bias).
+    """The buffer sets and graphs of one layer, by :class:`SetKey`. At most :data:`MAX_FREE_SETS` sets
+    held by no forward are kept (the least recently used go first), and none of Wh at another address.
 
     Examples
     --------
@@ -116,8 +138,9 @@ class SequenceGraphs:
     """
 
     def __init__(self):
-        self._sets: dict = {}  # key -> list of StepBuffers
-        self._lock = threading.Lock()
+        self._sets: dict = {}  # SetKey -> list of StepBuffers, in the order they were last acquired
+        # Reentrant: a garbage collection while a set is made may finalize a token, whose release locks too.
+        self._lock = threading.RLock()
 
     def __deepcopy__(self, memo):  # a copied layer captures graphs of its own
         return SequenceGraphs()
@@ -126,46 +149,73 @@ class SequenceGraphs:
         return (SequenceGraphs, ())
 
     def free_sets(self) -> int:
-        """Buffer sets held by no forward (for tests)."""
+        """Buffer sets held by no forward."""
         with self._lock:
             return sum(buffers.owner is None for sets in self._sets.values() for buffers in sets)
 
-    def acquire(self, key: tuple, make) -> tuple[StepBuffers, torch.Tensor]:
+    def held_sets(self) -> int:
+        """Buffer sets a forward holds (its backward has not freed them yet)."""
+        with self._lock:
+            return sum(buffers.owner is not None for sets in self._sets.values() for buffers in sets)
+
+    def clear(self) -> None:
+        """Forget every set no forward holds (their memory and graphs)."""
+        with self._lock:
+            self._trim(0)
+
+    def acquire(self, key: SetKey, make) -> tuple[StepBuffers, torch.Tensor]:
         """A free set of ``key`` (``make()`` builds one where none is free) and the token whose death
-        frees it again: keep the token as long as the set's tensors are in use."""
+        frees it again: save the token for the backward (it dies with the forward's saved tensors).
+        Work queued on the set from another stream is waited for."""
         token = torch.empty(0)
         with self._lock:
-            if key[4] is not None:  # sets of Wh at another address are stale: the layer's weights moved
-                for stale in [k for k in self._sets if k[:4] == key[:4] and k[4] != key[4]]:
-                    del self._sets[stale]
+            for stale in [k for k in self._sets if k.weight_hh != key.weight_hh or k.operator != key.operator]:
+                self._sets[stale] = [b for b in self._sets[stale] if b.owner is not None]  # weights moved
             sets = self._sets.setdefault(key, [])
             buffers = next((b for b in sets if b.owner is None), None)
             if buffers is None:
                 buffers = make()
-                sets.append(buffers)
+            else:
+                sets.remove(buffers)
+            sets.append(buffers)
             buffers.owner = id(token)
+        stream = torch.cuda.current_stream(key.device)
+        if buffers.stream is not None and buffers.stream != stream:
+            stream.wait_stream(buffers.stream)
+        buffers.stream = stream
         weakref.finalize(token, self._release, buffers, id(token))
         return buffers, token
 
     def _release(self, buffers: StepBuffers, owner: int) -> None:
         with self._lock:
-            if buffers.owner != owner:
-                return
-            buffers.owner = None
-            for key, sets in self._sets.items():
-                if any(b is buffers for b in sets):
-                    free = [b for b in sets if b.owner is None]
-                    for extra in free[MAX_FREE_SETS:]:
-                        sets.remove(extra)
-                    break
+            if buffers.owner == owner:
+                buffers.owner = None
+                self._trim(MAX_FREE_SETS)
+
+    def _trim(self, keep: int) -> None:
+        """Drop free sets beyond the ``keep`` most recently acquired (the lock is held)."""
+        free = [b for sets in self._sets.values() for b in sets if b.owner is None]
+        recent = set(map(id, free[-keep:])) if keep else set()
+        for key in list(self._sets):
+            self._sets[key] = [b for b in self._sets[key] if b.owner is not None or id(b) in recent]
+            if not self._sets[key]:
+                del self._sets[key]
 
 
-def capture(run) -> torch.cuda.CUDAGraph:
-    """``run()`` (launches on the current stream only) captured into a CUDA graph."""
+def capture(device: torch.device, run) -> torch.cuda.CUDAGraph:
+    """``run()`` (launches on the current stream only) captured into a CUDA graph on ``device``, from a
+    capture stream of that device's (PyTorch's default capture stream is made on one device only)."""
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run()
+    with torch.cuda.device(device):
+        stream = _CAPTURE_STREAMS.get(device)
+        if stream is None:
+            stream = _CAPTURE_STREAMS[device] = torch.cuda.Stream(device)
+        with torch.cuda.graph(graph, stream=stream):
+            run()
     return graph
+
+
+_CAPTURE_STREAMS: dict = {}
 
 
 def capturing() -> bool:

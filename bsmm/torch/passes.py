@@ -146,11 +146,14 @@ def kept_store_call(op: BlocksparseMatMul, pass_name: str, a: torch.Tensor, b: t
     """The call ``op`` kept for this pass on tensors like ``a`` and ``b`` (contiguous CUDA tensors of one
     device and dtype), to launch on raw pointers again and again (``call.launch(stream, a_ptr, b_ptr,
     out_ptr)``), or None where it has none or it would not fit them. A loop of one shape (an LSTM's
-    steps) checks once here and then launches into buffers of its own: no tensor is made a step."""
+    steps) checks once here and then launches into buffers of its own: no tensor is made a step. The
+    caller keeps the pointers it launches with as aligned as ``a``'s and ``b``'s (16 bytes where the
+    call is aligned)."""
     call = op.kept_calls.get((pass_name, a.shape, ARRAY_DTYPES.get(a.dtype), op.feature_axis, op.tf32, "store"))
     if (call is None or not a.is_cuda or b.dtype is not a.dtype or b.shape != call.other_shape
             or not (a.is_contiguous() and b.is_contiguous()) or a.get_device() != call.device
-            or b.get_device() != call.device or launches.current_device() != call.device):
+            or b.get_device() != call.device or launches.current_device() != call.device
+            or (call.aligned and (a.data_ptr() | b.data_ptr()) & 15)):
         return None
     return call
 

@@ -17,6 +17,7 @@ from bsmm.backends.cuda.policy import current_policy
 __all__ = ["cell_forward", "cell_backward"]
 
 _LAUNCHERS: dict = {}
+_MAX_LAUNCHERS = 64
 
 
 def _launcher(dtype: str, direction: str, n: int, hidden: int) -> Launcher:
@@ -24,11 +25,13 @@ def _launcher(dtype: str, direction: str, n: int, hidden: int) -> Launcher:
     key = (dtype, direction, n, hidden, device)
     launcher = _LAUNCHERS.get(key)
     if launcher is None:
+        if len(_LAUNCHERS) >= _MAX_LAUNCHERS:
+            _LAUNCHERS.clear()  # shapes seen once (a last short chunk, evaluation batches) are not kept forever
         import cupy
 
         variant = LstmCellVariant(dtype, direction)
         arch = f"sm{cupy.cuda.Device(device).compute_capability}"
-        grid = (-(-hidden // variant.threads), n, 1)
+        grid = (n, -(-hidden // variant.threads), 1)  # rows along x: any N
         launcher = _LAUNCHERS[key] = Launcher(load_kernel(variant, device), grid, variant.threads, 0,
                                               LstmCellVariant.ARGS[direction],
                                               serialized=current_policy().programmatic_on(arch))

@@ -83,6 +83,7 @@ _THRESHOLDS = {
     "act_transpose_group_min_blocks_per_step": float, "updat_rows_tma_axes": frozenset,
     "updat_l2_window_bytes": int, "wgmma_columns_min_rows": int, "tma_mma_min_column_blocks": int,
     "tma_mma_max_column_blocks": int, "tma_mma_min_part_blocks": int, "tma_mma_max_stream_bytes": int,
+    "tma_mma_stream_max_rows": int,
     "tma_min_macs": int,
 }
 
@@ -159,6 +160,7 @@ class Policy:
     tma_mma_max_column_blocks: int
     tma_mma_min_part_blocks: int
     tma_mma_max_stream_bytes: int
+    tma_mma_stream_max_rows: int
     tma_min_macs: int
     wgmma: bool = True
     tma: bool = True

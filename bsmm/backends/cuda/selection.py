@@ -165,7 +165,7 @@ def tma_tile(table: str, index: BlockIndex, pass_name: str, n: int, device: Devi
     activation block past the rows a tensor map would describe. wgmma passes of fewer than
     ``tma_min_macs`` multiply-adds keep cp.async; mma.sync passes take TMA only at
     ``tma_mma_min_column_blocks`` to ``tma_mma_max_column_blocks`` blocks per block column and,
-    at up to 32 rows, weights of at most ``tma_mma_max_stream_bytes``.
+    at up to ``tma_mma_stream_max_rows`` rows, weights of at most ``tma_mma_max_stream_bytes``.
     Off where the policy turns TMA off.
     """
     if act_blocks is not None or weight_blocks is not None or index.nnzb == 0 or not policy.tma:
@@ -175,8 +175,9 @@ def tma_tile(table: str, index: BlockIndex, pass_name: str, n: int, device: Devi
     if table == "tma_mma16" and (PASSES[pass_name].updates_weights or not policy.tma_mma_min_column_blocks
                                  <= index.nnzb / max(1, index.n_block_cols) <= policy.tma_mma_max_column_blocks):
         return None
-    if table == "tma_mma16" and n <= 32 and index.nnzb * index.block_size ** 2 * 2 > policy.tma_mma_max_stream_bytes:
-        return None  # weights streamed from memory at up to 32 rows: cp.async keeps more bytes in flight
+    if (table == "tma_mma16" and n <= policy.tma_mma_stream_max_rows
+            and index.nnzb * index.block_size ** 2 * 2 > policy.tma_mma_max_stream_bytes):
+        return None  # weights streamed from memory at a few rows: cp.async runs them faster (bsmm.toml)
     if groups:
         return policy.group_tile(table, pass_name, index.block_size, n, device.arch)
     return policy.tile(table, pass_name, index.block_size, n, device.arch, optional=True)

@@ -761,3 +761,23 @@ def test_torch_compile_on_cuda_traces_the_sequence_without_a_graph_break(dtype):
     for eager, compiled in zip(*results):
         for a, b in zip(eager, compiled):
             assert rel_error(host(b), host(a)) <= (1e-6 if dtype == "float32" else 2e-2)
+
+
+@pytest.mark.gpu
+def test_a_set_is_freed_by_its_backward_and_sets_made_for_inference_serve_training():
+    """The usual loop keeps the last loss alive into the next forward: each backward frees its set anyway,
+    so one set serves every step. A set first made under torch.inference_mode serves training later."""
+    cuda = cuda_or_skip()
+    graphed, _ = twin_layers(cuda)
+    x = torch.randn(4, 2, 128, device=cuda)
+    with torch.inference_mode():
+        for _ in range(2):  # kept calls, then a set made (and captured) in inference mode
+            graphed(x)
+    loss = None
+    for _ in range(4):
+        loss = graphed(x)[0].square().sum()
+        loss.backward()
+        assert graphed._graphs.held_sets() == 0
+    assert graphed._graphs.free_sets() == 1
+    graphed._graphs.clear()
+    assert graphed._graphs.free_sets() == 0
