@@ -8,7 +8,10 @@
 - :mod:`~bsmm.torch.functional`: :func:`blocksparse_matmul` and :func:`blocksparse_conv`, under autocast.
 - :mod:`~bsmm.torch.layers`: :class:`BlockSparseLinear`, :class:`BlockSparseConv1d`, ``2d`` and ``3d``;
   :func:`load_layouts` rebuilds a model's layers to the layouts of a checkpoint.
-- :mod:`~bsmm.torch.sparsify`: :func:`sparsify`, a model's ``nn.Linear`` layers made block-sparse in one call.
+- :mod:`~bsmm.torch.mlp`: :class:`BlockSparseMLP`, a transformer's feed-forward block (GLU or not), its
+  gate and up projections one product.
+- :mod:`~bsmm.torch.sparsify`: :func:`sparsify`, a model's ``nn.Linear`` layers (and, with ``fuse_mlp``,
+  its GLU MLP blocks) made block-sparse in one call.
 - :mod:`~bsmm.torch.lstm`: :class:`BlockSparseLSTM`, one ``nn.LSTM`` layer on block-sparse (small-world) layouts.
 - :mod:`~bsmm.torch.distributed`: :class:`ShardedBlockSparseLinear`, one layer's blocks spread over a
   process group (model parallelism); data parallelism is ``DistributedDataParallel`` or ``fully_shard``.
@@ -28,11 +31,12 @@ from bsmm.torch.functional import blocksparse_conv, blocksparse_matmul  # noqa: 
 from bsmm.torch.conversions import from_sparse_bsr, to_sparse_bsr
 from bsmm.torch.layers import BlockSparseConv1d, BlockSparseConv2d, BlockSparseConv3d, BlockSparseLinear, load_layouts
 from bsmm.torch.lstm import BlockSparseLSTM
+from bsmm.torch.mlp import BlockSparseMLP
 from bsmm.torch.distributed import ShardedBlockSparseLinear
 from bsmm.torch.normalization import l2_normalize
 from bsmm.torch.sparsify import SparsifyReport, sparsify
 
 __all__ = ["BlockSparseConv1d", "BlockSparseConv2d", "BlockSparseConv3d", "BlockSparseLinear", "BlockSparseLSTM",
-           "ShardedBlockSparseLinear",
+           "BlockSparseMLP", "ShardedBlockSparseLinear",
            "blocksparse_conv", "blocksparse_matmul", "register", "lookup",
            "from_sparse_bsr", "to_sparse_bsr", "l2_normalize", "load_layouts", "sparsify", "SparsifyReport"]

@@ -59,6 +59,26 @@ def _check_multiple(argument: str, value: int, block_size: int) -> None:
     )
 
 
+def largest_blocks(weight: torch.Tensor, block_size: int, density: float | None) -> np.ndarray:
+    """The layout (in × out blocks, bsmm's orientation) of the blocks of largest Frobenius norm of a
+    dense ``nn.Linear`` weight (out × in), ``round(density × blocks)`` of them; with ``density`` None,
+    the blocks holding a non-zero (:meth:`bsmm.BlockSparseMatrix.from_dense`)."""
+    # float32 holds float16 and bfloat16 exactly: the norms are those of the weight itself.
+    host = weight.detach().T.to("cpu", torch.float64 if weight.dtype == torch.float64 else torch.float32).numpy()
+    return BlockSparseMatrix.from_dense(host, block_size, density=density).layout
+
+
+def present_blocks(weight: torch.Tensor, index) -> torch.Tensor:
+    """The blocks of a dense ``nn.Linear`` weight (out × in) that ``index`` (in × out blocks) keeps,
+    row-major over its layout: a layer's ``weight`` data."""
+    bs = index.block_size
+    rows = torch.tensor(index.rows, dtype=torch.long, device=weight.device)
+    cols = torch.tensor(index.indices, dtype=torch.long, device=weight.device)
+    # W (in, out) blocked as (CB, KB, bs, bs): block (c, k) is weight.T[c*bs:(c+1)*bs, k*bs:(k+1)*bs].
+    grid = weight.detach().T.reshape(index.layout.shape[0], bs, index.layout.shape[1], bs).transpose(1, 2)
+    return grid[rows, cols]
+
+
 class _BlockSparseLayer(torch.nn.Module):
     """What the block-sparse layers share: the operator ``op`` (a BlocksparseMatMul or a
     BlocksparseConv), its registration, the ``layout`` buffer, the weight and bias, their
@@ -334,9 +354,7 @@ class BlockSparseLinear(_BlockSparseLayer):
             )
         check_dtype(weight.dtype, weight.device, "linear.weight")
         if layout is None:
-            # float32 holds float16 and bfloat16 exactly: the norms are those of the weight itself.
-            host = weight.T.to("cpu", torch.float64 if weight.dtype == torch.float64 else torch.float32).numpy()
-            layout = BlockSparseMatrix.from_dense(host, block_size, density=density).layout
+            layout = largest_blocks(weight, block_size, density)
         else:
             layout = _layout_array(layout)
             if layout.shape != blocks:
@@ -348,13 +366,8 @@ class BlockSparseLinear(_BlockSparseLayer):
         with torch.random.fork_rng(devices, device_type=weight.device.type):  # the draws of reset_parameters
             layer = cls(linear.in_features, linear.out_features, layout, block_size, linear.bias is not None,
                         feature_axis, tf32, weight.device, weight.dtype)
-        index = layer.op.index
-        rows = torch.tensor(index.rows, dtype=torch.long, device=weight.device)
-        cols = torch.tensor(index.indices, dtype=torch.long, device=weight.device)
-        # W (in, out) blocked as (CB, KB, bs, bs): block (c, k) is weight.T[c*bs:(c+1)*bs, k*bs:(k+1)*bs].
-        grid = weight.T.reshape(blocks[0], block_size, blocks[1], block_size).transpose(1, 2)
         with torch.no_grad():
-            layer.weight.copy_(grid[rows, cols])
+            layer.weight.copy_(present_blocks(weight, layer.op.index))
             if linear.bias is not None:
                 layer.bias.copy_(linear.bias)
         return layer

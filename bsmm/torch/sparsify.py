@@ -20,6 +20,7 @@ import torch
 from bsmm.config import warn
 from bsmm.layouts import random_layout
 from bsmm.torch.layers import BlockSparseLinear
+from bsmm.torch.mlp import TORCH_ACTIVATIONS, BlockSparseMLP, activation_of
 
 __all__ = ["SparsifyReport", "sparsify"]
 
@@ -36,9 +37,13 @@ class SparsifyReport:
 
     replaced: list[str] = dataclasses.field(default_factory=list)
     skipped: dict[str, str] = dataclasses.field(default_factory=dict)
+    #: GLU MLP blocks made one :class:`~bsmm.torch.BlockSparseMLP` each (``fuse_mlp``); their
+    #: projections are not listed in ``replaced``.
+    fused: list[str] = dataclasses.field(default_factory=list)
 
     def __str__(self) -> str:
-        lines = [f"sparsify: {len(self.replaced)} nn.Linear layer(s) made block-sparse, {len(self.skipped)} kept dense"]
+        lines = [f"sparsify: {len(self.replaced)} nn.Linear layer(s) made block-sparse, {len(self.fused)} MLP "
+                 f"block(s) fused, {len(self.skipped)} kept dense"]
         lines += [f"  kept dense: {name or '(the model itself)'}: {why}" for name, why in self.skipped.items()]
         return "\n".join(lines)
 
@@ -77,9 +82,45 @@ def _layout_for(rule, name: str, linear: torch.nn.Linear, density: float, block_
     return layout
 
 
+#: The projections of a GLU MLP block as model libraries name them (Llama, Mistral, Qwen2, Gemma, ...).
+GLU_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+
+
+def _glu_block(name: str, module, block_size: int, include, exclude) -> tuple[str | None, str]:
+    """(activation, "") where ``module`` is a GLU block ``down_proj(act_fn(gate_proj(x)) * up_proj(x))``
+    that :class:`BlockSparseMLP` can replace, else (None, why not; "" for no GLU block at all)."""
+    projections = [getattr(module, p, None) for p in GLU_PROJECTIONS]
+    if not all(type(p) is torch.nn.Linear for p in projections) or not hasattr(module, "act_fn"):
+        return None, ""
+    names = [f"{name}.{p}" if name else p for p in GLU_PROJECTIONS]
+    if any((include is not None and not _matches(include, n, p)) or (exclude is not None and _matches(exclude, n, p))
+           for n, p in zip(names, projections)):
+        return None, "a projection is left out by include/exclude"
+    if any(size % block_size for p in projections for size in (p.in_features, p.out_features)):
+        return None, f"a projection's sizes are not multiples of block_size {block_size}"
+    activation = activation_of(module.act_fn)
+    if activation is None:
+        return None, f"act_fn {type(module.act_fn).__name__} is none of bsmm's activations"
+    gate, up, down = projections
+    weight = gate.weight
+    with torch.no_grad():  # the module computes the GLU formula (a probe through its own forward)
+        generator = torch.Generator(weight.device).manual_seed(0)  # (the model's random streams left alone)
+        x = torch.randn(2, gate.in_features, generator=generator, device=weight.device).to(weight.dtype)
+        try:
+            own = module(x)
+        except Exception as error:  # noqa: BLE001 - a forward that takes more than x is not a plain MLP block
+            return None, f"its forward does not take one tensor ({type(error).__name__})"
+        formula = down(TORCH_ACTIVATIONS[activation](gate(x)) * up(x))
+        scale = formula.abs().max().clamp_min(1e-30)
+        tolerance = 1e-6 if weight.dtype in (torch.float32, torch.float64) else 2e-2
+        if not isinstance(own, torch.Tensor) or own.shape != formula.shape or (own - formula).abs().max() > tolerance * scale:
+            return None, "its forward is not down_proj(act_fn(gate_proj(x)) * up_proj(x))"
+    return activation, ""
+
+
 def sparsify(model: torch.nn.Module, density: float, block_size: int = 32, *, include=None, exclude=None,
              layout: str | Callable = "magnitude", seed=None, feature_axis: int = 1, tf32: bool = False,
-             return_report: bool = False):
+             fuse_mlp: bool = False, return_report: bool = False):
     """Replace the ``nn.Linear`` layers of ``model`` by :class:`~bsmm.torch.BlockSparseLinear` ones.
 
     Parameters
@@ -102,6 +143,11 @@ def sparsify(model: torch.nn.Module, density: float, block_size: int = 32, *, in
         For ``layout="random"``: one generator draws every layer's layout in module order.
     feature_axis, tf32
         As for :class:`~bsmm.torch.BlockSparseLinear`.
+    fuse_mlp : bool
+        Replace each GLU MLP block, a module with ``nn.Linear`` ``gate_proj``, ``up_proj`` and
+        ``down_proj`` and an ``act_fn`` whose forward is ``down_proj(act_fn(gate_proj(x)) * up_proj(x))``
+        (checked on a probe input), by one :class:`~bsmm.torch.BlockSparseMLP` (gate and up one
+        product); each projection keeps ``density`` of its blocks by ``layout``'s rule. Feature axis 1.
     return_report : bool
         Return ``(model, SparsifyReport)``. Without it, layers kept dense for their sizes are
         named in one ``BsmmWarning``; the full report goes to the ``"bsmm"`` logger (INFO).
@@ -129,11 +175,34 @@ def sparsify(model: torch.nn.Module, density: float, block_size: int = 32, *, in
     if not (callable(layout) or layout in LAYOUT_RULES):
         raise ValueError(f"layout must be one of {', '.join(map(repr, LAYOUT_RULES))} or a callable(name, linear); "
                          f"got {layout!r}")
+    if fuse_mlp and feature_axis != 1:
+        raise ValueError("fuse_mlp makes BlockSparseMLP blocks, which take features on axis 1; got feature_axis=0")
     rng = np.random.default_rng(seed)
     report = SparsifyReport()
     replacements = {}
+    fused_prefixes = []
+    for name, module in model.named_modules() if fuse_mlp else ():
+        if any(name.startswith(prefix) for prefix in fused_prefixes):
+            continue
+        activation, why = _glu_block(name, module, block_size, include, exclude)
+        if activation is None:
+            if why:
+                report.skipped[name] = f"MLP block not fused: {why}"
+            continue
+        projections = [getattr(module, p) for p in GLU_PROJECTIONS]
+        layouts = None if layout == "magnitude" else [
+            _layout_for(layout, f"{name}.{p}" if name else p, linear, density, block_size, rng)
+            for p, linear in zip(GLU_PROJECTIONS, projections)]
+        replacements[name] = BlockSparseMLP.from_modules(*projections, activation, layouts=layouts,
+                                                         density=density if layouts is None else None,
+                                                         block_size=block_size, tf32=tf32)
+        replacements[name].train(module.training)
+        report.fused.append(name)
+        fused_prefixes.append(f"{name}." if name else "")
     for name, module in model.named_modules():
         if type(module) is not torch.nn.Linear:  # (a subclass may compute more than x·Wᵀ + b)
+            continue
+        if any(name.startswith(prefix) for prefix in fused_prefixes):
             continue
         if include is not None and not _matches(include, name, module):
             report.skipped[name] = "not matched by include"

@@ -1,0 +1,241 @@
+"""bsmm.torch.BlockSparseMLP and sparsify(fuse_mlp=True): a transformer's feed-forward block with its gate
+and up projections one product, against a float64 reference of masked dense weights written out here,
+and against the dense modules it replaces. CUDA cases carry the ``gpu`` marker."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="PyTorch is not installed: bsmm.torch tests skipped")
+
+import bsmm.torch as bt  # noqa: E402
+from bsmm.torch.mlp import activation_of  # noqa: E402
+from reference import dense_weight, rel_error, tolerance  # noqa: E402
+import torch_cases  # noqa: E402
+
+device = torch_cases.device  # the fixture (tests take it by name)
+
+DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16}
+_C = np.sqrt(2 / np.pi)
+
+
+def _sigmoid(z):
+    return 1 / (1 + np.exp(-z))
+
+
+def _gelu_tanh_grad(z):
+    t = np.tanh(_C * (z + 0.044715 * z ** 3))
+    return 0.5 * (1 + t) + 0.5 * z * (1 - t * t) * _C * (1 + 3 * 0.044715 * z * z)
+
+
+#: The activations and their derivatives in float64 NumPy, written out (not bsmm's).
+REFERENCE = {
+    "silu": (lambda z: z * _sigmoid(z), lambda z: _sigmoid(z) * (1 + z * (1 - _sigmoid(z)))),
+    "relu": (lambda z: np.maximum(z, 0), lambda z: (z > 0).astype(np.float64)),
+    "gelu_tanh": (lambda z: 0.5 * z * (1 + np.tanh(_C * (z + 0.044715 * z ** 3))), _gelu_tanh_grad),
+}
+
+
+def host(t) -> np.ndarray:
+    return t.detach().cpu().double().numpy()
+
+
+def skip_float64_on_cuda(device, dtype):
+    if device == "cuda" and dtype == "float64":
+        pytest.skip("bsmm runs float64 on the CPU only")
+
+
+def reference(mlp, x: np.ndarray, dy: np.ndarray) -> dict:
+    """The block's output and the gradients of x and of every dense weight, in float64 NumPy."""
+    bs = mlp.up.op.block_size
+    w_up, w_down = dense_weight(host(mlp.up.layout), host(mlp.up.weight), bs), \
+        dense_weight(host(mlp.down.layout), host(mlp.down.weight), bs)
+    b_up = host(mlp.up.bias) if mlp.up.bias is not None else 0.0
+    b_down = host(mlp.down.bias) if mlp.down.bias is not None else 0.0
+    z = x @ w_up + b_up
+    act, act_grad = REFERENCE[mlp.activation]
+    d_act = act_grad(z)
+    if mlp.gated:
+        h = mlp.d_hidden
+        gate, up = z[:, :h], z[:, h:]
+        a = act(gate) * up
+    else:
+        a = act(z)
+    y = a @ w_down + b_down
+    da = dy @ w_down.T
+    dw_down = a.T @ dy
+    if mlp.gated:
+        dz = np.concatenate([da * up * d_act[:, :h], da * act(gate)], axis=1)
+    else:
+        dz = da * d_act
+    return {"y": y, "dx": dz @ w_up.T, "dw_up": x.T @ dz, "dw_down": dw_down}
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32", "bfloat16"])
+@pytest.mark.parametrize("gated,activation,bias", [(True, "silu", False), (True, "gelu_tanh", True),
+                                                   (False, "relu", True), (False, "silu", False)])
+def test_the_block_matches_the_float64_reference(device, dtype, gated, activation, bias):
+    skip_float64_on_cuda(device, dtype)
+    torch.manual_seed(1)
+    mlp = bt.BlockSparseMLP(48, 80, density=0.5, block_size=16, activation=activation, gated=gated, bias=bias,
+                            seed=2, device=device, dtype=DTYPES[dtype])
+    if bias:
+        with torch.no_grad():
+            mlp.up.bias.uniform_(-1, 1)
+            mlp.down.bias.uniform_(-1, 1)
+    rng = np.random.default_rng(3)
+    x = torch.tensor(rng.standard_normal((7, 48)), dtype=DTYPES[dtype], device=device, requires_grad=True)
+    dy = rng.standard_normal((7, 48))
+    y = mlp(x)
+    y.backward(torch.tensor(dy, dtype=DTYPES[dtype], device=device))
+    expected = reference(mlp, host(x), dy)
+    bs = 16
+    actual = {"y": host(y), "dx": host(x.grad), "dw_up": dense_weight(host(mlp.up.layout), host(mlp.up.weight.grad), bs),
+              "dw_down": dense_weight(host(mlp.down.layout), host(mlp.down.weight.grad), bs)}
+    expected["dw_up"] *= dense_weight(host(mlp.up.layout), np.ones(mlp.up.weight.shape), bs)
+    expected["dw_down"] *= dense_weight(host(mlp.down.layout), np.ones(mlp.down.weight.shape), bs)
+    for key in expected:
+        error = rel_error(actual[key], expected[key])
+        assert error <= 4 * tolerance(dtype), (key, error)
+
+
+def test_gate_and_up_are_one_product_each_way(monkeypatch):
+    """Forward: one fprop over [gate | up] and one down; backward: one bprop and one updat over [gate | up]
+    (and one of each for down)."""
+    import bsmm.torch.eager as eager
+
+    mlp = bt.BlockSparseMLP(32, 64, density=0.5, block_size=16, seed=0)
+    x = torch.randn(5, 32, requires_grad=True)
+    calls, run_pass = [], eager.run_pass
+
+    def spy(pass_name, a, b, key, *rest):
+        calls.append((pass_name, "up" if key == mlp.up._key else "down"))
+        return run_pass(pass_name, a, b, key, *rest)
+
+    monkeypatch.setattr(eager, "run_pass", spy)
+    mlp(x).sum().backward()
+    assert sorted(calls) == sorted((p, layer) for p in ("fprop", "bprop", "updat") for layer in ("up", "down")), calls
+
+
+def test_from_modules_computes_what_the_modules_compute():
+    torch.manual_seed(4)
+    gate, up, down = (torch.nn.Linear(64, 96, dtype=torch.float64), torch.nn.Linear(64, 96, dtype=torch.float64),
+                      torch.nn.Linear(96, 64, dtype=torch.float64))
+    x = torch.randn(6, 64, dtype=torch.float64)
+    expected = down(torch.nn.functional.silu(gate(x)) * up(x))
+    full = bt.BlockSparseMLP.from_modules(gate, up, down, torch.nn.SiLU(), density=1.0, block_size=32)
+    assert rel_error(host(full(x)), host(expected)) <= 1e-13
+    half = bt.BlockSparseMLP.from_modules(gate, up, down, "silu", density=0.5, block_size=32)
+    masked = [torch.where(layer.layout.bool().repeat_interleave(32, 0).repeat_interleave(32, 1).T, p.weight, 0)
+              for layer, p in ((half.up, None), (half.down, down)) if p is not None]
+    gate_mask, up_mask = half.up.layout.bool().chunk(2, dim=1)
+    for mask, p in ((gate_mask, gate), (up_mask, up)):
+        blocks = p.weight.detach().T.reshape(2, 32, 3, 32).norm(dim=(1, 3))
+        assert int(mask.sum()) == 3 and blocks[mask].min() >= blocks[~mask].max()  # each matrix its own largest half
+    g = torch.where(gate_mask.repeat_interleave(32, 0).repeat_interleave(32, 1).T, gate.weight, 0)
+    u = torch.where(up_mask.repeat_interleave(32, 0).repeat_interleave(32, 1).T, up.weight, 0)
+    expected = torch.nn.functional.linear(
+        torch.nn.functional.silu(torch.nn.functional.linear(x, g, gate.bias)) * torch.nn.functional.linear(x, u, up.bias),
+        masked[0], down.bias)
+    assert rel_error(host(half(x)), host(expected)) <= 1e-13
+
+
+def test_torch_compile_traces_the_block_without_a_graph_break():
+    torch.manual_seed(5)
+    mlp = bt.BlockSparseMLP(32, 64, density=0.5, block_size=16, seed=1)
+    xs = [torch.randn(4, 32, requires_grad=True) for _ in range(3)]
+    torch._dynamo.reset()
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    compiled = torch.compile(mlp, fullgraph=True)
+    for x in xs:
+        outputs = []
+        for run in (mlp, compiled):
+            mlp.zero_grad()
+            x.grad = None
+            y = run(x)
+            y.square().sum().backward()
+            outputs.append([y.detach(), x.grad, mlp.up.weight.grad.clone(), mlp.down.weight.grad.clone()])
+        for a, b in zip(*outputs):
+            assert rel_error(host(b), host(a)) <= 1e-6
+    assert counters["stats"]["unique_graphs"] == 1
+
+
+def test_activation_of_and_errors():
+    assert activation_of(torch.nn.SiLU()) == "silu" and activation_of(torch.nn.functional.gelu) == "gelu"
+    assert activation_of(torch.nn.ReLU()) == "relu" and activation_of(torch.sigmoid) is None
+    assert activation_of("not a function") is None
+    with pytest.raises(ValueError, match="pass layouts or a density"):
+        bt.BlockSparseMLP(32, 64, block_size=16)
+    with pytest.raises(ValueError, match="activation must be one of"):
+        bt.BlockSparseMLP(32, 64, density=0.5, block_size=16, activation="none")
+    with pytest.raises(ValueError, match=r"layouts must be \(gate, up, down\)"):
+        bt.BlockSparseMLP(32, 64, block_size=16, layouts=[np.ones((2, 4)), np.ones((4, 2))])
+    with pytest.raises(ValueError, match=r"d_hidden \(60\) must be a multiple of block_size \(16\)"):
+        bt.BlockSparseMLP(32, 60, density=0.5, block_size=16)
+    linear = torch.nn.Linear(32, 64)
+    with pytest.raises(ValueError, match="activation must compute one of"):
+        bt.BlockSparseMLP.from_modules(linear, linear, torch.nn.Linear(64, 32), torch.nn.Tanh(), density=0.5,
+                                       block_size=16)
+    with pytest.raises(ValueError, match="all have a bias or all have none"):
+        bt.BlockSparseMLP.from_modules(linear, linear, torch.nn.Linear(64, 32, bias=False), "silu", density=0.5,
+                                       block_size=16)
+
+
+# -- sparsify(fuse_mlp=True) ---------------------------------------------------------------------------------
+class LlamaLikeMLP(torch.nn.Module):
+    """A model library's GLU block, named as Llama's."""
+
+    def __init__(self, d, h, act=None):
+        super().__init__()
+        self.gate_proj, self.up_proj = torch.nn.Linear(d, h, bias=False), torch.nn.Linear(d, h, bias=False)
+        self.down_proj = torch.nn.Linear(h, d, bias=False)
+        self.act_fn = act or torch.nn.SiLU()
+
+    def forward(self, x):
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+class NotGLU(LlamaLikeMLP):
+    """The same names, another formula: must not be fused."""
+
+    def forward(self, x):
+        return self.down_proj(self.act_fn(self.gate_proj(x)) + self.up_proj(x))
+
+
+class Decoder(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attn = torch.nn.Linear(64, 64)
+        self.mlp = LlamaLikeMLP(64, 128)
+        self.other = NotGLU(64, 128, torch.nn.GELU(approximate="tanh"))
+        self.head = torch.nn.Linear(64, 10)
+
+    def forward(self, x):
+        return self.head(self.other(self.mlp(self.attn(x))))
+
+
+def test_sparsify_fuses_glu_blocks_and_keeps_the_model_s_values():
+    torch.manual_seed(6)
+    model = Decoder().double()
+    x = torch.randn(3, 64, dtype=torch.float64)
+    expected = model(x)
+    model, report = bt.sparsify(model, density=1.0, block_size=32, fuse_mlp=True, return_report=True)
+    assert report.fused == ["mlp"] and isinstance(model.mlp, bt.BlockSparseMLP)
+    assert report.skipped["other"] == "MLP block not fused: its forward is not down_proj(act_fn(gate_proj(x)) * up_proj(x))"
+    assert report.replaced == ["attn", "other.gate_proj", "other.up_proj", "other.down_proj"]
+    assert rel_error(host(model(x)), host(expected)) <= 1e-12
+
+
+def test_sparsify_fused_blocks_follow_the_layout_rule_and_filters():
+    torch.manual_seed(7)
+    model, report = bt.sparsify(Decoder(), density=0.25, block_size=32, fuse_mlp=True, layout="random", seed=0,
+                                exclude="*attn*", return_report=True)
+    assert report.fused == ["mlp"] and model.mlp.up.op.density == 0.25 and model.mlp.down.op.density == 0.25
+    assert type(model.attn) is torch.nn.Linear
+    _, report = bt.sparsify(Decoder(), density=0.25, block_size=32, fuse_mlp=True, exclude="*up_proj",
+                            return_report=True)
+    assert report.fused == [] and report.skipped["mlp"] == "MLP block not fused: a projection is left out by include/exclude"
+    with pytest.raises(ValueError, match="fuse_mlp makes BlockSparseMLP blocks"):
+        bt.sparsify(Decoder(), density=0.5, fuse_mlp=True, feature_axis=0)
