@@ -197,23 +197,38 @@ def _some_blocks(C: int, K: int, block_size: int, densities) -> None:
                            "holds no block at that density; raise it, or --C and --K")
 
 
+#: --model name -> (the flags it takes beyond --densities and --dtype, what it compares with).
+_MODELS = {"lstm": (("hidden", "batch", "steps"), "bsmm.torch.BlockSparseLSTM against cuDNN"),
+           "transformer": (("block_size",), "a Llama-shaped decoder with block-sparse MLPs against the dense one")}
+
+
 def _check_bench_model(args) -> None:
-    """``--model lstm``: its own grid (--hidden, --batch, --steps, --densities, --dtype), on a GPU with PyTorch."""
-    for dest in ("framework", "N", "C", "K", "repeats", "quick", "block_size", "plot", "workloads"):
-        if _given(args, dest):
-            raise Refused(f"--{dest.replace('_', '-')} does not apply with --model (it times a model over "
-                           "--hidden, --batch, --densities, --dtype, --steps)")
+    """``--model lstm`` (its grid: --hidden, --batch, --steps) or ``--model transformer`` (--block-size),
+    with --densities and --dtype, on a GPU with PyTorch."""
+    takes, what = _MODELS[args.model]
+    for dest in ("framework", "N", "C", "K", "repeats", "quick", "block_size", "plot", "workloads", "hidden", "batch",
+                 "steps"):
+        if dest not in takes and _given(args, dest):
+            flags = ", ".join(f"--{d.replace('_', '-')}" for d in (*takes, "densities", "dtype"))
+            raise Refused(f"--{dest.replace('_', '-')} does not apply with --model {args.model} (it times {what} "
+                           f"over {flags})")
     if args.backend == "cpu":
         raise Refused("--backend cpu does not apply with --model (it times models on the GPU)")
     problem = gpu_problem()
     if problem:
         raise Refused(f"--model needs a CUDA GPU: {problem}")
     if importlib.util.find_spec("torch") is None:
-        raise Refused("--model lstm times bsmm.torch.BlockSparseLSTM against cuDNN: PyTorch is not installed: "
-                       "pip install 'bsmm[torch]'")
+        raise Refused(f"--model {args.model} times {what}: PyTorch is not installed: pip install 'bsmm[torch]'")
     cpu_only = [d for d in args.dtype or () if d in CPU_ONLY_DTYPES]
     if cpu_only:
         raise Refused(f"--dtype {','.join(cpu_only)}: the models run {', '.join(GPU_KINDS)} on the GPU")
+    if args.model == "transformer":
+        args.densities = args.densities or (0.1, 0.25)
+        args.block_size = args.block_size or (64, 128)
+        args.dtype = args.dtype or ("bfloat16",)
+        if len(args.dtype) > 1:
+            raise Refused(f"--dtype {','.join(args.dtype)}: --model transformer takes one dtype")
+        return
     block = LSTM_GRID["block_size"]
     for hidden in args.hidden or ():
         _multiple("--hidden", hidden, block)
@@ -421,10 +436,12 @@ def build_parser(run: dict) -> argparse.ArgumentParser:
     bench.add_argument("--framework", type=_names(tuple(_FRAMEWORK_MODULES)),
                        help="torch, jax and/or cupy, comma-separated: time what users run (the layer's training "
                             "step, forward and allocating calls, and host time a call) beside the dense layer")
-    bench.add_argument("--model", choices=("lstm",),
+    bench.add_argument("--model", choices=tuple(_MODELS),
                        help="a model beside the framework's dense one: lstm, bsmm.torch.BlockSparseLSTM against "
                             "cuDNN's nn.LSTM of the same width and of equal parameters, and the per-step passes' "
-                            "weight streaming against a copy")
+                            "weight streaming against a copy; transformer, a Llama-shaped decoder (d 2048, MLP 8192, "
+                            "8 layers) with block-sparse MLPs against the dense one: training eager and compiled, "
+                            "prefill, decode in CUDA graphs, in tokens/s")
     bench.add_argument("--hidden", type=_counts, help="--model: hidden sizes, comma-separated (default: 4096,12288,16384)")
     bench.add_argument("--batch", type=_counts, help="--model: sequences a batch, comma-separated (default: 8,32,128)")
     bench.add_argument("--steps", type=_count, help="--model: time steps T (default: 32)")

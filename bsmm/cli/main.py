@@ -164,10 +164,24 @@ def _bench_framework(args, log, meta) -> int:
 
 
 def _bench_model(args, log, meta) -> int:
-    """``bench --model lstm``: BlockSparseLSTM against cuDNN, then the streaming rows (bsmm.cli.model_bench)."""
+    """``bench --model lstm``: BlockSparseLSTM against cuDNN, then the streaming rows (bsmm.cli.model_bench);
+    ``--model transformer``: the decoder's rows (bsmm.cli.transformer_bench)."""
     import json
 
     import torch
+
+    if args.model == "transformer":
+        from bsmm.cli.transformer_bench import (  # lazily: the command's modules load when it runs
+            bench_transformer, format_transformer_rows)
+
+        meta["gpu"] = torch.cuda.get_device_name()
+        rows = bench_transformer(densities=args.densities, block_sizes=args.block_size, dtype=args.dtype[0],
+                                 progress=log)
+        print(format_transformer_rows(rows))
+        if args.json:
+            with open(args.json, "w") as file:
+                json.dump({"meta": meta, "rows": [r.as_dict() for r in rows]}, file, indent=1)
+        return 0
 
     from bsmm.cli.model_bench import (  # lazily: the command's modules load when it runs
         bench_lstm, bench_streaming, format_lstm_rows, format_stream_rows)
