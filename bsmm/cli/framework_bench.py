@@ -34,7 +34,7 @@ import numpy as np
 
 from bsmm.layouts import random_layout
 
-__all__ = ["FrameworkRow", "bench_torch", "bench_cupy", "bench_jax", "capture_graph", "format_rows", "SHAPES"]
+__all__ = ["FrameworkRow", "bench_torch", "bench_cupy", "bench_jax", "capture_graph", "format_rows", "gpu_time", "SHAPES"]
 
 #: (name, N, C, K, block size, densities, dtypes): the seed's shape (S), decode (D), the F up layer.
 SHAPES = {
@@ -65,7 +65,7 @@ class FrameworkRow:
         return dataclasses.asdict(self) | {"speedup": self.speedup}
 
 
-def _gpu_time(run: Callable[[], object], synchronize, event, elapsed_ms, calls: int = 20, batches: int = 15,
+def gpu_time(run: Callable[[], object], synchronize, event, elapsed_ms, calls: int = 20, batches: int = 15,
               warmup_s: float = 0.05) -> float:
     """Median seconds per call over ``batches`` CUDA-event-timed batches of ``calls`` calls."""
     start = time.perf_counter()
@@ -171,16 +171,16 @@ def bench_torch(workloads=("S",), host: bool = True, graphs: bool = True,
             for name, layer in (("sparse", sparse), ("dense", dense)):
                 forward, inference, step = _torch_steps(torch, layer, x, optimizer)
                 step_name = "step + SGD" if optimizer else "step"
-                times = {"forward": _gpu_time(forward, sync, event, elapsed),
-                         "forward no_grad": _gpu_time(inference, sync, event, elapsed),
-                         step_name: _gpu_time(step, sync, event, elapsed)}
+                times = {"forward": gpu_time(forward, sync, event, elapsed),
+                         "forward no_grad": gpu_time(inference, sync, event, elapsed),
+                         step_name: gpu_time(step, sync, event, elapsed)}
                 if host:
                     times["host forward"] = _host_time(forward, sync)
                     times["host forward no_grad"] = _host_time(inference, sync)
                     times[f"host {step_name}"] = _host_time(step, sync)
                 if graphs:
-                    times["forward graph"] = _gpu_time(capture_graph(torch, forward)[0], sync, event, elapsed)
-                    times[f"{step_name} graph"] = _gpu_time(capture_graph(torch, step)[0], sync, event, elapsed)
+                    times["forward graph"] = gpu_time(capture_graph(torch, forward)[0], sync, event, elapsed)
+                    times[f"{step_name} graph"] = gpu_time(capture_graph(torch, step)[0], sync, event, elapsed)
                 measured[name] = times
             if workload == "D":  # the inference shape: PyTorch's own block-sparse product too
                 measured["dense"]["forward no_grad, PyTorch BSR F.linear as dense"] = _bsr_linear_time(
@@ -206,7 +206,7 @@ def _bsr_linear_time(torch, sparse, x, block_size: int, sync, event, elapsed) ->
         with torch.no_grad():
             return torch.nn.functional.linear(inputs, weight)
 
-    return _gpu_time(run, sync, event, elapsed)
+    return gpu_time(run, sync, event, elapsed)
 
 
 def bench_cupy(workloads=("S",), progress: Callable[[str], None] | None = None) -> list[FrameworkRow]:
@@ -230,7 +230,7 @@ def bench_cupy(workloads=("S",), progress: Callable[[str], None] | None = None) 
             calls = {"fprop": (lambda: op(x, w), lambda: x @ W), "bprop": (lambda: op.bprop(dy, w), lambda: dy @ W.T),
                      "updat": (lambda: op.updat(x, dy), lambda: x.T @ dy)}
             for pass_name, (sparse, dense) in calls.items():
-                for measure, timer in ((pass_name, lambda f: _gpu_time(f, sync, event, elapsed)),
+                for measure, timer in ((pass_name, lambda f: gpu_time(f, sync, event, elapsed)),
                                        (f"host {pass_name}", lambda f: _host_time(f, sync))):
                     row = FrameworkRow("cupy", workload, dtype_name, density, measure, timer(sparse), timer(dense))
                     rows.append(row)
@@ -272,7 +272,7 @@ def bench_jax(workloads=("S",), progress: Callable[[str], None] | None = None) -
                          "step": lambda: _jax_ready.keep(step(x, weights))}
                 times = {}
                 for measure, run in calls.items():
-                    times[measure] = _gpu_time(run, _jax_ready.wait, _JaxEvent, _JaxEvent.elapsed_ms)
+                    times[measure] = gpu_time(run, _jax_ready.wait, _JaxEvent, _JaxEvent.elapsed_ms)
                     times[f"host {measure}"] = _host_time(run, _jax_ready.wait)
                 measured[name] = times
             for measure in measured["sparse"]:
@@ -305,7 +305,7 @@ _jax_ready = _JaxReady()
 
 
 class _JaxEvent:
-    """A wall-clock stand-in for a CUDA event in :func:`_gpu_time`: ``record`` marks the time after
+    """A wall-clock stand-in for a CUDA event in :func:`gpu_time`: ``record`` marks the time after
     waiting for what was launched before, as an event completing would."""
 
     def record(self):

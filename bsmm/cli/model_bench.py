@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import statistics
 from typing import Callable
 
+from bsmm.cli.framework_bench import capture_graph, gpu_time
 from bsmm.layouts.small_world import small_world_layout
 from bsmm.matmul import BlocksparseMatMul
 from bsmm.nn.lstm_gates import gate_layout
@@ -101,25 +101,6 @@ def equal_parameter_width(parameters: int) -> int:
     return max(8, 8 * round(hidden / 8))
 
 
-def _timer(torch):
-    def gpu_time(run: Callable[[], object], calls: int, batches: int, warmup: int = 2) -> float:
-        for _ in range(warmup):
-            run()
-        torch.cuda.synchronize()
-        samples = []
-        for _ in range(batches):
-            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            begin.record()
-            for _ in range(calls):
-                run()
-            end.record()
-            end.synchronize()
-            samples.append(begin.elapsed_time(end) / 1e3 / calls)
-        return statistics.median(samples)
-
-    return gpu_time
-
-
 def _runs(torch, layer, x, parameters):
     """The layer's forward under no_grad and its training step (dx and every parameter's gradient)."""
     d_out = torch.randn(x.shape[0], x.shape[1], layer.hidden_size, dtype=x.dtype, device=x.device)
@@ -137,20 +118,6 @@ def _runs(torch, layer, x, parameters):
     return forward, train
 
 
-def _graph_replay(torch, run):
-    """``run`` captured into a CUDA graph after warm-up calls on a side stream; the replay."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            run()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run()
-    return graph.replay
-
-
 def bench_lstm(hidden=LSTM_GRID["hidden"], densities=LSTM_GRID["densities"], batch=LSTM_GRID["batch"],
                dtypes=LSTM_GRID["dtypes"], steps: int = LSTM_GRID["steps"], block_size: int = LSTM_GRID["block_size"],
                graphs: bool = True, same_width: bool = True, calls: int = 3, batches: int = 7,
@@ -160,7 +127,10 @@ def bench_lstm(hidden=LSTM_GRID["hidden"], densities=LSTM_GRID["densities"], bat
 
     import bsmm.torch  # lazily: PyTorch is optional
 
-    gpu_time = _timer(torch)
+    def timed(run, calls, batches):
+        return gpu_time(run, torch.cuda.synchronize, lambda: torch.cuda.Event(enable_timing=True),
+                        lambda begin, end: begin.elapsed_time(end), calls, batches)
+
     rows = []
     for dtype_name in dtypes:
         dtype = getattr(torch, dtype_name)
@@ -183,11 +153,11 @@ def bench_lstm(hidden=LSTM_GRID["hidden"], densities=LSTM_GRID["densities"], bat
                         width = h if side != "equal" else equal
                         x = torch.randn(steps, n, width, dtype=dtype, device="cuda", requires_grad=True)
                         forward, train = _runs(torch, layer, x, list(layer.parameters()))
-                        times[side, "forward"] = gpu_time(forward, calls, batches)
-                        times[side, "train"] = gpu_time(train, calls, batches)
+                        times[side, "forward"] = timed(forward, calls, batches)
+                        times[side, "train"] = timed(train, calls, batches)
                         if graphs:
                             try:
-                                times[side, "train graph"] = gpu_time(_graph_replay(torch, train), calls, batches)
+                                times[side, "train graph"] = timed(capture_graph(torch, train)[0], calls, batches)
                             except Exception as error:  # noqa: BLE001 - a side that cannot be captured is reported
                                 notes.append(f"{side}: graph capture failed ({type(error).__name__}: {error})"[:160])
                                 torch.cuda.synchronize()
@@ -219,19 +189,7 @@ def bench_streaming(hidden: int = 12288, density: float = 0.1, batch=(1, 8, 16, 
     source, target = cupy.empty(weight_bytes, cupy.uint8), cupy.empty(weight_bytes, cupy.uint8)
 
     def timed(run):
-        for _ in range(3):
-            run()
-        cupy.cuda.Device().synchronize()
-        samples = []
-        for _ in range(batches):
-            begin, end = cupy.cuda.Event(), cupy.cuda.Event()
-            begin.record()
-            for _ in range(calls):
-                run()
-            end.record()
-            end.synchronize()
-            samples.append(cupy.cuda.get_elapsed_time(begin, end) / 1e3 / calls)
-        return statistics.median(samples)
+        return gpu_time(run, cupy.cuda.Device().synchronize, cupy.cuda.Event, cupy.cuda.get_elapsed_time, calls, batches)
 
     copy_s = timed(lambda: target.__setitem__(Ellipsis, source))
     rows = []

@@ -22,12 +22,13 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import statistics
 import time
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
+
+from bsmm.cli.framework_bench import capture_graph, gpu_time
 
 __all__ = ["DecoderConfig", "Decoder", "TransformerRow", "bench_transformer", "format_transformer_rows"]
 
@@ -173,19 +174,8 @@ class TransformerRow:
 
 
 def _timed(run: Callable[[], object], repeats: int, synchronize, event) -> float:
-    """Median seconds of ``run`` over ``repeats`` runs after two warm-up runs."""
-    for _ in range(2):
-        run()
-    synchronize()
-    samples = []
-    for _ in range(repeats):
-        begin, end = event(), event()
-        begin.record()
-        run()
-        end.record()
-        end.synchronize()
-        samples.append(begin.elapsed_time(end) / 1e3)
-    return statistics.median(samples)
+    """Median seconds of ``run`` over ``repeats`` runs, warm-up first (:func:`~bsmm.cli.framework_bench.gpu_time`)."""
+    return gpu_time(run, synchronize, event, lambda begin, end: begin.elapsed_time(end), calls=1, batches=repeats)
 
 
 def _measures(model: Decoder, config: DecoderConfig, device, graphs: bool, compiled: bool, repeats: int) -> dict:
@@ -232,19 +222,11 @@ def _decode_time(model: Decoder, config: DecoderConfig, tokens, repeats: int, sy
         with torch.no_grad():
             return model.step(token, position, caches)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        logits = step()
+    graph_replay, logits = capture_graph(torch, step)
 
     def advance(p: int):
         position.fill_(p)
-        graph.replay()
+        graph_replay()
         token.copy_(tokens[:, p + 1:p + 2] if p + 1 < config.prompt else logits[:, -1].argmax(-1, keepdim=True))
 
     for p in range(config.prompt - 1):  # the prompt, once: generation rewrites the positions after it
