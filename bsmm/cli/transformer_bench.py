@@ -7,7 +7,8 @@ self-attention with rotary positions (``F.scaled_dot_product_attention``) and RM
 are copies of the dense one made by :func:`bsmm.torch.sparsify` with ``fuse_mlp=True`` on the MLPs
 only (each becomes a :class:`~bsmm.torch.BlockSparseMLP`), at each density and block size.
 
-Rows, in tokens a second beside the dense model in the same process:
+Rows, in tokens a second beside the dense model in the same process, with the speed-up the work
+allows (multiply-adds for training and prefill, :func:`flops_ratio`; weight bytes for decode):
 
 - ``train eager`` and ``train compiled``: forward, cross-entropy over the vocabulary, backward and
   an AdamW step, on ``batch × sequence`` tokens (compiled: ``torch.compile`` of the model);
@@ -30,7 +31,7 @@ import torch.nn.functional as F
 
 from bsmm.cli.framework_bench import capture_graph, gpu_time
 
-__all__ = ["DecoderConfig", "Decoder", "TransformerRow", "bench_transformer", "format_transformer_rows"]
+__all__ = ["DecoderConfig", "Decoder", "TransformerRow", "bench_transformer", "flops_ratio", "format_transformer_rows"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,12 +48,21 @@ class DecoderConfig:
     prompt: int = 128
     new_tokens: int = 64
 
+    def __post_init__(self):
+        if self.d_model % self.heads or (self.d_model // self.heads) % 2:
+            raise ValueError(f"heads ({self.heads}) must divide d_model ({self.d_model}) into heads of an even size")
+        if not 1 <= self.prompt <= self.sequence or self.new_tokens < 1:
+            raise ValueError(f"prompt must be in [1, sequence] and new_tokens at least 1; got prompt {self.prompt}, "
+                             f"sequence {self.sequence}, new_tokens {self.new_tokens}")
+
     @property
     def head_dim(self) -> int:
         return self.d_model // self.heads
 
 
 class RMSNorm(torch.nn.Module):
+    """x (..., size) scaled to unit root-mean-square (computed in float32), times a learned weight."""
+
     def __init__(self, size: int, eps: float = 1e-6):
         super().__init__()
         self.weight, self.eps = torch.nn.Parameter(torch.ones(size)), eps
@@ -69,6 +79,8 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 
 class Attention(torch.nn.Module):
+    """Causal multi-head self-attention, (B, T, d) -> (B, T, d), rotary positions on queries and keys."""
+
     def __init__(self, config: DecoderConfig):
         super().__init__()
         d = config.d_model
@@ -94,7 +106,7 @@ class Attention(torch.nn.Module):
 
 
 class MLP(torch.nn.Module):
-    """Llama's GLU block, its names too (what ``sparsify(fuse_mlp=True)`` recognises)."""
+    """Llama's GLU block, (B, T, d) -> (B, T, d), its names too (what ``sparsify(fuse_mlp=True)`` recognises)."""
 
     def __init__(self, config: DecoderConfig):
         super().__init__()
@@ -108,6 +120,8 @@ class MLP(torch.nn.Module):
 
 
 class Block(torch.nn.Module):
+    """A pre-norm decoder block, (B, T, d) -> (B, T, d): attention, then the MLP, each added back."""
+
     def __init__(self, config: DecoderConfig):
         super().__init__()
         self.attention_norm, self.attention = RMSNorm(config.d_model), Attention(config)
@@ -164,6 +178,7 @@ class TransformerRow:
     measure: str  # "train eager", "train compiled", "prefill", "decode graphs"
     tokens_per_s: float
     dense_tokens_per_s: float
+    allowed: float  # the speed-up the work allows: multiply-adds (train, prefill) or weight bytes (decode)
 
     @property
     def speedup(self) -> float:
@@ -198,6 +213,9 @@ def _measures(model: Decoder, config: DecoderConfig, device, graphs: bool, compi
 
     times = {"train eager": _timed(train(model), repeats, synchronize, event)}
     if compiled:
+        # Each model compiled afresh: variants of one forward would otherwise count against Dynamo's
+        # recompile limit, past which it runs the forward eagerly without saying so in the timing.
+        torch._dynamo.reset()
         times["train compiled"] = _timed(train(torch.compile(model)), repeats, synchronize, event)
 
     def prefill():
@@ -233,6 +251,7 @@ def _decode_time(model: Decoder, config: DecoderConfig, tokens, repeats: int, sy
         advance(p)
 
     def generate():
+        token.copy_(tokens[:, config.prompt - 1:config.prompt])  # each run continues the same prompt
         for p in range(config.prompt - 1, length - 1):
             advance(p)
 
@@ -261,19 +280,23 @@ def bench_transformer(config: DecoderConfig = DecoderConfig(), densities=(0.1, 0
     """:class:`TransformerRow` s of the dense decoder and its MLP-sparse copies (see the module docstring)."""
     import bsmm.torch  # lazily: PyTorch's adapter, for sparsify
 
-    torch.manual_seed(0)
-    dense = Decoder(config).to(device=device, dtype=getattr(torch, dtype))
+    with torch.random.fork_rng([torch.device(device)] if torch.device(device).type == "cuda" else []):
+        torch.manual_seed(0)  # the same decoder each run; the caller's random streams left as they were
+        dense = Decoder(config).to(device=device, dtype=getattr(torch, dtype))
     tokens = {m: config.batch * (config.new_tokens if m == "decode graphs" else config.sequence)
               for m in ("train eager", "train compiled", "prefill", "decode graphs")}
     dense_times = _measures(dense, config, device, graphs, compiled, repeats)
-    rows = [TransformerRow("dense", m, tokens[m] / s, tokens[m] / s) for m, s in dense_times.items()]
+    rows = [TransformerRow("dense", m, tokens[m] / s, tokens[m] / s, 1.0) for m, s in dense_times.items()]
+    dense_weights = sum(p.numel() for p in dense.parameters())
     for block_size in block_sizes:
         for density in densities:
             sparse = bsmm.torch.sparsify(copy.deepcopy(dense), density, block_size, include="*mlp*", fuse_mlp=True)
             name = f"bsmm {density:.0%}, block {block_size}"
+            allowed = {m: flops_ratio(config, density) for m in tokens}
+            allowed["decode graphs"] = dense_weights / sum(p.numel() for p in sparse.parameters())
             for measure, seconds in _measures(sparse, config, device, graphs, compiled, repeats).items():
                 rows.append(TransformerRow(name, measure, tokens[measure] / seconds,
-                                           tokens[measure] / dense_times[measure]))
+                                           tokens[measure] / dense_times[measure], allowed[measure]))
                 if progress:
                     progress(format_transformer_rows(rows[-1:], header=False))
             del sparse
@@ -282,16 +305,16 @@ def bench_transformer(config: DecoderConfig = DecoderConfig(), densities=(0.1, 0
 
 def format_transformer_rows(rows: list[TransformerRow], header: bool = True) -> str:
     """A Markdown table: tokens a second and the speed-up over the dense model."""
-    lines = ["| model | measure | tokens/s | dense tokens/s | speed-up |", "| --- | --- | --- | --- | --- |"] \
-        if header else []
-    lines += [f"| {r.model} | {r.measure} | {r.tokens_per_s:,.0f} | {r.dense_tokens_per_s:,.0f} | {r.speedup:.2f}× |"
-              for r in rows]
+    lines = ["| model | measure | tokens/s | dense tokens/s | speed-up | allowed by the work |",
+             "| --- | --- | --- | --- | --- | --- |"] if header else []
+    lines += [f"| {r.model} | {r.measure} | {r.tokens_per_s:,.0f} | {r.dense_tokens_per_s:,.0f} | {r.speedup:.2f}× | "
+              f"{r.allowed:.2f}× |" for r in rows]
     return "\n".join(lines)
 
 
 def flops_ratio(config: DecoderConfig, density: float) -> float:
-    """What the work allows a training step: the dense model's multiply-adds over the sparse one's (MLP
-    projections at ``density``; attention's products, embedding and read-out as they are)."""
+    """What the work allows a training step or a prefill: the dense model's multiply-adds a token over the
+    sparse one's (MLP projections at ``density``; attention's products and the read-out as they are)."""
     d, h, t = config.d_model, config.d_hidden, config.sequence
     attention = 4 * d * d + t * d  # projections; scores and values, each over half the T keys a token (causal)
     mlp = 3 * d * h

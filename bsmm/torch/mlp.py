@@ -128,6 +128,12 @@ class BlockSparseMLP(torch.nn.Module):
                        (shapes[name] for name in names)]
         elif len(layouts) != len(names):
             raise ValueError(f"layouts must be ({', '.join(names)}) for gated={gated}; got {len(layouts)} layouts")
+        else:
+            for name, layout in zip(names, layouts):
+                blocks = tuple(size // block_size for size in shapes[name])
+                if np.shape(layout) != blocks:
+                    raise ValueError(f"the {name} layout must have shape {blocks} (in × out blocks); "
+                                     f"got {np.shape(layout)}")
         up_layout = _gate_up_layout(layouts[0], layouts[1]) if gated else layouts[0]
         common = dict(block_size=block_size, bias=bias, tf32=tf32, device=device, dtype=dtype)
         self.up = BlockSparseLinear(d_model, (2 if gated else 1) * d_hidden, up_layout,
@@ -165,10 +171,19 @@ class BlockSparseMLP(torch.nn.Module):
         name = activation if isinstance(activation, str) else activation_of(activation)
         if name not in TORCH_ACTIVATIONS:
             raise ValueError(f"activation must compute one of {', '.join(TORCH_ACTIVATIONS)}; got {activation!r}")
+        if layouts is not None and density is not None:
+            raise ValueError("give layouts or density, not both")
+        labels = ("gate_proj", "up_proj", "down_proj") if gate_proj is not None else ("up_proj", "down_proj")
         projections = [p for p in (gate_proj, up_proj, down_proj) if p is not None]
-        for label, p in zip(("gate_proj", "up_proj", "down_proj")[3 - len(projections):], projections):
+        for label, p in zip(labels, projections):
             if type(p) is not torch.nn.Linear:
                 raise TypeError(f"{label} must be a torch.nn.Linear; got {type(p).__name__}")
+        d_model, d_hidden = up_proj.in_features, up_proj.out_features
+        expected = {"gate_proj": (d_model, d_hidden), "up_proj": (d_model, d_hidden), "down_proj": (d_hidden, d_model)}
+        for label, p in zip(labels, projections):
+            if (p.in_features, p.out_features) != expected[label]:
+                raise ValueError(f"{label} must map {expected[label][0]} to {expected[label][1]} features (up_proj's "
+                                 f"sizes); got {p.in_features} to {p.out_features}")
         biased = {p.bias is not None for p in projections}
         if len(biased) != 1:
             raise ValueError("the projections must all have a bias or all have none")
@@ -181,9 +196,10 @@ class BlockSparseMLP(torch.nn.Module):
                         raise ValueError(f"{argument} ({size}) must be a multiple of block_size ({block_size})")
             layouts = [largest_blocks(p.weight, block_size, density) for p in projections]
         weight = projections[0].weight
-        mlp = cls(up_proj.in_features, up_proj.out_features, block_size=block_size, activation=name,
-                  gated=gate_proj is not None, bias=biased.pop(), layouts=layouts, tf32=tf32, device=weight.device,
-                  dtype=weight.dtype)
+        devices = [weight.device] if weight.device.type != "cpu" else []
+        with torch.random.fork_rng(devices, device_type=weight.device.type):  # (initial draws, then overwritten)
+            mlp = cls(d_model, d_hidden, block_size=block_size, activation=name, gated=gate_proj is not None,
+                      bias=biased.pop(), layouts=layouts, tf32=tf32, device=weight.device, dtype=weight.dtype)
         ups = (gate_proj, up_proj) if gate_proj is not None else (up_proj,)
         with torch.no_grad():
             mlp.up.weight.copy_(present_blocks(torch.cat([p.weight for p in ups], dim=0), mlp.up.op.index))

@@ -40,11 +40,15 @@ class SparsifyReport:
     #: GLU MLP blocks made one :class:`~bsmm.torch.BlockSparseMLP` each (``fuse_mlp``); their
     #: projections are not listed in ``replaced``.
     fused: list[str] = dataclasses.field(default_factory=list)
+    #: Modules with a GLU block's projections left unfused, and why (their ``nn.Linear`` layers then
+    #: take the per-layer path).
+    not_fused: dict[str, str] = dataclasses.field(default_factory=dict)
 
     def __str__(self) -> str:
         lines = [f"sparsify: {len(self.replaced)} nn.Linear layer(s) made block-sparse, {len(self.fused)} MLP "
                  f"block(s) fused, {len(self.skipped)} kept dense"]
         lines += [f"  kept dense: {name or '(the model itself)'}: {why}" for name, why in self.skipped.items()]
+        lines += [f"  MLP block not fused: {name or '(the model itself)'}: {why}" for name, why in self.not_fused.items()]
         return "\n".join(lines)
 
 
@@ -101,21 +105,37 @@ def _glu_block(name: str, module, block_size: int, include, exclude) -> tuple[st
     activation = activation_of(module.act_fn)
     if activation is None:
         return None, f"act_fn {type(module.act_fn).__name__} is none of bsmm's activations"
-    gate, up, down = projections
-    weight = gate.weight
-    with torch.no_grad():  # the module computes the GLU formula (a probe through its own forward)
-        generator = torch.Generator(weight.device).manual_seed(0)  # (the model's random streams left alone)
-        x = torch.randn(2, gate.in_features, generator=generator, device=weight.device).to(weight.dtype)
-        try:
-            own = module(x)
-        except Exception as error:  # noqa: BLE001 - a forward that takes more than x is not a plain MLP block
-            return None, f"its forward does not take one tensor ({type(error).__name__})"
-        formula = down(TORCH_ACTIVATIONS[activation](gate(x)) * up(x))
-        scale = formula.abs().max().clamp_min(1e-30)
-        tolerance = 1e-6 if weight.dtype in (torch.float32, torch.float64) else 2e-2
-        if not isinstance(own, torch.Tensor) or own.shape != formula.shape or (own - formula).abs().max() > tolerance * scale:
-            return None, "its forward is not down_proj(act_fn(gate_proj(x)) * up_proj(x))"
+    if not _computes_glu(module, activation):
+        return None, "its forward is not down_proj(act_fn(gate_proj(x)) * up_proj(x))"
     return activation, ""
+
+
+def _computes_glu(module, activation: str) -> bool:
+    """Whether ``module(x)`` is ``down_proj(A(gate_proj(x)) * up_proj(x))``, on a probe input in eval mode:
+    what reaches ``down_proj`` (caught by a hook) must be the product, computed by the same operators
+    (bit for bit, whatever down_proj's weights), and the module's output ``down_proj``'s, unchanged."""
+    gate, up, down = (getattr(module, p) for p in GLU_PROJECTIONS)
+    weight = gate.weight
+    seen = []
+    hook = down.register_forward_hook(lambda layer, inputs, output: seen.append((inputs, output)))
+    training = module.training
+    try:
+        module.eval()
+        with torch.no_grad():
+            generator = torch.Generator(weight.device).manual_seed(0)  # (the model's random streams left alone)
+            x = torch.randn(2, gate.in_features, generator=generator, device=weight.device).to(weight.dtype)
+            own = module(x)
+            product = TORCH_ACTIVATIONS[activation](gate(x)) * up(x)
+    except Exception:  # noqa: BLE001 - a forward that takes more than one tensor is not a plain MLP block
+        return False
+    finally:
+        hook.remove()
+        module.train(training)
+    if len(seen) != 1 or len(seen[0][0]) != 1:
+        return False
+    (reached,), output = seen[0]
+    return (isinstance(own, torch.Tensor) and own.shape == output.shape and torch.equal(own, output)
+            and reached.shape == product.shape and torch.allclose(reached, product, rtol=1e-6, atol=0))
 
 
 def sparsify(model: torch.nn.Module, density: float, block_size: int = 32, *, include=None, exclude=None,
@@ -140,7 +160,8 @@ def sparsify(model: torch.nn.Module, density: float, block_size: int = 32, *, in
         kept exactly); ``"random"`` draws them uniformly (``seed``); a callable returns each
         layer's layout in bsmm's ``W`` (in × out) orientation.
     seed : int, numpy.random.Generator or None
-        For ``layout="random"``: one generator draws every layer's layout in module order.
+        For ``layout="random"``: one generator draws every layout, the fused MLP blocks' first (module
+        order each).
     feature_axis, tf32
         As for :class:`~bsmm.torch.BlockSparseLinear`.
     fuse_mlp : bool
@@ -187,7 +208,7 @@ def sparsify(model: torch.nn.Module, density: float, block_size: int = 32, *, in
         activation, why = _glu_block(name, module, block_size, include, exclude)
         if activation is None:
             if why:
-                report.skipped[name] = f"MLP block not fused: {why}"
+                report.not_fused[name] = why
             continue
         projections = [getattr(module, p) for p in GLU_PROJECTIONS]
         layouts = None if layout == "magnitude" else [

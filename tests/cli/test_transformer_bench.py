@@ -33,7 +33,9 @@ def test_the_bench_times_the_dense_and_the_sparse_models():
                                                     ("bsmm 50%, block 32", "train eager"),
                                                     ("bsmm 50%, block 32", "prefill")]
     assert all(r.tokens_per_s > 0 and r.dense_tokens_per_s > 0 for r in rows)
-    assert rows[0].speedup == 1.0
+    dense, sparse = rows[0], rows[2]
+    assert sparse.dense_tokens_per_s == dense.tokens_per_s and dense.allowed == 1.0
+    assert sparse.allowed == pytest.approx(flops_ratio(TINY, 0.5))
 
 
 def test_sparsify_makes_every_mlp_one_block_and_leaves_attention_dense():
@@ -51,6 +53,13 @@ def test_what_the_work_allows():
 def test_model_flags_are_checked(capsys):
     assert main.main(["bench", "--model", "transformer", "--hidden", "4096"]) == 2
     assert "--hidden does not apply with --model transformer" in capsys.readouterr().err
+
+
+def test_the_config_is_checked():
+    with pytest.raises(ValueError, match="heads"):
+        DecoderConfig(d_model=64, heads=3)
+    with pytest.raises(ValueError, match="prompt must be in"):
+        DecoderConfig(sequence=16, prompt=32)
 
 
 def test_the_sparsified_decoder_compiles_whole_without_recompiles():

@@ -127,17 +127,17 @@ def test_from_modules_computes_what_the_modules_compute():
     full = bt.BlockSparseMLP.from_modules(gate, up, down, torch.nn.SiLU(), density=1.0, block_size=32)
     assert rel_error(host(full(x)), host(expected)) <= 1e-13
     half = bt.BlockSparseMLP.from_modules(gate, up, down, "silu", density=0.5, block_size=32)
-    masked = [torch.where(layer.layout.bool().repeat_interleave(32, 0).repeat_interleave(32, 1).T, p.weight, 0)
-              for layer, p in ((half.up, None), (half.down, down)) if p is not None]
+
+    def kept(mask, weight):  # the dense (out, in) weight where the (in, out) block mask keeps it
+        return torch.where(mask.repeat_interleave(32, 0).repeat_interleave(32, 1).T, weight, 0)
+
     gate_mask, up_mask = half.up.layout.bool().chunk(2, dim=1)
     for mask, p in ((gate_mask, gate), (up_mask, up)):
         blocks = p.weight.detach().T.reshape(2, 32, 3, 32).norm(dim=(1, 3))
         assert int(mask.sum()) == 3 and blocks[mask].min() >= blocks[~mask].max()  # each matrix its own largest half
-    g = torch.where(gate_mask.repeat_interleave(32, 0).repeat_interleave(32, 1).T, gate.weight, 0)
-    u = torch.where(up_mask.repeat_interleave(32, 0).repeat_interleave(32, 1).T, up.weight, 0)
-    expected = torch.nn.functional.linear(
-        torch.nn.functional.silu(torch.nn.functional.linear(x, g, gate.bias)) * torch.nn.functional.linear(x, u, up.bias),
-        masked[0], down.bias)
+    linear = torch.nn.functional.linear
+    expected = linear(torch.nn.functional.silu(linear(x, kept(gate_mask, gate.weight), gate.bias))
+                      * linear(x, kept(up_mask, up.weight), up.bias), kept(half.down.layout.bool(), down.weight), down.bias)
     assert rel_error(host(half(x)), host(expected)) <= 1e-13
 
 
@@ -181,6 +181,25 @@ def test_activation_of_and_errors():
     with pytest.raises(ValueError, match="all have a bias or all have none"):
         bt.BlockSparseMLP.from_modules(linear, linear, torch.nn.Linear(64, 32, bias=False), "silu", density=0.5,
                                        block_size=16)
+    with pytest.raises(ValueError, match="gate_proj must map 32 to 64 features"):
+        bt.BlockSparseMLP.from_modules(torch.nn.Linear(32, 96), linear, torch.nn.Linear(64, 32), "silu", density=0.5,
+                                       block_size=16)
+    with pytest.raises(TypeError, match="down_proj must be a torch.nn.Linear; got ReLU"):
+        bt.BlockSparseMLP.from_modules(linear, linear, torch.nn.ReLU(), "silu", density=0.5, block_size=16)
+    with pytest.raises(ValueError, match="give layouts or density, not both"):
+        bt.BlockSparseMLP.from_modules(linear, linear, torch.nn.Linear(64, 32), "silu", density=0.5, block_size=16,
+                                       layouts=[np.ones((2, 4))] * 3)
+    with pytest.raises(ValueError, match=r"in_features \(32\) must be a multiple of block_size \(64\)"):
+        bt.BlockSparseMLP.from_modules(linear, linear, torch.nn.Linear(64, 32), "silu", density=0.5, block_size=64)
+    with pytest.raises(ValueError, match=r"the up layout must have shape \(2, 4\)"):
+        bt.BlockSparseMLP(32, 64, block_size=16, layouts=[np.ones((2, 4)), np.ones((2, 3)), np.ones((4, 2))])
+
+
+def test_from_modules_leaves_the_random_streams_alone():
+    linear, down = torch.nn.Linear(32, 64), torch.nn.Linear(64, 32)
+    state = torch.random.get_rng_state()
+    bt.BlockSparseMLP.from_modules(linear, linear, down, "gelu", density=0.5, block_size=16)
+    assert torch.equal(torch.random.get_rng_state(), state)
 
 
 # -- sparsify(fuse_mlp=True) ---------------------------------------------------------------------------------
@@ -223,7 +242,8 @@ def test_sparsify_fuses_glu_blocks_and_keeps_the_model_s_values():
     expected = model(x)
     model, report = bt.sparsify(model, density=1.0, block_size=32, fuse_mlp=True, return_report=True)
     assert report.fused == ["mlp"] and isinstance(model.mlp, bt.BlockSparseMLP)
-    assert report.skipped["other"] == "MLP block not fused: its forward is not down_proj(act_fn(gate_proj(x)) * up_proj(x))"
+    assert report.not_fused == {"other": "its forward is not down_proj(act_fn(gate_proj(x)) * up_proj(x))"}
+    assert report.skipped == {"head": "out_features 10 is not a multiple of block_size 32"}
     assert report.replaced == ["attn", "other.gate_proj", "other.up_proj", "other.down_proj"]
     assert rel_error(host(model(x)), host(expected)) <= 1e-12
 
@@ -236,6 +256,26 @@ def test_sparsify_fused_blocks_follow_the_layout_rule_and_filters():
     assert type(model.attn) is torch.nn.Linear
     _, report = bt.sparsify(Decoder(), density=0.25, block_size=32, fuse_mlp=True, exclude="*up_proj",
                             return_report=True)
-    assert report.fused == [] and report.skipped["mlp"] == "MLP block not fused: a projection is left out by include/exclude"
+    assert report.fused == [] and report.not_fused["mlp"] == "a projection is left out by include/exclude"
     with pytest.raises(ValueError, match="fuse_mlp makes BlockSparseMLP blocks"):
         bt.sparsify(Decoder(), density=0.5, fuse_mlp=True, feature_axis=0)
+
+
+def test_the_glu_check_looks_at_what_reaches_down_proj():
+    """A zero down_proj makes every formula's output zero: the check reads down_proj's input instead. The
+    probe leaves the model's mode and random streams as they were."""
+    torch.manual_seed(8)
+    model = Decoder()
+    for module in (model.mlp, model.other):
+        torch.nn.init.zeros_(module.down_proj.weight)
+    model.train()
+    state = torch.random.get_rng_state()
+    _, report = bt.sparsify(model, density=0.5, block_size=32, fuse_mlp=True, return_report=True)
+    assert report.fused == ["mlp"] and "other" in report.not_fused
+    assert torch.equal(torch.random.get_rng_state(), state) and model.training
+    gelu = LlamaLikeMLP(64, 96, torch.nn.GELU())
+    _, report = bt.sparsify(gelu, density=0.5, block_size=32, fuse_mlp=True, return_report=True)
+    assert report.fused == [""] and report.not_fused == {}
+    tanh = LlamaLikeMLP(64, 128, torch.nn.Tanh())
+    _, report = bt.sparsify(tanh, density=0.5, block_size=32, fuse_mlp=True, return_report=True)
+    assert report.not_fused == {"": "act_fn Tanh is none of bsmm's activations"}
