@@ -7,7 +7,8 @@ test_distributed.py runs it (gloo on the CPU); tools/gpu runs it with NCCL, one 
 check compares with one process computing the whole problem from the same seed, in float64 on the
 CPU (float32 on GPUs), and records the largest relative error of each output and gradient:
 
-- ``ddp/...``: DistributedDataParallel over BlockSparseLinear layers, each rank a share of the batch.
+- ``ddp/...``: DistributedDataParallel over BlockSparseLinear layers, each rank a share of the batch;
+  ``ddp/mlp/...`` and ``fsdp/mlp/...``: a GLU BlockSparseMLP behind a layer.
 - ``fsdp/...``: fully_shard (FSDP2) over the same model, with and without bf16 parameters; any warning
   FSDP2 gives is recorded.
 - ``sharded/...``: ShardedBlockSparseLinear, every split, input and output mode, feature axis, a
@@ -74,6 +75,20 @@ def _model(dtype, device, seed: int):
                                bsmm.torch.BlockSparseLinear(H, K, second, block_size=8, device=device, dtype=dtype))
 
 
+def _mlp_model(dtype, device, seed: int):
+    """A BlockSparseLinear (C -> K) and a GLU BlockSparseMLP (K, hidden H), as sparsify(fuse_mlp=True) makes
+    a model's: four parameters, as ``_model``'s."""
+    torch.manual_seed(seed)
+    rng = np.random.default_rng(seed)
+    layouts = [rng.random(shape) < 0.6 for shape in ((C // 8, K // 8), (K // 8, H // 8), (K // 8, H // 8),
+                                                     (H // 8, K // 8))]
+    for layout in layouts:
+        layout[0, 0] = True
+    return torch.nn.Sequential(
+        bsmm.torch.BlockSparseLinear(C, K, layouts[0], block_size=8, device=device, dtype=dtype),
+        bsmm.torch.BlockSparseMLP(K, H, block_size=8, layouts=layouts[1:], device=device, dtype=dtype))
+
+
 def _batch(shape, dtype, device, seed: int):
     generator = torch.Generator().manual_seed(seed)
     return (torch.randn(*shape, generator=generator, dtype=torch.float64).to(device, dtype),
@@ -112,14 +127,15 @@ def check_data_parallel(record: Recorder, world: int, device, dtype, tolerance: 
     from torch.nn.parallel import DistributedDataParallel
 
     rank = record.rank
-    for shape_name, shape in (("2d", (4 * world, C)), ("3d", (2 * world, 3, C))):
+    for shape_name, shape, make in (("2d", (4 * world, C), _model), ("3d", (2 * world, 3, C), _model),
+                                    ("mlp", (2 * world, 3, C), _mlp_model)):
         x, r = _batch(shape, dtype, device, seed=11)
         rows = slice(rank * shape[0] // world, (rank + 1) * shape[0] // world)
-        whole = _model(dtype, device, seed=5)
+        whole = make(dtype, device, seed=5)
         losses, grads = _train(whole, x, r, 3, 1.0 / shape[0])
         # Each rank's share of the loss: DDP and FSDP average the gradients over ranks.
         local_scale = world / shape[0]
-        ddp = DistributedDataParallel(_model(dtype, device, seed=5))
+        ddp = DistributedDataParallel(make(dtype, device, seed=5))
         ddp_losses, ddp_grads = _train(ddp, x[rows], r[rows], 3, local_scale)
         dist.all_reduce(ddp_losses)
         record.close(f"ddp/{shape_name}/losses", ddp_losses / world, losses, tolerance)
@@ -133,9 +149,9 @@ def check_data_parallel(record: Recorder, world: int, device, dtype, tolerance: 
         for policy_name, policy in policies.items():
             # bf16 parameters gathered from float32 masters (FSDP2 casts from the masters' dtype)
             masters = dtype if policy is None else torch.float32
-            sharded = _model(dtype, device, seed=5).to(masters)  # the same initial values as ``whole``
+            sharded = make(dtype, device, seed=5).to(masters)  # the same initial values as ``whole``
             options = {} if policy is None else {"mp_policy": policy}
-            for layer in sharded:
+            for layer in list(sharded.modules())[1:]:
                 if isinstance(layer, bsmm.torch.BlockSparseLinear):
                     fully_shard(layer, **options)
             fully_shard(sharded, **options)

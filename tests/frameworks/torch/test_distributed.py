@@ -83,7 +83,7 @@ def _judge(measured: dict, prefix: str) -> int:
     return checked
 
 
-@pytest.mark.parametrize("shape", ["2d", "3d"])
+@pytest.mark.parametrize("shape", ["2d", "3d", "mlp"])
 def test_ddp_matches_one_process(measured, shape):
     """DistributedDataParallel, a share of the batch a rank: the losses of 3 SGD steps, the first gradients
     of every parameter and the trained parameters equal one process's on the whole batch."""
@@ -92,10 +92,11 @@ def test_ddp_matches_one_process(measured, shape):
 
 
 @pytest.mark.parametrize("policy", ["full", "bf16-params"])
-@pytest.mark.parametrize("shape", ["2d", "3d"])
+@pytest.mark.parametrize("shape", ["2d", "3d", "mlp"])
 def test_fsdp2_matches_one_process_without_warnings(measured, shape, policy):
     """fully_shard on each BlockSparseLinear and the model: the same as one process (bf16 parameters within
-    bf16's tolerance), and FSDP2 warns about nothing (an output of a layer is never a view)."""
+    bf16's tolerance), and FSDP2 warns about nothing (an output of a layer is never a view). ``mlp``: a
+    GLU BlockSparseMLP (as sparsify(fuse_mlp=True) makes) behind a layer."""
     _data_parallel_or_skip(measured)
     prefix = f"fsdp/{shape}/{policy}/"
     assert _judge(measured, prefix) == len(measured) * 9
