@@ -17,7 +17,6 @@ import json
 import statistics
 
 import cupy
-import numpy as np
 
 import bsmm
 from bsmm.backends.cuda.plan_cache import plans_of
