@@ -3,6 +3,8 @@ gives the forward's logits, the bench makes its rows, and the sparse copies' MLP
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 
 torch = pytest.importorskip("torch", reason="PyTorch is not installed")
@@ -83,3 +85,21 @@ def test_the_sparsified_decoder_compiles_whole_without_recompiles():
         for eager, graph in zip(*results):
             assert torch.allclose(graph, eager, rtol=1e-4, atol=1e-6)
     assert counters["stats"]["unique_graphs"] == 1
+
+
+def test_at_density_one_the_sparsified_decoder_is_the_dense_one():
+    """Every nn.Linear made block-sparse (the MLPs fused) at density 1: logits, the input embedding's and
+    the attention's gradients equal the dense model's to float32 rounding."""
+    torch.manual_seed(2)
+    dense = Decoder(TINY)
+    tokens = torch.randint(TINY.vocab, (TINY.batch, 9))
+    sparse = bt.sparsify(copy.deepcopy(dense), 1.0, 32, fuse_mlp=True)
+    assert isinstance(sparse.blocks[0].mlp, bt.BlockSparseMLP)
+    assert isinstance(sparse.blocks[0].attention.q_proj, bt.BlockSparseLinear)  # (the 50-word head stays dense)
+    grads = []
+    for model in (dense, sparse):
+        logits = model(tokens[:, :-1])
+        torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).backward()
+        grads.append([logits.detach(), model.embed.weight.grad, model.blocks[1].attention_norm.weight.grad])
+    for a, b in zip(*grads):
+        assert torch.allclose(b, a, rtol=1e-4, atol=1e-6)

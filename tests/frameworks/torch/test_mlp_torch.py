@@ -16,7 +16,7 @@ import torch_cases  # noqa: E402
 
 device = torch_cases.device  # the fixture (tests take it by name)
 
-DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16}
+DTYPES = {"float64": torch.float64, "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 _C = np.sqrt(2 / np.pi)
 
 
@@ -72,7 +72,7 @@ def reference(mlp, x: np.ndarray, dy: np.ndarray) -> dict:
     return {"y": y, "dx": dz @ w_up.T, "dw_up": x.T @ dz, "dw_down": dw_down}
 
 
-@pytest.mark.parametrize("dtype", ["float64", "float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float64", "float32", "float16", "bfloat16"])
 @pytest.mark.parametrize("gated,activation,bias", [(True, "silu", False), (True, "gelu_tanh", True),
                                                    (False, "relu", True), (False, "silu", False)])
 def test_the_block_matches_the_float64_reference(device, dtype, gated, activation, bias):
