@@ -152,13 +152,15 @@ def _activation_grad(activation: str, grad: torch.Tensor, saved: torch.Tensor) -
     return torch.ops.aten.gelu_backward(grad, saved, approximate="tanh" if activation == "gelu_tanh" else "none")
 
 
-#: The activations as differentiable PyTorch functions (create_graph backwards).
-_TORCH_ACTIVATIONS = {
+#: bsmm's activation names (but "none") -> PyTorch's function.
+TORCH_ACTIVATIONS = {
     "relu": torch.nn.functional.relu,
     "gelu": lambda z: torch.nn.functional.gelu(z, approximate="none"),
     "gelu_tanh": lambda z: torch.nn.functional.gelu(z, approximate="tanh"),
-    "silu": lambda z: z * torch.sigmoid(z),  # (aten::silu_backward has no derivative of its own)
+    "silu": torch.nn.functional.silu,
 }
+#: The same, differentiable twice (create_graph backwards): aten::silu_backward has no derivative of its own.
+_TORCH_ACTIVATIONS = {**TORCH_ACTIVATIONS, "silu": lambda z: z * torch.sigmoid(z)}
 
 
 def _differentiable_activation_grad(ctx, grad, x, w, bias) -> torch.Tensor:

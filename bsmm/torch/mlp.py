@@ -14,23 +14,14 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from bsmm.block_index import check_block_size
 from bsmm.epilogues import ACTIVATIONS, check_activation
 from bsmm.layouts import random_layout
+from bsmm.torch.eager import TORCH_ACTIVATIONS
 from bsmm.torch.layers import BlockSparseLinear, largest_blocks, present_blocks
 
 __all__ = ["BlockSparseMLP", "activation_of"]
-
-#: bsmm's activation names -> PyTorch's function (the gated path's element-wise A).
-TORCH_ACTIVATIONS = {
-    "relu": F.relu,
-    "gelu": F.gelu,
-    "gelu_tanh": lambda z: F.gelu(z, approximate="tanh"),
-    "silu": F.silu,
-}
-
 
 def activation_of(module_or_function) -> str | None:
     """The name of :data:`bsmm.epilogues.ACTIVATIONS` that ``module_or_function`` computes (``nn.SiLU``,
@@ -154,9 +145,9 @@ class BlockSparseMLP(torch.nn.Module):
         """The block of dense ``nn.Linear`` projections (gate_proj None: ungated), with the blocks of
         largest norm of each kept at ``density`` (or ``layouts``), their values copied.
 
-        ``activation``: a name of :data:`TORCH_ACTIVATIONS` or a module or function computing one
-        (:func:`activation_of`). At density 1 the block computes what the modules compute, up to the
-        rounding of another order of summation.
+        ``activation``: a name of :data:`bsmm.torch.eager.TORCH_ACTIVATIONS` or a module or function
+        computing one (:func:`activation_of`). At density 1 the block computes what the modules compute,
+        up to the rounding of another order of summation.
 
         Examples
         --------

@@ -20,7 +20,7 @@ import torch
 from bsmm.config import warn
 from bsmm.layouts import random_layout
 from bsmm.torch.layers import BlockSparseLinear
-from bsmm.torch.mlp import TORCH_ACTIVATIONS, BlockSparseMLP, activation_of
+from bsmm.torch.mlp import BlockSparseMLP, activation_of
 
 __all__ = ["SparsifyReport", "sparsify"]
 
@@ -105,15 +105,15 @@ def _glu_block(name: str, module, block_size: int, include, exclude) -> tuple[st
     activation = activation_of(module.act_fn)
     if activation is None:
         return None, f"act_fn {type(module.act_fn).__name__} is none of bsmm's activations"
-    if not _computes_glu(module, activation):
+    if not _computes_glu(module):
         return None, "its forward is not down_proj(act_fn(gate_proj(x)) * up_proj(x))"
     return activation, ""
 
 
-def _computes_glu(module, activation: str) -> bool:
-    """Whether ``module(x)`` is ``down_proj(A(gate_proj(x)) * up_proj(x))``, on a probe input in eval mode:
-    what reaches ``down_proj`` (caught by a hook) must be the product, computed by the same operators
-    (bit for bit, whatever down_proj's weights), and the module's output ``down_proj``'s, unchanged."""
+def _computes_glu(module) -> bool:
+    """Whether ``module(x)`` is ``down_proj(act_fn(gate_proj(x)) * up_proj(x))``, on a probe input in eval
+    mode: what reaches ``down_proj`` (caught by a hook) must be that product, computed by the module's own
+    operators (equal whatever down_proj's weights), and the module's output ``down_proj``'s, unchanged."""
     gate, up, down = (getattr(module, p) for p in GLU_PROJECTIONS)
     weight = gate.weight
     seen = []
@@ -125,7 +125,7 @@ def _computes_glu(module, activation: str) -> bool:
             generator = torch.Generator(weight.device).manual_seed(0)  # (the model's random streams left alone)
             x = torch.randn(2, gate.in_features, generator=generator, device=weight.device).to(weight.dtype)
             own = module(x)
-            product = TORCH_ACTIVATIONS[activation](gate(x)) * up(x)
+            product = module.act_fn(gate(x)) * up(x)
     except Exception:  # noqa: BLE001 - a forward that takes more than one tensor is not a plain MLP block
         return False
     finally:
