@@ -64,29 +64,6 @@ def test_the_config_is_checked():
         DecoderConfig(sequence=16, prompt=32)
 
 
-def test_the_sparsified_decoder_compiles_whole_without_recompiles():
-    """torch.compile(fullgraph=True) of the MLP-sparse decoder: one graph over three training steps, the
-    same loss and gradients as eager."""
-    torch.manual_seed(1)
-    model = bt.sparsify(Decoder(TINY), 0.5, 32, include="*mlp*", fuse_mlp=True)
-    batches = [torch.randint(TINY.vocab, (TINY.batch, 9)) for _ in range(3)]
-    torch._dynamo.reset()
-    counters = torch._dynamo.utils.counters
-    counters.clear()
-    compiled = torch.compile(model, fullgraph=True)
-    for tokens in batches:
-        results = []
-        for run in (model, compiled):
-            model.zero_grad()
-            loss = torch.nn.functional.cross_entropy(run(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
-            loss.backward()
-            results.append([loss.detach(), model.blocks[0].mlp.up.weight.grad.clone(),
-                            model.blocks[1].attention.q_proj.weight.grad.clone()])
-        for eager, graph in zip(*results):
-            assert torch.allclose(graph, eager, rtol=1e-4, atol=1e-6)
-    assert counters["stats"]["unique_graphs"] == 1
-
-
 def test_at_density_one_the_sparsified_decoder_is_the_dense_one():
     """Every nn.Linear made block-sparse (the MLPs fused) at density 1: logits, the input embedding's and
     the attention's gradients equal the dense model's to float32 rounding."""

@@ -28,7 +28,7 @@ from reference import (  # noqa: E402
     dense_to_present_blocks, dense_weight, random_layout, rel_error, skewed_layout, tolerance,
 )
 import torch_cases  # noqa: E402
-from torch_cases import cuda_or_skip  # noqa: E402
+from torch_cases import cuda_or_skip, eager_and_compiled  # noqa: E402
 
 device = torch_cases.device  # the fixture (tests take it by name)
 
@@ -376,25 +376,20 @@ def compiled_against_eager(device, dtype=torch.float32):
         output, (h_n, c_n) = lstm(x, (torch.zeros_like(c0), c0))
         return head(torch.relu(output)).square().sum() + c_n.sum()
 
-    torch._dynamo.reset()
-    counters = torch._dynamo.utils.counters
-    counters.clear()
-    results = []
-    for function in (loss, torch.compile(loss, fullgraph=True)):
-        results.append([])
-        for x in xs:
-            lstm.zero_grad()
-            x.grad = c0.grad = None
-            value = function(x)
-            value.backward()
-            results[-1].append([value.detach(), x.grad, c0.grad, *(p.grad.clone() for p in lstm.parameters())])
-    return results, counters["stats"]["unique_graphs"]
+    def step(run, x):
+        lstm.zero_grad()
+        x.grad = c0.grad = None
+        value = run(x)
+        value.backward()
+        return [value.detach(), x.grad, c0.grad, *(p.grad.clone() for p in lstm.parameters())]
+
+    return eager_and_compiled(loss, xs, step)
 
 
 def test_torch_compile_traces_the_sequence_without_a_graph_break():
-    results, graphs = compiled_against_eager("cpu")
+    pairs, graphs = compiled_against_eager("cpu")
     assert graphs == 1  # one graph for three calls: no recompile
-    for eager, compiled in zip(*results):
+    for eager, compiled in pairs:
         for a, b in zip(eager, compiled):
             assert rel_error(host(b), host(a)) <= 1e-6
 
@@ -756,9 +751,9 @@ def test_inside_a_user_cuda_graph_the_loops_are_captured_as_launches():
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_torch_compile_on_cuda_traces_the_sequence_without_a_graph_break(dtype):
     cuda_or_skip()
-    results, graphs = compiled_against_eager("cuda", TORCH_DTYPES[dtype])
+    pairs, graphs = compiled_against_eager("cuda", TORCH_DTYPES[dtype])
     assert graphs == 1
-    for eager, compiled in zip(*results):
+    for eager, compiled in pairs:
         for a, b in zip(eager, compiled):
             assert rel_error(host(b), host(a)) <= (1e-6 if dtype == "float32" else 2e-2)
 

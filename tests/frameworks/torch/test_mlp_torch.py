@@ -13,6 +13,8 @@ import bsmm.torch as bt  # noqa: E402
 from bsmm.torch.mlp import activation_of  # noqa: E402
 from reference import dense_weight, rel_error, tolerance  # noqa: E402
 import torch_cases  # noqa: E402
+from bsmm.cli.transformer_bench import Decoder as BenchDecoder, DecoderConfig  # noqa: E402
+from torch_cases import eager_and_compiled  # noqa: E402
 
 device = torch_cases.device  # the fixture (tests take it by name)
 
@@ -144,22 +146,42 @@ def test_from_modules_computes_what_the_modules_compute():
 def test_torch_compile_traces_the_block_without_a_graph_break():
     torch.manual_seed(5)
     mlp = bt.BlockSparseMLP(32, 64, density=0.5, block_size=16, seed=1)
-    xs = [torch.randn(4, 32, requires_grad=True) for _ in range(3)]
-    torch._dynamo.reset()
-    counters = torch._dynamo.utils.counters
-    counters.clear()
-    compiled = torch.compile(mlp, fullgraph=True)
-    for x in xs:
-        outputs = []
-        for run in (mlp, compiled):
-            mlp.zero_grad()
-            x.grad = None
-            y = run(x)
-            y.square().sum().backward()
-            outputs.append([y.detach(), x.grad, mlp.up.weight.grad.clone(), mlp.down.weight.grad.clone()])
-        for a, b in zip(*outputs):
+
+    def step(run, x):
+        mlp.zero_grad()
+        x.grad = None
+        y = run(x)
+        y.square().sum().backward()
+        return [y.detach(), x.grad, mlp.up.weight.grad.clone(), mlp.down.weight.grad.clone()]
+
+    pairs, graphs = eager_and_compiled(mlp, [torch.randn(4, 32, requires_grad=True) for _ in range(3)], step)
+    for eager, compiled in pairs:
+        for a, b in zip(eager, compiled):
             assert rel_error(host(b), host(a)) <= 1e-6
-    assert counters["stats"]["unique_graphs"] == 1
+    assert graphs == 1
+
+
+def test_a_sparsified_decoder_compiles_whole_without_recompiles():
+    """torch.compile(fullgraph=True) of the benchmark's decoder with its MLPs made BlockSparseMLP: one graph
+    over three training steps, the same loss and gradients as eager."""
+    config = DecoderConfig(d_model=64, d_hidden=128, layers=2, heads=4, vocab=50, batch=2, sequence=12, prompt=4,
+                           new_tokens=4)
+    torch.manual_seed(1)
+    model = bt.sparsify(BenchDecoder(config), 0.5, 32, include="*mlp*", fuse_mlp=True)
+
+    def step(run, tokens):
+        model.zero_grad()
+        loss = torch.nn.functional.cross_entropy(run(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
+        loss.backward()
+        return [loss.detach(), model.blocks[0].mlp.up.weight.grad.clone(),
+                model.blocks[1].attention.q_proj.weight.grad.clone()]
+
+    pairs, graphs = eager_and_compiled(model, [torch.randint(config.vocab, (config.batch, 9)) for _ in range(3)],
+                                       step)
+    for eager, compiled in pairs:
+        for a, b in zip(eager, compiled):
+            assert torch.allclose(b, a, rtol=1e-4, atol=1e-6)
+    assert graphs == 1
 
 
 def test_activation_of_and_errors():

@@ -25,3 +25,15 @@ def cuda_or_skip() -> str:
 def device(request) -> str:
     """The torch device a test runs on: ``"cpu"``, then ``"cuda"`` (marker ``gpu``)."""
     return "cpu" if request.param == "cpu" else cuda_or_skip()
+
+
+def eager_and_compiled(function, inputs, step) -> tuple[list, int]:
+    """``step(run, x)`` (a training step's results: losses, gradients) for each input, run eagerly and
+    through ``torch.compile(function, fullgraph=True)``; returns the pairs [eager, compiled] and the graphs
+    Dynamo made (1: no graph break and no recompile over the inputs)."""
+    torch._dynamo.reset()
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    compiled = torch.compile(function, fullgraph=True)
+    pairs = [[step(run, x) for run in (function, compiled)] for x in inputs]
+    return pairs, counters["stats"]["unique_graphs"]
