@@ -24,7 +24,8 @@ import sys
 import time
 
 
-
+# Its own timing loops, not bsmm.cli.framework_bench's: the probe runs on the trees of earlier commits too
+# (gpu_check.sh callpath with BEFORE=), whose benches name and shape them otherwise.
 def _events_ms(fn, steps, rounds, sync):
     import torch
 

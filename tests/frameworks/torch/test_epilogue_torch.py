@@ -81,29 +81,34 @@ def dense_reference(layer, x, activation):
 
 
 # -- 1. the layer against the dense model --------------------------------------------------------------------
-@pytest.mark.parametrize("ndim", [2, 3])
-@pytest.mark.parametrize("axis", [1, 0])
-@pytest.mark.parametrize("bias", [True, False])
-@pytest.mark.parametrize("activation", ACTIVATIONS)
+def layer_cases(test):
+    """Every activation, with and without a bias, both feature axes, 2-D and 3-D inputs."""
+    for name, values in (("ndim", [2, 3]), ("axis", [1, 0]), ("bias", [True, False]), ("activation", ACTIVATIONS)):
+        test = pytest.mark.parametrize(name, values)(test)
+    return test
+
+
+def layer_and_input(activation, bias, axis, ndim, dtype, device):
+    """A layer of the case and a float64-drawn input of its batch shape in ``dtype``."""
+    layer = make_layer(activation, bias, axis, dtype, device)
+    return layer, torch.randn(batch_shape(layer.in_features, axis, ndim), dtype=torch.float64).to(device, dtype)
+
+
+@layer_cases
 def test_forward_matches_dense(device, activation, bias, axis, ndim):
     """A(x·W + b) against F.<act> of the dense product, 2-D and 3-D, both feature axes, each dtype."""
     for dtype in DTYPES[device]:
-        layer = make_layer(activation, bias, axis, dtype, device)
-        x = torch.randn(batch_shape(layer.in_features, axis, ndim), dtype=torch.float64).to(device, dtype)
+        layer, x = layer_and_input(activation, bias, axis, ndim, dtype, device)
         y = layer(x)
         assert y.shape == batch_shape(layer.out_features, axis, ndim) and y.dtype == dtype
         assert_close(host(y), host(dense_reference(layer, x, activation)[2]), str(dtype)[6:], f"y ({dtype})")
 
 
-@pytest.mark.parametrize("ndim", [2, 3])
-@pytest.mark.parametrize("axis", [1, 0])
-@pytest.mark.parametrize("bias", [True, False])
-@pytest.mark.parametrize("activation", ACTIVATIONS)
+@layer_cases
 def test_gradients_match_dense(device, activation, bias, axis, ndim):
     """dx, dW (the dense model's cut to the present blocks) and dbias of backward(g), random g."""
     for dtype in DTYPES[device]:
-        layer = make_layer(activation, bias, axis, dtype, device)
-        x = torch.randn(batch_shape(layer.in_features, axis, ndim), dtype=torch.float64).to(device, dtype)
+        layer, x = layer_and_input(activation, bias, axis, ndim, dtype, device)
         x.requires_grad_()
         y = layer(x)
         g = torch.randn(y.shape, dtype=torch.float64).to(device, dtype)
