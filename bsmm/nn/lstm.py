@@ -221,11 +221,11 @@ class BlocksparseLSTM:
         gates = xp.empty((steps, n, 4 * hidden), dtype=self.master_dtype)
         fused = _fused_cell(xp, self.dtype)
         if fused is not None:
-            b = xp.ascontiguousarray(b)
+            b, stream = xp.ascontiguousarray(b), _stream(xp)
         for t in range(steps):
             self.recurrent_op.fprop(h_compute[t], wh, out=z[t], accumulate=True)
             if fused is not None:  # one launch: gates, c, and h in both dtypes
-                fused.cell_forward(_stream(xp), self.dtype.name, n, hidden, z[t].data.ptr, 0, b.data.ptr,
+                fused.cell_forward(stream, self.dtype.name, n, hidden, z[t].data.ptr, 0, b.data.ptr,
                                    c[t].data.ptr, gates[t].data.ptr, c[t + 1].data.ptr,
                                    0 if h_compute is h else h_compute[t + 1].data.ptr, h[t + 1].data.ptr)
                 continue

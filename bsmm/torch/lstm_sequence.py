@@ -273,8 +273,7 @@ class Sequence(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, h0, c0, weight_ih, weight_hh, bias, plan):
-        buffers, token = None, torch.empty(0)
-        call = None
+        buffers = call = None
         if x.is_cuda and plan.graphs is not None and not lstm_steps.capturing():
             with torch.cuda.device(x.device):
                 call = kept_store_call(plan.recurrent_op, "fprop", h0, weight_hh)
@@ -283,6 +282,7 @@ class Sequence(torch.autograd.Function):
                                                                        call)
         if call is None:
             out, cells, gates = forward_values(x, h0, c0, weight_ih, weight_hh, bias, plan)
+            token = torch.empty(0)  # (no set to hold: saved so that the saved tensors keep one layout)
         # The token is saved with the tensors: the set is the forward's until autograd frees them.
         ctx.plan, ctx.buffers = plan, buffers
         ctx.save_for_backward(x, h0, weight_ih, weight_hh, out, cells, gates, token)
