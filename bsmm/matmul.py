@@ -252,8 +252,8 @@ class BlocksparseMatMul:
         if x.__class__ is _gpu_array_type and (out is not None or not accumulate) and (
                 activation is None or activation.__class__ is str):  # a repeat: see FastCall
             # (only checked names are kept: any other string finds no call and takes the checked path)
-            name = "store" if activation is None and bias is None else "none" if activation is None else activation
-            call = self._gpu_calls.get(("fprop", x.shape, x.dtype, self.feature_axis, self.tf32, name))
+            call = self._gpu_calls.get(("fprop", x.shape, x.dtype, self.feature_axis, self.tf32,
+                                        epilogue_name(bias, activation)))
             result = call(x, w, out, accumulate, bias, pre) if call is not None else None
             if result is not None:
                 return result
@@ -336,8 +336,9 @@ class BlocksparseMatMul:
             raise ValueError(f"{argument} must have the output's shape {tuple(shape)}; got {tuple(array.shape)}")
         if array.dtype != dtype:
             raise TypeError(f"{argument} has dtype {array.dtype} but the activations have {dtype}; pass one dtype")
-        if not array.flags.c_contiguous:
-            raise _not_contiguous(operand, argument)
+        if not array.flags.c_contiguous:  # (an output: a contiguous copy would not receive what is written)
+            raise ValueError(f"{argument} must be C-contiguous; got strides {array.strides}; pass a C-contiguous "
+                             f"array to be written")
 
     def updat(self, x, dy, out=None, accumulate: bool = False):
         """dW = xᵀ·dy on the present blocks only.

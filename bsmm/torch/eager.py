@@ -201,7 +201,8 @@ class BiasAct(torch.autograd.Function):
         ctx.activation, ctx.feature_axis = activation, feature_axis
         _keep_registration(ctx, key)
         ctx.rows_shape = _rows_shape(out_shape, feature_axis) or tuple(y.shape)
-        saved = y if ACTIVATIONS[activation].reads == "output" else pre
+        # What A' reads: nothing for "none" (A' = 1: keeping y would hold an output-sized tensor through backward).
+        saved = None if activation == "none" else y if ACTIVATIONS[activation].reads == "output" else pre
         # x and w both: a backward that builds a graph (create_graph) recomputes z from them.
         ctx.save_for_backward(x, w, bias, saved)
 
@@ -214,7 +215,8 @@ class BiasAct(torch.autograd.Function):
         if torch.is_grad_enabled() and ctx.activation != "none":
             dz = _differentiable_activation_grad(ctx, grad, x, w, bias)
         else:  # the kept z (or y) is a constant here: the first derivative needs no more
-            dz = _activation_grad(ctx.activation, grad, saved.reshape(ctx.rows_shape)).contiguous()
+            dz = grad if saved is None else \
+                _activation_grad(ctx.activation, grad, saved.reshape(ctx.rows_shape)).contiguous()
         dx, dw = _cotangents(ctx, "fprop", dz, (x, w))
         dbias = None
         if ctx.needs_input_grad[2]:

@@ -532,11 +532,17 @@ def load_layouts(model: torch.nn.Module, state_dict) -> torch.nn.Module:
         for new, old in zip(layer.parameters(), module.parameters()):
             new.requires_grad_(old.requires_grad)
         replacements.append((name, layer))
-    for name, layer in replacements:  # after the walk: named_modules must not see a changing tree
+    return replace_modules(model, replacements)  # after the walk: named_modules must not see a changing tree
+
+
+def replace_modules(model: torch.nn.Module, replacements) -> torch.nn.Module:
+    """``model`` with the submodule named by each ``(name, module)`` of ``replacements`` set to ``module``;
+    the name ``""`` is the model itself, whose replacement is returned instead."""
+    for name, module in replacements:
         if not name:
-            return layer
+            return module
         parent, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent), child, layer)
+        setattr(model.get_submodule(parent), child, module)
     return model
 
 

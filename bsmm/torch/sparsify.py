@@ -19,7 +19,7 @@ import torch
 
 from bsmm.config import warn
 from bsmm.layouts import random_layout
-from bsmm.torch.layers import BlockSparseLinear
+from bsmm.torch.layers import BlockSparseLinear, replace_modules
 from bsmm.torch.mlp import BlockSparseMLP, activation_of
 
 __all__ = ["SparsifyReport", "sparsify"]
@@ -243,12 +243,7 @@ def sparsify(model: torch.nn.Module, density: float, block_size: int = 32, *, in
             feature_axis=feature_axis, tf32=tf32)
         replacements[name].train(module.training)
         report.replaced.append(name)
-    for name, layer in replacements.items():
-        if not name:
-            model = layer
-            continue
-        parent_name, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent_name), child, layer)
+    model = replace_modules(model, replacements.items())
     _log.info("%s", report)
     sized = {name: why for name, why in report.skipped.items() if "block_size" in why}
     if sized and not return_report:
