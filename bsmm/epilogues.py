@@ -112,10 +112,11 @@ def check_activation(activation) -> str | None:
 
 def epilogue_name(bias, activation: str | None) -> str:
     """The epilogue a call takes: ``"store"`` without bias or activation, else BiasAct of the
-    activation (``"none"``: the bias alone)."""
-    if activation is None and bias is None:
-        return "store"
-    return activation or "none"
+    activation (``"none"``: the bias alone). Any other string is returned as it is, so that the
+    repeat path's lookup of an unchecked name (``""`` included) finds no call and the checked path refuses it."""
+    if activation is None:
+        return "store" if bias is None else "none"
+    return activation
 
 
 @dataclasses.dataclass(frozen=True)

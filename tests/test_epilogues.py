@@ -16,7 +16,7 @@ from scipy.special import erf
 
 import bsmm
 from bsmm.dtypes import ELEMENT_TYPES
-from bsmm.epilogues import ACTIVATIONS, activation_grad
+from bsmm.epilogues import ACTIVATIONS, activation_grad, epilogue_name
 from conftest import poisoned, snapshot, to_numpy, to_xp
 from reference import DTYPES, as_float64, assert_close, random_data, random_layout, ref_fprop, skewed_layout
 
@@ -169,6 +169,16 @@ def test_accumulate_adds_out_before_the_activation(xp, dtype, feature_axis, layo
 
 
 # -- 3. activation_grad ---------------------------------------------------------------------------------
+def test_epilogue_name_keeps_unchecked_names_apart():
+    """The repeat path looks its kept calls up by this name before any check: a name that is not an
+    activation (the empty string among them) must not alias "none", or a GPU repeat would skip the refusal."""
+    assert epilogue_name(None, None) == "store"
+    assert epilogue_name(np.zeros(2), None) == "none"
+    assert epilogue_name(None, "relu") == "relu"
+    assert epilogue_name(np.zeros(2), "") == ""
+    assert epilogue_name(None, "") == ""
+
+
 def test_formula_derivatives_match_finite_differences():
     """The reference derivatives of this file are those of its formulas (central differences)."""
     z = np.random.default_rng(3).standard_normal(1000) * 3
