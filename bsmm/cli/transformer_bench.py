@@ -13,8 +13,10 @@ allows (multiply-adds for training and prefill, :func:`flops_ratio`; weight byte
 - ``train eager`` and ``train compiled``: forward, cross-entropy over the vocabulary, backward and
   an AdamW step, on ``batch × sequence`` tokens (compiled: ``torch.compile`` of the model);
 - ``prefill``: the forward under ``torch.no_grad`` over ``batch × sequence`` tokens;
-- ``decode graphs``: greedy decoding of ``new_tokens`` tokens a sequence after a prompt, with a static
-  KV cache and each token's forward replayed from a CUDA graph captured once.
+- ``decode eager``, ``decode graphs``, ``decode compiled graphs``: greedy decoding of ``new_tokens``
+  tokens a sequence after a prompt, with a static KV cache; each token's forward called eagerly,
+  replayed from a CUDA graph captured once, or compiled (``fullgraph``) and then replayed from a graph
+  (what ``torch.compile(mode="reduce-overhead")`` gives a static-cache decoder).
 
 GPU time by CUDA events around whole runs, warm-up first, the median of ``repeats`` runs.
 """
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import time
 from typing import Callable
 
@@ -170,12 +173,16 @@ class Decoder(torch.nn.Module):
         return self.head(self.norm(x))
 
 
+#: The decode rows: each token's forward eagerly, replayed from a CUDA graph, and compiled then replayed.
+DECODE_MEASURES = ("decode eager", "decode graphs", "decode compiled graphs")
+
+
 @dataclasses.dataclass
 class TransformerRow:
     """One model and measure: tokens a second of the model, of the dense one, and the speed-up."""
 
     model: str  # "dense" or "bsmm 10 %, block 128"
-    measure: str  # "train eager", "train compiled", "prefill", "decode graphs"
+    measure: str  # "train eager", "train compiled", "prefill", or one of DECODE_MEASURES
     tokens_per_s: float
     dense_tokens_per_s: float
     allowed: float  # the speed-up the work allows: multiply-adds (train, prefill) or weight bytes (decode)
@@ -223,14 +230,25 @@ def _measures(model: Decoder, config: DecoderConfig, device, graphs: bool, compi
             model(tokens[:, :-1])
 
     times["prefill"] = _timed(prefill, repeats, synchronize, event)
+    decode = functools.partial(_decode_time, model, config=config, tokens=tokens, repeats=repeats,
+                               synchronize=synchronize, event=event)
+    times["decode eager"] = decode(model.step, graphed=False)
     if graphs and cuda:
-        times["decode graphs"] = _decode_time(model, config, tokens, repeats, synchronize, event)
+        times["decode graphs"] = decode(model.step, graphed=True)
+        if compiled:
+            # What torch.compile(mode="reduce-overhead") does for a static cache: the compiled step (its
+            # element-wise work fused) replayed from one CUDA graph; captured here, as the caches are
+            # inputs the step writes, which Inductor's own graphs would not take.
+            torch._dynamo.reset()
+            times["decode compiled graphs"] = decode(torch.compile(model.step, fullgraph=True), graphed=True)
     return times
 
 
-def _decode_time(model: Decoder, config: DecoderConfig, tokens, repeats: int, synchronize, event) -> float:
+def _decode_time(model: Decoder, step_function, config: DecoderConfig, tokens, repeats: int, synchronize, event,
+                 graphed: bool) -> float:
     """Seconds of greedy decoding of ``new_tokens`` tokens after a prompt already in the static KV cache,
-    each token's forward a replay of one CUDA graph (the prompt went in through the same graph)."""
+    each token's forward ``step_function`` (``model.step`` or its compiled form) called eagerly or, with
+    ``graphed``, replayed from one CUDA graph captured once (the prompt went in through the same call)."""
     length = config.prompt + config.new_tokens
     caches = model.caches(config.batch, length)
     token = tokens[:, :1].clone()
@@ -238,13 +256,20 @@ def _decode_time(model: Decoder, config: DecoderConfig, tokens, repeats: int, sy
 
     def step():
         with torch.no_grad():
-            return model.step(token, position, caches)
+            return step_function(token, position, caches)
 
-    graph_replay, logits = capture_graph(torch, step)
+    if graphed:
+        forward, logits = capture_graph(torch, step)
+    else:
+        logits = None
 
     def advance(p: int):
+        nonlocal logits
         position.fill_(p)
-        graph_replay()
+        if graphed:
+            forward()
+        else:
+            logits = step()
         token.copy_(tokens[:, p + 1:p + 2] if p + 1 < config.prompt else logits[:, -1].argmax(-1, keepdim=True))
 
     for p in range(config.prompt - 1):  # the prompt, once: generation rewrites the positions after it
@@ -283,8 +308,8 @@ def bench_transformer(config: DecoderConfig = DecoderConfig(), densities=(0.1, 0
     with torch.random.fork_rng([torch.device(device)] if torch.device(device).type == "cuda" else []):
         torch.manual_seed(0)  # the same decoder each run; the caller's random streams left as they were
         dense = Decoder(config).to(device=device, dtype=getattr(torch, dtype))
-    tokens = {m: config.batch * (config.new_tokens if m == "decode graphs" else config.sequence)
-              for m in ("train eager", "train compiled", "prefill", "decode graphs")}
+    tokens = {m: config.batch * (config.new_tokens if m in DECODE_MEASURES else config.sequence)
+              for m in ("train eager", "train compiled", "prefill", *DECODE_MEASURES)}
     dense_times = _measures(dense, config, device, graphs, compiled, repeats)
     rows = [TransformerRow("dense", m, tokens[m] / s, tokens[m] / s, 1.0) for m, s in dense_times.items()]
     dense_weights = sum(p.numel() for p in dense.parameters())
@@ -293,7 +318,7 @@ def bench_transformer(config: DecoderConfig = DecoderConfig(), densities=(0.1, 0
             sparse = bsmm.torch.sparsify(copy.deepcopy(dense), density, block_size, include="*mlp*", fuse_mlp=True)
             name = f"bsmm {density:.0%}, block {block_size}"
             allowed = {m: flops_ratio(config, density) for m in tokens}
-            allowed["decode graphs"] = dense_weights / sum(p.numel() for p in sparse.parameters())
+            allowed.update(dict.fromkeys(DECODE_MEASURES, dense_weights / sum(p.numel() for p in sparse.parameters())))
             for measure, seconds in _measures(sparse, config, device, graphs, compiled, repeats).items():
                 rows.append(TransformerRow(name, measure, tokens[measure] / seconds,
                                            tokens[measure] / dense_times[measure], allowed[measure]))

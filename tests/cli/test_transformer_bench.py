@@ -31,13 +31,15 @@ def test_the_cached_step_gives_the_forward_s_logits():
 def test_the_bench_times_the_dense_and_the_sparse_models():
     rows = bench_transformer(TINY, densities=(0.5,), block_sizes=(32,), dtype="float32", device="cpu", graphs=False,
                              compiled=False, repeats=1)
-    assert [(r.model, r.measure) for r in rows] == [("dense", "train eager"), ("dense", "prefill"),
-                                                    ("bsmm 50%, block 32", "train eager"),
-                                                    ("bsmm 50%, block 32", "prefill")]
+    measures = ["train eager", "prefill", "decode eager"]
+    assert [(r.model, r.measure) for r in rows] == [(m, measure) for m in ("dense", "bsmm 50%, block 32")
+                                                    for measure in measures]
     assert all(r.tokens_per_s > 0 and r.dense_tokens_per_s > 0 for r in rows)
-    dense, sparse = rows[0], rows[2]
-    assert sparse.dense_tokens_per_s == dense.tokens_per_s and dense.allowed == 1.0
-    assert sparse.allowed == pytest.approx(flops_ratio(TINY, 0.5))
+    dense, sparse = rows[:3], rows[3:]
+    assert [s.dense_tokens_per_s for s in sparse] == [d.tokens_per_s for d in dense]
+    assert all(d.allowed == 1.0 for d in dense)
+    assert sparse[0].allowed == sparse[1].allowed == pytest.approx(flops_ratio(TINY, 0.5))
+    assert 1.0 < sparse[2].allowed < 2.0  # weight bytes: the MLPs at half, attention, embedding and head whole
 
 
 def test_sparsify_makes_every_mlp_one_block_and_leaves_attention_dense():

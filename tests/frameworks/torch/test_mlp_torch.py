@@ -184,6 +184,34 @@ def test_a_sparsified_decoder_compiles_whole_without_recompiles():
     assert graphs == 1
 
 
+def test_the_sparsified_decoder_s_cached_step_compiles_whole():
+    """The bench's "decode compiled graphs" row: torch.compile(step, fullgraph=True) of the sparsified
+    decoder writes its static caches as eager does and gives the same logits, in one graph over positions."""
+    config = DecoderConfig(d_model=64, d_hidden=128, layers=2, heads=4, vocab=50, batch=2, sequence=12, prompt=4,
+                           new_tokens=4)
+    torch.manual_seed(3)
+    model = bt.sparsify(BenchDecoder(config), 0.5, 32, include="*mlp*", fuse_mlp=True)
+    tokens = torch.randint(config.vocab, (config.batch, 6))
+    torch._dynamo.reset()
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    compiled = torch.compile(model.step, fullgraph=True)
+    results = []
+    for step in (model.step, compiled):
+        caches, position = model.caches(config.batch, 6), torch.zeros(1, dtype=torch.long)
+        with torch.no_grad():
+            logits = []
+            for p in range(6):
+                position.fill_(p)
+                logits.append(step(tokens[:, p:p + 1], position, caches).clone())
+        results.append((torch.cat(logits, 1), caches[1][0].clone()))
+    (eager_logits, eager_keys), (compiled_logits, compiled_keys) = results
+    assert eager_keys.abs().sum() > 0  # the cache was written
+    assert torch.allclose(compiled_logits, eager_logits, rtol=1e-4, atol=1e-5)
+    assert torch.allclose(compiled_keys, eager_keys, rtol=1e-4, atol=1e-5)
+    assert counters["stats"]["unique_graphs"] == 1
+
+
 def test_activation_of_and_errors():
     assert activation_of(torch.nn.SiLU()) == "silu" and activation_of(torch.nn.functional.gelu) == "gelu"
     assert activation_of(torch.nn.ReLU()) == "relu" and activation_of(torch.sigmoid) is None
