@@ -477,6 +477,15 @@ def test_two_calls_are_bitwise_equal(xp, dtype, feature_axis, monkeypatch):
         assert first.tobytes() == second.tobytes(), f"{pass_name} is not deterministic"
 
 
+def check_every_pass_repeats(xp, case: Case, dtype: str) -> None:
+    """Each pass of ``case`` matches the reference, and a second call repeats the first bitwise."""
+    for pass_name in PASSES:
+        args = device_inputs(xp, case, pass_name)
+        first = to_numpy(call(case.op, pass_name, args))
+        assert_close(first, reference(case, pass_name), dtype, pass_name)
+        assert first.tobytes() == to_numpy(call(case.op, pass_name, args)).tobytes()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("min_part_blocks", [None, 1], ids=["default", "shortest"])
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
@@ -498,14 +507,30 @@ def test_long_block_columns_cut_into_parts(xp, dtype, min_part_blocks):
     with planning(policy):
         for axis in (1, 0):
             case = make_case(rng, layout, 8, 37, dtype, axis)
-            for pass_name in PASSES:
-                args = device_inputs(xp, case, pass_name)
-                first = to_numpy(call(case.op, pass_name, args))
-                assert_close(first, reference(case, pass_name), dtype, pass_name)
-                assert first.tobytes() == to_numpy(call(case.op, pass_name, args)).tobytes()
+            check_every_pass_repeats(xp, case, dtype)
     plans = plans_under(policy, case.op.index)
     assert any(p.workspace_floats > 0 for key, p in plans.items() if key[0] in ("fprop", "bprop")), \
         "no column was cut into parts: the reduction path went untested"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_decode_passes_in_short_parts(xp, dtype):
+    """GPU: at up to few_rows rows (bsmm.toml) the columns of a decoder's down projection (8192 -> 2048,
+    block 128, ~10 %) are cut into parts of two blocks, which meet in the ordered reduction: each pass
+    at N 1, 8 and 16 matches the reference and repeats bitwise, and its plan has parts."""
+    if xp is np:
+        pytest.skip("the CPU backend has no parts")
+    policy = current_policy().replace()  # (plans of its own, not found made by another test)
+    rng = np.random.default_rng(16)
+    layout = random_layout(rng, 64, 16, 0.1)
+    layout[:8, :] = 1
+    with planning(policy):
+        for n in (1, 8, 16):
+            case = make_case(rng, layout, 128, n, dtype, 1)
+            check_every_pass_repeats(xp, case, dtype)
+            plans = plans_under(policy, case.op.index)
+            assert all(p.workspace_floats > 0 for key, p in plans.items() if key[0] in ("fprop", "bprop") and key[1] == n)
 
 
 @pytest.mark.gpu

@@ -3,7 +3,8 @@
 # test suite (each census path among them), the randomized sweep at users' shapes, the checks past
 # 2**31 elements, memcheck and initcheck over a sample of the census, and the benchmark. Full logs
 # go to $OUT; a short table is printed last.
-#   tools/gpu/gpu_check.sh [check|smoke|tests|bench|all|note|conv|race|models|tune|framework|multi|callpath|lstm] [bench args...]
+#   tools/gpu/gpu_check.sh [check|smoke|tests|bench|all|note|conv|race|models|tune|framework|multi|callpath|lstm|transformer]
+#   [bench args...]
 # check (the default): correctness, then sweep. correctness: compile, census, GPU tests, edges.
 # sweep: compile, the randomized sweep (SWEEP_CASES cases, default 2000, within SWEEP_BUDGET s, default 180), sanitizers (every
 # CENSUS_STRIDE-th census shape, default 25), the framework bench (torch, jax and cupy, S, D, F). (The device tool runs
@@ -23,6 +24,9 @@
 # lstm: the LSTM's GPU tests, `bsmm bench --model lstm` ($LSTM_BENCH_ARGS), tools/probes/profile_lstm.py, the LSTM
 # sweep (tools/gpu/lstm_sweep.py, $LSTM_SWEEP_BUDGET s; check and sweep run it too), with LSTM_SANITIZE=1 memcheck and
 # racecheck of the fused-cell and graph tests, and tools/probes/probe_streaming.py (NO_STREAM_PROBE=1 skips it).
+# transformer: the MLP block's and decoder's GPU tests, `bsmm bench --model transformer` ($TRANSFORMER_BENCH_ARGS),
+# tools/probes/profile_transformer.py (NO_TRANSFORMER_PROFILE=1 skips it) and the decode passes' probe
+# (tools/probes/probe_streaming.py --decode).
 # tune: `python -m bsmm tune` with the remaining arguments (e.g. --workload T --block-size 64
 # --dtype float16 --dry-run); its report, and the kept tiles in $BSMM_CACHE_DIR/tuned.toml.
 set -uo pipefail
@@ -40,7 +44,7 @@ summary=()
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv >"$OUT/gpu.txt" 2>&1
 python3 -c "import cupy, numpy, sys; print('python', sys.version.split()[0], 'cupy', cupy.__version__, 'numpy', numpy.__version__, 'nvrtc', cupy.cuda.nvrtc.getVersion())" | tee -a "$OUT/gpu.txt"
 
-if [[ $stage != framework && $stage != lstm ]]; then  # (these stages compile the few kernels they run on first use)
+if [[ $stage != framework && $stage != lstm && $stage != transformer ]]; then  # (these stages compile the few kernels they run on first use)
   t0=$(date +%s)
   python3 tools/ci/compile_kernels.py --arch sm_90a --jobs 16 --populate-cache --quiet >"$OUT/compile.log" 2>&1 || status=1
   echo "compile: $(tail -1 "$OUT/compile.log") [$(( $(date +%s) - t0 ))s]"
@@ -181,6 +185,26 @@ if [[ $stage == lstm ]]; then
     t0=$(date +%s)
     python3 tools/probes/probe_streaming.py --json "$OUT/streaming.json" >"$OUT/streaming.md" 2>&1 || status=1
     echo "streaming probe [$(( $(date +%s) - t0 ))s]:"; cat "$OUT/streaming.md"
+  fi
+fi
+if [[ $stage == transformer ]]; then
+  # Transformers (issue 37): the MLP block's and the decoder's GPU tests, the decoder bench, where its time goes.
+  t0=$(date +%s)
+  python3 -m pytest -q -m gpu tests/frameworks/torch/test_mlp_torch.py tests/cli/test_transformer_bench.py \
+    -p no:cacheprovider >"$OUT/pytest_transformer.log" 2>&1 || status=1
+  grep -E "^(FAILED|ERROR)" "$OUT/pytest_transformer.log" | head -20
+  echo "transformer gpu tests: $(tail -1 "$OUT/pytest_transformer.log") [$(( $(date +%s) - t0 ))s]"
+  t0=$(date +%s)
+  python3 -m bsmm bench --model transformer ${TRANSFORMER_BENCH_ARGS:---densities 10,25 --block-size 128,64} \
+    --json "$OUT/transformer.json" >"$OUT/transformer.md" 2>"$OUT/transformer.log" || status=1
+  echo "transformer bench [$(( $(date +%s) - t0 ))s]:"; cat "$OUT/transformer.md"; tail -3 "$OUT/transformer.log"
+  if [[ -z ${NO_TRANSFORMER_PROFILE:-} ]]; then
+    t0=$(date +%s)
+    python3 tools/probes/profile_transformer.py >"$OUT/profile_transformer.md" 2>"$OUT/profile_transformer.log" || status=1
+    echo "transformer profile [$(( $(date +%s) - t0 ))s]: profile_transformer.md"
+    python3 tools/probes/probe_streaming.py --decode --json "$OUT/decode_streaming.json" >"$OUT/decode_streaming.md" \
+      2>&1 || status=1
+    echo "decode passes: decode_streaming.md"
   fi
 fi
 if [[ $stage == callpath || $stage == check || $stage == sweep ]]; then

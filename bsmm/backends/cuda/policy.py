@@ -77,6 +77,7 @@ class GroupTile:
 #: The [kernels] settings a policy holds beside the launch tables: name -> how it is read.
 _THRESHOLDS = {
     "waves": int, "group_min_blocks_per_step": float, "min_part_blocks": int, "min_part_blocks_simt": int,
+    "min_part_blocks_few_rows": int, "few_rows": int,
     "band_rows": int, "band_block_sizes": frozenset, "band_min_weight_bytes": int, "updat_cut_gain": float,
     "updat_transpose": frozenset, "updat_transpose_max_bytes": int, "updat_transpose_min_rows": int,
     "act_transpose": frozenset, "act_transpose_min_rows": int, "act_transpose_max_bytes": int,
@@ -140,6 +141,8 @@ class Policy:
     group_min_blocks_per_step: float
     min_part_blocks: int
     min_part_blocks_simt: int
+    min_part_blocks_few_rows: int
+    few_rows: int
     band_rows: int
     band_block_sizes: frozenset
     band_min_weight_bytes: int

@@ -154,6 +154,29 @@ def test_updat_batch_parts_fill_idle_waves_only_where_that_pays():
     assert 120 <= parts(1, 132, 200) <= 132
 
 
+def test_decode_passes_cut_their_columns_into_short_parts():
+    """Passes of at most few_rows rows cut block columns into parts of min_part_blocks_few_rows blocks
+    (the decoder's down projection 8192 -> 2048 at block 128, 10 %: 16 columns of about 6 blocks would
+    be 16 thread blocks); more rows keep min_part_blocks, which such short columns never reach."""
+    layout = (np.random.default_rng(5).random((64, 16)) < 0.1).astype(np.uint8)
+    layout[:8, :] = 1  # every column at least 8 blocks long
+    index = bsmm.block_index(layout, 128)
+
+    def path(n, policy=POLICY, pass_name="fprop"):
+        return planner.path(index, pass_name, n, "bfloat16", 1, False, True, device_model(), policy)
+
+    def thread_blocks(n, policy=POLICY):
+        return planner.launch_layout(index, "fprop", n, "bfloat16", 1, False, True, device_model(), policy=policy).grid[0]
+
+    assert POLICY.few_rows == 16 and POLICY.min_part_blocks_few_rows == 2
+    for n in (1, 8, 16):
+        assert path(n).parts and path(n, pass_name="bprop").parts
+        assert thread_blocks(n) >= index.nnzb // 2
+    assert not path(17).parts and thread_blocks(17) == 16
+    assert not path(8, POLICY.replace(few_rows=4)).parts
+    assert thread_blocks(8, POLICY.replace(min_part_blocks_few_rows=4)) < thread_blocks(8)
+
+
 def test_fprop_bprop_bands_only_for_large_blocks_whose_weights_outgrow_the_l2():
     policy = POLICY.replace(band_rows=8, band_block_sizes=[64, 128], band_min_weight_bytes=2**20)
 
