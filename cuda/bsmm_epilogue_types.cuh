@@ -40,6 +40,26 @@ __device__ __forceinline__ float activate(float z) {
     }
 }
 
+// A'(z) in float32, the derivative of activate<A> at the pre-activation z (relu: 0 at z <= 0, as
+// PyTorch's threshold_backward gives).
+template <Act A>
+__device__ __forceinline__ float activate_grad(float z) {
+    if constexpr (A == Act::Relu) {
+        return z > 0.f ? 1.f : 0.f;
+    } else if constexpr (A == Act::Gelu) {
+        return 0.5f * (1.f + erff(z * 0.7071067811865476f)) + z * 0.3989422804014327f * expf(-0.5f * z * z);
+    } else if constexpr (A == Act::GeluTanh) {
+        const float u = 0.7978845608028654f * (z + 0.044715f * z * z * z);
+        const float t = tanhf(u);
+        return 0.5f * (1.f + t) + 0.5f * z * (1.f - t * t) * 0.7978845608028654f * (1.f + 0.134145f * z * z);
+    } else if constexpr (A == Act::Silu) {
+        const float s = 1.f / (1.f + expf(-z));
+        return s * (1.f + z * (1.f - s));
+    } else {
+        return 1.f;
+    }
+}
+
 // Today's store: the sums, added to what out holds where accumulate (in float, rounded once).
 struct Store {
     static constexpr bool PLAIN = true;

@@ -31,6 +31,7 @@ from bsmm.torch.functional import blocksparse_conv, blocksparse_matmul  # noqa: 
 from bsmm.torch.conversions import from_sparse_bsr, to_sparse_bsr
 from bsmm.torch.layers import BlockSparseConv1d, BlockSparseConv2d, BlockSparseConv3d, BlockSparseLinear, load_layouts
 from bsmm.torch.lstm import BlockSparseLSTM
+from bsmm.torch.gated_unit import gated_unit
 from bsmm.torch.mlp import BlockSparseMLP
 from bsmm.torch.distributed import ShardedBlockSparseLinear
 from bsmm.torch.normalization import l2_normalize
@@ -39,4 +40,5 @@ from bsmm.torch.sparsify import SparsifyReport, sparsify
 __all__ = ["BlockSparseConv1d", "BlockSparseConv2d", "BlockSparseConv3d", "BlockSparseLinear", "BlockSparseLSTM",
            "BlockSparseMLP", "ShardedBlockSparseLinear",
            "blocksparse_conv", "blocksparse_matmul", "register", "lookup",
-           "from_sparse_bsr", "to_sparse_bsr", "l2_normalize", "load_layouts", "sparsify", "SparsifyReport"]
+           "from_sparse_bsr", "to_sparse_bsr", "l2_normalize", "load_layouts", "sparsify", "SparsifyReport",
+           "gated_unit"]

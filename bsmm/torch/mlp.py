@@ -5,7 +5,8 @@ A GLU-family block (SwiGLU, GeGLU: Llama, Mistral, Qwen) computes ``down(A(gate(
 ``gate`` and ``up`` are one :class:`~bsmm.torch.BlockSparseLinear` whose layout is the two side by
 side, ``[gate | up]`` along its output features: one pass over ``x`` gives both halves, and the
 backward's two products of the pair are one bprop and one updat over that layout (autograd joins the
-halves' gradients). ``A(gate) * up`` is PyTorch's element-wise work, fused by ``torch.compile``. An
+halves' gradients). ``A(gate) * up`` is :func:`~bsmm.torch.gated_unit`: one kernel forward, and one
+backward that writes the ``[gate | up]`` gradient whole (no concatenation). An
 ungated block (GELU MLPs) is ``down(A(up(x)))`` with ``A`` and the bias in the up projection's kernel
 (:mod:`bsmm.epilogues`).
 """
@@ -19,6 +20,7 @@ from bsmm.block_index import check_block_size
 from bsmm.epilogues import ACTIVATIONS, check_activation
 from bsmm.layouts import random_layout
 from bsmm.torch.eager import TORCH_ACTIVATIONS
+from bsmm.torch.gated_unit import gated_unit
 from bsmm.torch.layers import BlockSparseLinear, largest_blocks, present_blocks
 
 __all__ = ["BlockSparseMLP", "activation_of"]
@@ -135,8 +137,7 @@ class BlockSparseMLP(torch.nn.Module):
         """x (..., d_model) -> (..., d_model)."""
         if not self.gated:
             return self.down(self.up(x))
-        gate, up = self.up(x).chunk(2, dim=-1)
-        return self.down(TORCH_ACTIVATIONS[self.activation](gate) * up)
+        return self.down(gated_unit(self.up(x), self.activation))
 
     @classmethod
     def from_modules(cls, gate_proj: torch.nn.Linear | None, up_proj: torch.nn.Linear, down_proj: torch.nn.Linear,

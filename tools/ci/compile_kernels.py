@@ -30,7 +30,7 @@ from bsmm.config import settings
 from bsmm.dtypes import SUPPORTED_DTYPES
 from bsmm.epilogues import EPILOGUES
 from bsmm.backends.cuda.kernels import (ARCH_ONLY_MODES, C_TYPES, GATHER_UNITS, BlockTransposeVariant, GatherVariant,
-                                        LstmCellVariant, TransposeVariant, Variant,
+                                        GatedUnitVariant, LstmCellVariant, TransposeVariant, Variant,
                           _cached_cubin, compile_variant, tiling_problem)
 from bsmm.backends.cuda.policy import current_policy
 from bsmm.backends.cuda.selection import math_mode
@@ -49,6 +49,8 @@ def all_variants() -> list[Variant | GatherVariant | TransposeVariant | BlockTra
     variants.add(TransposeVariant(4))  # (TF32 on Hopper)
     variants.update(LstmCellVariant(dtype, direction) for dtype in C_TYPES  # the LSTM's fused cell
                     for direction in LstmCellVariant.ARGS)
+    variants.update(GatedUnitVariant(dtype, activation, direction) for dtype in C_TYPES  # GLU MLPs' gated unit
+                    for activation in GatedUnitVariant.NAMES for direction in GatedUnitVariant.ARGS)
     block_sizes = settings()["limits"]["block_sizes"]
     # Every GPU dtype with tf32 off and on: math_mode maps both to what that dtype runs (tf32 only
     # changes float32's), and the set keeps each variant once.
@@ -122,7 +124,7 @@ def epilogue_variants(variants) -> set:
     return {dataclasses.replace(v, epilogue=name) for v in kinds.values() for name in EPILOGUES if name != "store"}
 
 
-AnyVariant = Variant | GatherVariant | TransposeVariant | BlockTransposeVariant | LstmCellVariant
+AnyVariant = Variant | GatherVariant | TransposeVariant | BlockTransposeVariant | LstmCellVariant | GatedUnitVariant
 
 #: What tells two kernels apart for the sample (:func:`describe`).
 FIELDS = ("kind", "pass", "block_size", "dtype", "tma", "streamed", "groups", "act_transposed", "feature_axis",

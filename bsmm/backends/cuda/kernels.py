@@ -34,10 +34,10 @@ from pathlib import Path
 from bsmm.config import CUDA_DIR, cache_dir
 from bsmm.dtypes import ELEMENT_TYPES
 from bsmm.backends.cuda.policy import Tile
-from bsmm.epilogues import EPILOGUES
+from bsmm.epilogues import ACTIVATIONS, EPILOGUES
 from bsmm.passes import PASSES
 
-__all__ = ["Variant", "tiling_problem", "static_shared_bytes", "GatherVariant", "TransposeVariant", "LstmCellVariant", "compile_variant", "load_kernel", "arch_for", "cuda_include_dirs", "compile_options", "variant_name"]
+__all__ = ["Variant", "tiling_problem", "static_shared_bytes", "GatherVariant", "TransposeVariant", "LstmCellVariant", "GatedUnitVariant", "compile_variant", "load_kernel", "arch_for", "cuda_include_dirs", "compile_options", "variant_name"]
 
 _log = logging.getLogger(__name__)
 
@@ -258,16 +258,22 @@ class BlockTransposeVariant:
         return f"bsmm::transpose_blocks<{self.block_size}>"
 
 
+class _ElementwiseVariant:
+    """What the element-wise kernels' variants share: no shared memory, no tile; ``direction``
+    "forward" or "backward", each with ``ARGS[direction]`` parameters of 8 bytes."""
+
+    math = "elementwise"
+    shared_bytes = 0
+
+
 @dataclasses.dataclass(frozen=True)
-class LstmCellVariant:
+class LstmCellVariant(_ElementwiseVariant):
     """``bsmm::lstm_cell_forward`` or ``lstm_cell_backward`` (``cuda/bsmm_lstm_cell.cu``): one LSTM
     step's element-wise math, reading and writing the passes' ``dtype`` (float32 inside)."""
 
     dtype: str
-    direction: str  # "forward" or "backward"
+    direction: str
     source_file = "bsmm_lstm_cell.cu"
-    math = "elementwise"
-    shared_bytes = 0
     threads = 128
     #: Parameters, 8 bytes each, of each direction.
     ARGS = {"forward": 9, "backward": 10}
@@ -285,6 +291,37 @@ class LstmCellVariant:
         'bsmm::lstm_cell_backward<__nv_bfloat16>'
         """
         return f"bsmm::lstm_cell_{self.direction}<{C_TYPES[self.dtype]}>"
+
+
+@dataclasses.dataclass(frozen=True)
+class GatedUnitVariant(_ElementwiseVariant):
+    """``bsmm::gated_unit_forward`` or ``gated_unit_backward`` (``cuda/bsmm_gated_unit.cu``): a GLU's
+    ``A(g)·u`` over a ``[gate | up]`` product and its backward, in ``dtype`` (float32 inside)."""
+
+    dtype: str
+    activation: str  # one of NAMES
+    direction: str
+    source_file = "bsmm_gated_unit.cu"
+    threads = 256
+    ARGS = {"forward": 3, "backward": 4}
+    #: The activations a gated unit takes.
+    NAMES = ("relu", "gelu", "gelu_tanh", "silu")
+
+    def __post_init__(self):
+        if self.dtype not in C_TYPES or self.direction not in self.ARGS or self.activation not in self.NAMES:
+            raise ValueError(f"GatedUnitVariant: dtype one of {sorted(C_TYPES)}, activation one of "
+                             f"{list(self.NAMES)} and direction 'forward' or 'backward'; got {self.dtype!r}, "
+                             f"{self.activation!r}, {self.direction!r}")
+
+    @property
+    def name_expression(self) -> str:
+        """The template instance NVRTC compiles:
+
+        >>> GatedUnitVariant("bfloat16", "silu", "forward").name_expression
+        'bsmm::gated_unit_forward<__nv_bfloat16, bsmm::Act::Silu>'
+        """
+        return (f"bsmm::gated_unit_{self.direction}<{C_TYPES[self.dtype]}, "
+                f"bsmm::Act::{ACTIVATIONS[self.activation].cuda}>")
 
 
 def variant_name(variant: Variant | GatherVariant | TransposeVariant | BlockTransposeVariant) -> str:

@@ -1,0 +1,127 @@
+"""``gated_unit(gate_up, activation)``: a GLU's ``A(g)·u`` over the ``[gate | up]`` product of
+:class:`~bsmm.torch.BlockSparseMLP`, one kernel forward and one backward on CUDA.
+
+Each row of ``gate_up`` holds the gate ``g`` then the up projection ``u`` (``hidden`` columns each).
+Forward writes ``h = A(g)·u``; backward writes ``d[gate | up] = [dh·u·A'(g) | dh·A(g)]`` in one pass,
+the gradient the ``[gate | up]`` product's bprop and updat read, where PyTorch's own operators would
+take about five passes and a concatenation (``cuda/bsmm_gated_unit.cu``). The two are the operators
+``bsmm::gated_unit`` and ``bsmm::gated_unit_backward``, so ``torch.compile`` traces them whole and
+CUDA graphs record them. Elsewhere (the CPU, float64, a strided or misaligned tensor) they compute
+the same with PyTorch's operators. A backward that builds a graph (``create_graph=True``) differentiates
+PyTorch's operators instead, so that the gradient is differentiable again.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from bsmm.torch.eager import _TORCH_ACTIVATIONS, TORCH_ACTIVATIONS
+
+__all__ = ["gated_unit", "GATED_ACTIVATIONS"]
+
+#: The activations ``gated_unit`` takes.
+GATED_ACTIVATIONS = tuple(TORCH_ACTIVATIONS)
+#: The dtypes the kernels take.
+_KERNEL_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+#: dz = d·A'(z) by PyTorch's own backward kernels (the fallback's backward).
+_ACTIVATION_GRADS = {
+    "relu": lambda d, z: torch.ops.aten.threshold_backward(d, z, 0),
+    "gelu": lambda d, z: torch.ops.aten.gelu_backward(d, z, approximate="none"),
+    "gelu_tanh": lambda d, z: torch.ops.aten.gelu_backward(d, z, approximate="tanh"),
+    "silu": lambda d, z: torch.ops.aten.silu_backward(d, z),
+}
+
+
+def _on_kernel(*tensors: torch.Tensor) -> bool:
+    """The kernels take these: CUDA, one kernel dtype, contiguous, 2-element aligned, hidden even."""
+    first = tensors[0]
+    return (first.is_cuda and first.dtype in _KERNEL_DTYPES and first.shape[-1] % 4 == 0
+            and all(t.dtype == first.dtype and t.is_contiguous() and t.data_ptr() % (2 * t.element_size()) == 0
+                    for t in tensors))
+
+
+def _stream(tensor: torch.Tensor) -> int:
+    return torch.cuda.current_stream(tensor.device).cuda_stream
+
+
+@torch.library.custom_op("bsmm::gated_unit", mutates_args=())
+def _gated_unit(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
+    hidden = gate_up.shape[-1] // 2
+    if not _on_kernel(gate_up):
+        gate, up = gate_up.split(hidden, dim=-1)
+        return TORCH_ACTIVATIONS[activation](gate) * up
+    from bsmm.backends.cuda.gated_unit import gated_forward  # lazily: CuPy is needed on CUDA only
+
+    h = gate_up.new_empty((*gate_up.shape[:-1], hidden))
+    with torch.cuda.device(gate_up.device):
+        gated_forward(_stream(gate_up), _KERNEL_DTYPES[gate_up.dtype], activation, gate_up.numel() // (2 * hidden),
+                      hidden, gate_up.data_ptr(), h.data_ptr())
+    return h
+
+
+@_gated_unit.register_fake
+def _gated_unit_fake(gate_up, activation):
+    return gate_up.new_empty((*gate_up.shape[:-1], gate_up.shape[-1] // 2))
+
+
+@torch.library.custom_op("bsmm::gated_unit_backward", mutates_args=())
+def _gated_unit_backward(dh: torch.Tensor, gate_up: torch.Tensor, activation: str) -> torch.Tensor:
+    hidden = gate_up.shape[-1] // 2
+    if not _on_kernel(gate_up, dh):
+        gate, up = gate_up.split(hidden, dim=-1)
+        return torch.cat([_ACTIVATION_GRADS[activation](dh * up, gate), dh * TORCH_ACTIVATIONS[activation](gate)],
+                         dim=-1)
+    from bsmm.backends.cuda.gated_unit import gated_backward  # lazily: CuPy is needed on CUDA only
+
+    d_gate_up = torch.empty_like(gate_up)
+    with torch.cuda.device(gate_up.device):
+        gated_backward(_stream(gate_up), _KERNEL_DTYPES[gate_up.dtype], activation, gate_up.numel() // (2 * hidden),
+                       hidden, dh.data_ptr(), gate_up.data_ptr(), d_gate_up.data_ptr())
+    return d_gate_up
+
+
+@_gated_unit_backward.register_fake
+def _gated_unit_backward_fake(dh, gate_up, activation):
+    return torch.empty_like(gate_up)
+
+
+def _setup_context(ctx, inputs, output):
+    gate_up, ctx.activation = inputs
+    ctx.save_for_backward(gate_up)
+
+
+def _backward(ctx, dh):
+    (gate_up,) = ctx.saved_tensors
+    if torch.is_grad_enabled():  # create_graph=True: a gradient that is itself differentiable
+        with torch.enable_grad():
+            gate, up = gate_up.split(gate_up.shape[-1] // 2, dim=-1)
+            h = _TORCH_ACTIVATIONS[ctx.activation](gate) * up
+        return torch.autograd.grad(h, gate_up, dh, create_graph=True)[0], None
+    return _gated_unit_backward(dh.contiguous(), gate_up, ctx.activation), None
+
+
+_gated_unit.register_autograd(_backward, setup_context=_setup_context)
+
+
+def gated_unit(gate_up: torch.Tensor, activation: str = "silu") -> torch.Tensor:
+    """``A(g)·u`` of a ``[gate | up]`` tensor (..., 2·hidden): (..., hidden), differentiable.
+
+    ``activation``: ``"silu"`` (SwiGLU), ``"gelu"`` or ``"gelu_tanh"`` (GeGLU) or ``"relu"``.
+
+    Examples
+    --------
+    >>> import torch
+    >>> gate_up = torch.randn(3, 8)
+    >>> h = gated_unit(gate_up, "silu")
+    >>> torch.allclose(h, torch.nn.functional.silu(gate_up[:, :4]) * gate_up[:, 4:])
+    True
+    """
+    if not isinstance(gate_up, torch.Tensor) or not gate_up.is_floating_point():
+        raise TypeError(f"gate_up must be a floating-point torch.Tensor; got {type(gate_up).__name__}"
+                        + (f" of {gate_up.dtype}" if isinstance(gate_up, torch.Tensor) else ""))
+    if gate_up.dim() == 0 or gate_up.shape[-1] % 2:
+        raise ValueError(f"gate_up's last dimension must hold the gate and the up halves (an even size); "
+                         f"got shape {tuple(gate_up.shape)}")
+    if activation not in GATED_ACTIVATIONS:
+        raise ValueError(f"activation must be one of {', '.join(map(repr, GATED_ACTIVATIONS))}; got {activation!r}")
+    return _gated_unit(gate_up, activation)
