@@ -21,7 +21,7 @@ import bsmm.torch
 from bsmm.cli.transformer_bench import Decoder, DecoderConfig
 
 #: Kernel groups, the first whose pattern the kernel's name matches (case-insensitive).
-GROUPS = (("bsmm passes", r"bsmm"), ("dense GEMM", r"gemm|nvjet|xmma|cutlass|sm90_|sm80_"),
+GROUPS = (("bsmm passes", r"bsmm_matmul"), ("bsmm gated unit", r"gated_unit"), ("dense GEMM", r"gemm|nvjet|xmma|cutlass|sm90_|sm80_"),
           ("attention", r"flash|fmha|attention|sdpa|efficient"), ("Inductor (fused)", r"triton"),
           ("optimizer", r"multi_tensor|foreach|adam"), ("reductions", r"reduce|softmax|nll|argmax"),
           ("element-wise and copies", r"elementwise|copy|cat|index|fill|memset|memcpy"))
