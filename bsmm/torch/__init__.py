@@ -31,7 +31,7 @@ from bsmm.torch.functional import blocksparse_conv, blocksparse_matmul  # noqa: 
 from bsmm.torch.conversions import from_sparse_bsr, to_sparse_bsr
 from bsmm.torch.layers import BlockSparseConv1d, BlockSparseConv2d, BlockSparseConv3d, BlockSparseLinear, load_layouts
 from bsmm.torch.lstm import BlockSparseLSTM
-from bsmm.torch.gated_unit import gated_unit
+from bsmm.torch.glu import gated_unit
 from bsmm.torch.mlp import BlockSparseMLP
 from bsmm.torch.distributed import ShardedBlockSparseLinear
 from bsmm.torch.normalization import l2_normalize

@@ -20,7 +20,7 @@ from bsmm.block_index import check_block_size
 from bsmm.epilogues import ACTIVATIONS, check_activation
 from bsmm.layouts import random_layout
 from bsmm.torch.eager import TORCH_ACTIVATIONS
-from bsmm.torch.gated_unit import gated_unit
+from bsmm.torch.glu import gated_unit
 from bsmm.torch.layers import BlockSparseLinear, largest_blocks, present_blocks
 
 __all__ = ["BlockSparseMLP", "activation_of"]

@@ -10,7 +10,7 @@ TMA off. The first run (results/v24/) also tried 4 and 6 stages and parts of 16 
 ``--decode`` (issue 37): the benchmark decoder's MLP passes at decode (gate|up 2048 -> 16384 and down
 8192 -> 2048, blocks 128 and 64, 10 % and 25 %, N 8, bfloat16), each call on the next of enough weight
 copies to pass the L2 (a decoder reads each layer's weights from memory once a token), against
-columns cut into parts of 1, 2, 4 and 8 blocks.
+columns left whole (as before ``few_rows``) and cut into parts of 1, 2, 4 and 8 blocks.
 
     python tools/probes/probe_streaming.py [--decode] [--json out.json]
 """
@@ -107,8 +107,9 @@ def torch_graph_timed(a, matrices, out, batches: int = 9) -> float:
 def decode_candidates():
     base = current_policy()
     yield "today", base
+    yield "uncut (before few_rows)", base.replace(few_rows=0)
     for blocks in (1, 2, 4, 8):
-        yield f"parts of {blocks}", base.replace(min_part_blocks=blocks)
+        yield f"parts of {blocks}", base.replace(min_part_blocks=blocks, min_part_blocks_few_rows=blocks)
 
 
 def decode_shapes():

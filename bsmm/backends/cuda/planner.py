@@ -176,7 +176,7 @@ def launch_layout(index: BlockIndex, pass_name: str, n: int, dtype: str, feature
         fill = math.ceil(total * tiles_per_unit / target_ctas)
         shortest = (policy.min_part_blocks if mode != "simt"
                     else min(policy.min_part_blocks, policy.min_part_blocks_simt))
-        if n <= policy.few_rows:
+        if n <= policy.few_rows and not variant.tma:  # (TMA's small-batch walks: not measured cut this short)
             shortest = min(shortest, policy.min_part_blocks_few_rows)
         part_length = max(shortest, min(math.ceil(2 * total / n_units), fill))
         if variant.tma and mode == "tensor16" and n_units * tiles_per_unit >= device.sm_count:

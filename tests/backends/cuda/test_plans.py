@@ -174,6 +174,10 @@ def test_decode_passes_cut_their_columns_into_short_parts():
         assert thread_blocks(n) >= index.nnzb // 2
     assert not path(17).parts and thread_blocks(17) == 16
     assert not path(8, POLICY.replace(few_rows=4)).parts
+    # Off TMA only: a small-batch walk through TMA (block 32, about 19 blocks a column) keeps whole columns.
+    tma_index = bsmm.block_index((np.random.default_rng(1).random((64, 16)) < 0.3).astype(np.uint8), 32)
+    tma_path = planner.path(tma_index, "fprop", 8, "bfloat16", 1, False, True, device_model(), POLICY)
+    assert tma_path.variant.tma and not tma_path.parts
     assert thread_blocks(8, POLICY.replace(min_part_blocks_few_rows=4)) < thread_blocks(8)
 
 

@@ -11,7 +11,7 @@ import pytest
 torch = pytest.importorskip("torch", reason="PyTorch is not installed")
 
 import bsmm.torch as bt  # noqa: E402
-from bsmm.torch.gated_unit import GATED_ACTIVATIONS  # noqa: E402
+from bsmm.torch.glu import GATED_ACTIVATIONS  # noqa: E402
 from torch_cases import cuda_or_skip, device  # noqa: E402,F401
 
 TOLERANCES = {torch.float64: 1e-12, torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 1e-2}
@@ -50,11 +50,12 @@ def assert_close(actual: torch.Tensor, expected: np.ndarray, dtype, what: str):
     assert error < TOLERANCES[dtype], f"{what}: relative error {error:.2e}"
 
 
-def poison_cache(device: str) -> None:
-    """Fills freed blocks of PyTorch's CUDA caching allocator with NaN, so that a kernel's unwritten
-    output shows."""
+def poison_next(device: str, shape: tuple, dtype) -> None:
+    """On CUDA, a freed block of PyTorch's caching allocator the size of the next output, full of NaN:
+    the allocator hands the next allocation of that size this block (a kernel's unwritten element
+    then shows). A block of another size would sit in another pool or size class."""
     if device == "cuda":
-        junk = torch.full((1 << 24,), float("nan"), device=device)
+        junk = torch.full(shape, float("nan"), device=device, dtype=dtype)
         del junk
 
 
@@ -71,12 +72,12 @@ def test_forward_and_backward_match_the_reference(device, name, dtype, shape):
     gate_up = (2 * torch.randn(shape, generator=generator, dtype=torch.float64)).to(device, dtype)
     dh = torch.randn((*shape[:-1], shape[-1] // 2), generator=generator, dtype=torch.float64).to(device, dtype)
     expected_h, expected_d = reference(gate_up, dh, name)
-    poison_cache(device)
+    poison_next(device, tuple(dh.shape), dtype)
     gate_up.requires_grad_(True)
     h = bt.gated_unit(gate_up, name)
     assert h.shape == (*shape[:-1], shape[-1] // 2) and h.dtype == dtype and h.device == gate_up.device
     assert_close(h, expected_h, dtype, "h")
-    poison_cache(device)
+    poison_next(device, shape, dtype)
     h.backward(dh)
     assert_close(gate_up.grad, expected_d, dtype, "d[gate | up]")
 
@@ -111,9 +112,10 @@ def test_gradcheck_and_a_differentiable_gradient(name):
 
 
 def test_the_operators_pass_opcheck():
-    gate_up = torch.randn(4, 12, dtype=torch.float32, requires_grad=True)
-    torch.library.opcheck(torch.ops.bsmm.gated_unit, (gate_up, "gelu"))
-    torch.library.opcheck(torch.ops.bsmm.gated_unit_backward, (torch.randn(4, 6), gate_up.detach(), "gelu"))
+    """Contiguous and transposed inputs: the fakes' outputs are laid out as the kernels' (contiguous)."""
+    for gate_up in (torch.randn(4, 12), torch.randn(12, 4).t()):
+        torch.library.opcheck(torch.ops.bsmm.gated_unit, (gate_up.requires_grad_(True), "gelu"))
+        torch.library.opcheck(torch.ops.bsmm.gated_unit_backward, (torch.randn(4, 6), gate_up.detach(), "gelu"))
 
 
 def test_bad_arguments_are_refused():
@@ -123,6 +125,8 @@ def test_bad_arguments_are_refused():
         bt.gated_unit(torch.randn(3, 4), "tanh")
     with pytest.raises(TypeError, match="gate_up must be a floating-point torch.Tensor"):
         bt.gated_unit(torch.ones(3, 4, dtype=torch.int64))
+    with pytest.raises(ValueError, match="an even size, not 0"):
+        bt.gated_unit(torch.ones(3, 0))
 
 
 def test_the_mlp_block_runs_one_kernel_each_way():
