@@ -25,8 +25,8 @@
 # sweep (tools/gpu/lstm_sweep.py, $LSTM_SWEEP_BUDGET s; check and sweep run it too), with LSTM_SANITIZE=1 memcheck and
 # racecheck of the fused-cell and graph tests, and tools/probes/probe_streaming.py (NO_STREAM_PROBE=1 skips it).
 # transformer: the MLP block's and decoder's GPU tests, `bsmm bench --model transformer` ($TRANSFORMER_BENCH_ARGS),
-# tools/probes/profile_transformer.py (NO_TRANSFORMER_PROFILE=1 skips it) and the decode passes' probe
-# (tools/probes/probe_streaming.py --decode).
+# tools/probes/profile_transformer.py, the decode passes' probe (tools/probes/probe_streaming.py --decode) and
+# the eager decode step's host time (tools/probes/probe_decode_host.py); NO_TRANSFORMER_PROFILE=1 skips the three.
 # tune: `python -m bsmm tune` with the remaining arguments (e.g. --workload T --block-size 64
 # --dtype float16 --dry-run); its report, and the kept tiles in $BSMM_CACHE_DIR/tuned.toml.
 set -uo pipefail
@@ -190,8 +190,8 @@ fi
 if [[ $stage == transformer ]]; then
   # Transformers (issue 37): the MLP block's and the decoder's GPU tests, the decoder bench, where its time goes.
   t0=$(date +%s)
-  python3 -m pytest -q -m gpu tests/frameworks/torch/test_mlp_torch.py tests/cli/test_transformer_bench.py \
-    -p no:cacheprovider >"$OUT/pytest_transformer.log" 2>&1 || status=1
+  python3 -m pytest -q -m gpu tests/frameworks/torch/test_glu.py tests/frameworks/torch/test_mlp_torch.py \
+    tests/cli/test_transformer_bench.py -p no:cacheprovider >"$OUT/pytest_transformer.log" 2>&1 || status=1
   grep -E "^(FAILED|ERROR)" "$OUT/pytest_transformer.log" | head -20
   echo "transformer gpu tests: $(tail -1 "$OUT/pytest_transformer.log") [$(( $(date +%s) - t0 ))s]"
   t0=$(date +%s)
@@ -205,6 +205,8 @@ if [[ $stage == transformer ]]; then
     python3 tools/probes/probe_streaming.py --decode --json "$OUT/decode_streaming.json" >"$OUT/decode_streaming.md" \
       2>&1 || status=1
     echo "decode passes: decode_streaming.md"
+    python3 tools/probes/probe_decode_host.py >"$OUT/decode_host.md" 2>&1 || status=1
+    echo "eager decode, host time a step:"; grep "a step" "$OUT/decode_host.md"
   fi
 fi
 if [[ $stage == callpath || $stage == check || $stage == sweep ]]; then
