@@ -14,6 +14,32 @@ import torch
 import bsmm.torch
 
 
+def cuda_kernels(run) -> list[tuple[str, float]]:
+    """(kernel name, µs) of each CUDA kernel of one ``run`` after three warm-up runs (also
+    tools/probes/profile_transformer.py's)."""
+    for _ in range(3):
+        run()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
+        run()
+        torch.cuda.synchronize()
+    return [(e.name, e.device_time) for e in profile.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
+def short_name(name: str) -> str:
+    """A kernel's name without its template arguments past the first."""
+    return name.split("<")[0][:60] + (" " + name.split("<")[1].split(",")[0] if "<" in name else "")
+
+
+def tally(kernels: list[tuple[str, float]], key=short_name) -> dict[str, list]:
+    """key(kernel name) -> [count, total µs]."""
+    table = collections.defaultdict(lambda: [0, 0.0])
+    for name, time in kernels:
+        table[key(name)][0] += 1
+        table[key(name)][1] += time
+    return table
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--hidden", type=int, default=12288)
@@ -38,24 +64,14 @@ def main() -> None:
             lstm(x)
 
     for name, run in (("train", train), ("forward", forward)):
-        for _ in range(3):
-            run()
-        torch.cuda.synchronize()
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
-            run()
-            torch.cuda.synchronize()
-        kernels = [e for e in profile.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-        by_name = collections.defaultdict(lambda: [0, 0.0])
-        for event in kernels:
-            short = event.name.split("<")[0][:60] + (" " + event.name.split("<")[1].split(",")[0] if "<" in event.name else "")
-            by_name[short][0] += 1
-            by_name[short][1] += event.device_time
-        total = sum(t for _, t in by_name.values())
+        kernels = cuda_kernels(run)
+        table = tally(kernels)
+        total = sum(t for _, t in table.values())
         print(f"\n{name}: H {args.hidden}, {args.density:.0%}, N {args.batch}, T {args.steps}, {args.dtype}: "
               f"{len(kernels)} kernels, {total / 1e3:.3f} ms of kernel time")
         print("| kernel | count | total µs | µs each |")
         print("| --- | --- | --- | --- |")
-        for short, (count, time) in sorted(by_name.items(), key=lambda item: -item[1][1])[:14]:
+        for short, (count, time) in sorted(table.items(), key=lambda item: -item[1][1])[:14]:
             print(f"| {short} | {count} | {time:.0f} | {time / count:.1f} |")
 
 

@@ -9,7 +9,6 @@ reductions, the optimizer), with the bsmm passes' rate against the MLPs' useful 
 from __future__ import annotations
 
 import argparse
-import collections
 import copy
 import json
 import re
@@ -19,31 +18,17 @@ import torch.nn.functional as F
 
 import bsmm.torch
 from bsmm.cli.transformer_bench import Decoder, DecoderConfig
+from profile_lstm import cuda_kernels, tally  # (this directory: run as a script)
 
 #: Kernel groups, the first whose pattern the kernel's name matches (case-insensitive).
-GROUPS = (("bsmm passes", r"bsmm_matmul"), ("bsmm gated unit", r"gated_unit"), ("dense GEMM", r"gemm|nvjet|xmma|cutlass|sm90_|sm80_"),
-          ("attention", r"flash|fmha|attention|sdpa|efficient"), ("Inductor (fused)", r"triton"),
+GROUPS = (("bsmm passes", r"bsmm_matmul"), ("bsmm gated unit", r"gated_unit"),
+          ("dense GEMM", r"gemm|nvjet|xmma|cutlass|sm90_|sm80_"), ("attention", r"flash|fmha|attention|sdpa|efficient"), ("Inductor (fused)", r"triton"),
           ("optimizer", r"multi_tensor|foreach|adam"), ("reductions", r"reduce|softmax|nll|argmax"),
           ("element-wise and copies", r"elementwise|copy|cat|index|fill|memset|memcpy"))
 
 
 def group_of(name: str) -> str:
     return next((group for group, pattern in GROUPS if re.search(pattern, name, re.I)), "other")
-
-
-def short_name(name: str) -> str:
-    return (name.split("<")[0][:50] + (" <" + name.split("<")[1].split(",")[0][:24] if "<" in name else "")).strip()
-
-
-def profile(run) -> list[tuple[str, float]]:
-    """(kernel name, µs) of each kernel of one ``run`` after three warm-up runs."""
-    for _ in range(3):
-        run()
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        run()
-        torch.cuda.synchronize()
-    return [(e.name, e.device_time) for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
 
 
 def mlp_flops(config: DecoderConfig, tokens: int, density: float) -> float:
@@ -92,13 +77,10 @@ def main() -> None:
             compiled = torch.compile(model)
             measures["train compiled"] = (lambda: train(compiled), 3 * n_tokens)
         for measure, (run, flop_tokens) in measures.items():
-            kernels = profile(run)
+            kernels = cuda_kernels(run)
             found[f"{model_name} | {measure}"] = kernels
             total = sum(t for _, t in kernels)
-            by_group = collections.defaultdict(lambda: [0, 0.0])
-            for name, time in kernels:
-                by_group[group_of(name)][0] += 1
-                by_group[group_of(name)][1] += time
+            by_group = tally(kernels, group_of)
             print(f"\n### {model_name}, {measure}: {len(kernels)} kernels, {total / 1e3:.3f} ms of kernel time")
             print("| group | kernels | ms | share |\n| --- | --- | --- | --- |")
             for group, (count, time) in sorted(by_group.items(), key=lambda item: -item[1][1]):
@@ -108,12 +90,8 @@ def main() -> None:
                 rate = mlp_flops(config, flop_tokens, args.density) / seconds / 1e12
                 print(f"bsmm passes: {rate:.0f} TFLOP/s of useful MLP work ({rate / 790:.0%} of dense bf16 peak, "
                       f"~790)")
-            by_name = collections.defaultdict(lambda: [0, 0.0])
-            for name, time in kernels:
-                by_name[short_name(name)][0] += 1
-                by_name[short_name(name)][1] += time
             print("\n| kernel | count | ms | µs each |\n| --- | --- | --- | --- |")
-            for name, (count, time) in sorted(by_name.items(), key=lambda item: -item[1][1])[:10]:
+            for name, (count, time) in sorted(tally(kernels).items(), key=lambda item: -item[1][1])[:10]:
                 print(f"| {name} | {count} | {time / 1e3:.3f} | {time / count:.1f} |")
     if args.json:
         with open(args.json, "w") as file:
