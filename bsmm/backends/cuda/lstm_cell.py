@@ -4,38 +4,15 @@
 out) and the stream, so that the sequence loops of :class:`bsmm.torch.BlockSparseLSTM` and
 :class:`bsmm.nn.lstm.BlocksparseLSTM` launch them without an array exchange a step; what each
 pointer holds is documented in the kernel source. A launch configuration is kept per (dtype,
-direction, rows, hidden size, device).
+direction, rows, hidden size, device) (:mod:`bsmm.backends.cuda.elementwise`).
 """
 
 from __future__ import annotations
 
-from bsmm.backends.cuda import launches
-from bsmm.backends.cuda.kernels import LstmCellVariant, load_kernel
-from bsmm.backends.cuda.plans import Launcher
-from bsmm.backends.cuda.policy import current_policy
+from bsmm.backends.cuda.elementwise import launcher
+from bsmm.backends.cuda.kernels import LstmCellVariant
 
 __all__ = ["cell_forward", "cell_backward"]
-
-_LAUNCHERS: dict = {}
-_MAX_LAUNCHERS = 64
-
-
-def _launcher(dtype: str, direction: str, n: int, hidden: int) -> Launcher:
-    device = launches.current_device()
-    key = (dtype, direction, n, hidden, device)
-    launcher = _LAUNCHERS.get(key)
-    if launcher is None:
-        if len(_LAUNCHERS) >= _MAX_LAUNCHERS:
-            _LAUNCHERS.clear()  # shapes seen once (a last short chunk, evaluation batches) are not kept forever
-        import cupy
-
-        variant = LstmCellVariant(dtype, direction)
-        arch = f"sm{cupy.cuda.Device(device).compute_capability}"
-        grid = (n, -(-hidden // variant.threads), 1)  # rows along x: any N
-        launcher = _LAUNCHERS[key] = Launcher(load_kernel(variant, device), grid, variant.threads, 0,
-                                              LstmCellVariant.ARGS[direction],
-                                              serialized=current_policy().programmatic_on(arch))
-    return launcher
 
 
 def cell_forward(stream: int, dtype: str, n: int, hidden: int, z_in: int, z_rec: int, bias: int, c_prev: int,
@@ -43,7 +20,8 @@ def cell_forward(stream: int, dtype: str, n: int, hidden: int, z_in: int, z_rec:
     """One step forward: gates (N, 4H) float32, c (N, H) float32 and h (N, H) in ``dtype`` and/or
     float32 from the pre-activations ``z_in`` (+ ``z_rec``) (N, 4H) in ``dtype``, ``bias`` (4H,)
     float32 and ``c_prev`` (N, H) float32; pointers, 0 for what is left out."""
-    _launcher(dtype, "forward", n, hidden).launch(stream, z_in, z_rec, bias, c_prev, gates, c, h, h_master, hidden)
+    launcher(LstmCellVariant, (dtype, "forward"), n, hidden).launch(stream, z_in, z_rec, bias, c_prev, gates, c, h,
+                                                                     h_master, hidden)
 
 
 def cell_backward(stream: int, dtype: str, n: int, hidden: int, d_out: int, dh_rec: int, dh_init: int, dc: int,
@@ -51,5 +29,5 @@ def cell_backward(stream: int, dtype: str, n: int, hidden: int, d_out: int, dh_r
     """One step backward: dz (N, 4H) in ``dtype`` and/or float32, and ``dc`` (N, H) float32 updated in
     place from dc_t to dc_{t-1}; dh is ``d_out`` (float32) + ``dh_rec`` (``dtype``) + ``dh_init``
     (float32), those left out (0) counting as zeros."""
-    _launcher(dtype, "backward", n, hidden).launch(stream, d_out, dh_rec, dh_init, dc, gates, c_prev, c, dz,
-                                                   dz_master, hidden)
+    launcher(LstmCellVariant, (dtype, "backward"), n, hidden).launch(stream, d_out, dh_rec, dh_init, dc, gates,
+                                                                      c_prev, c, dz, dz_master, hidden)
