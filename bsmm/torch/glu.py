@@ -16,27 +16,17 @@ from __future__ import annotations
 import torch
 from torch.autograd import forward_ad
 
-from bsmm.torch.eager import _TORCH_ACTIVATIONS, TORCH_ACTIVATIONS
+from bsmm.torch.checks import ARRAY_DTYPES
+from bsmm.torch.eager import _TORCH_ACTIVATIONS, TORCH_ACTIVATIONS, _activation_grad
 
 __all__ = ["gated_unit", "GATED_ACTIVATIONS"]
 
 #: The activations ``gated_unit`` takes.
 GATED_ACTIVATIONS = tuple(TORCH_ACTIVATIONS)
-#: The dtypes the kernels take.
-_KERNEL_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
-#: dz = d·A'(z) by PyTorch's own backward kernels (the fallback's backward).
-_ACTIVATION_GRADS = {
-    "relu": lambda d, z: torch.ops.aten.threshold_backward(d, z, 0),
-    "gelu": lambda d, z: torch.ops.aten.gelu_backward(d, z, approximate="none"),
-    "gelu_tanh": lambda d, z: torch.ops.aten.gelu_backward(d, z, approximate="tanh"),
-    "silu": lambda d, z: torch.ops.aten.silu_backward(d, z),
-}
-
-
 def _on_kernel(*tensors: torch.Tensor) -> bool:
     """The kernels take these: CUDA, one kernel dtype, contiguous, 2-element aligned, hidden even."""
     first = tensors[0]
-    return (first.is_cuda and first.dtype in _KERNEL_DTYPES and first.shape[-1] > 0 and first.shape[-1] % 4 == 0
+    return (first.is_cuda and first.dtype in ARRAY_DTYPES and first.shape[-1] > 0 and first.shape[-1] % 4 == 0
             and all(t.dtype == first.dtype and t.is_contiguous() and t.data_ptr() % (2 * t.element_size()) == 0
                     for t in tensors))
 
@@ -54,7 +44,7 @@ def _forward(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
 
     h = gate_up.new_empty((*gate_up.shape[:-1], hidden))
     with torch.cuda.device(gate_up.device):
-        gated_forward(_stream(gate_up), _KERNEL_DTYPES[gate_up.dtype], activation, gate_up.numel() // (2 * hidden),
+        gated_forward(_stream(gate_up), ARRAY_DTYPES[gate_up.dtype].name, activation, gate_up.numel() // (2 * hidden),
                       hidden, gate_up.data_ptr(), h.data_ptr())
     return h
 
@@ -63,13 +53,13 @@ def _backward_values(dh: torch.Tensor, gate_up: torch.Tensor, activation: str) -
     hidden = gate_up.shape[-1] // 2
     if not _on_kernel(gate_up, dh):
         gate, up = gate_up.split(hidden, dim=-1)
-        return torch.cat([_ACTIVATION_GRADS[activation](dh * up, gate), dh * TORCH_ACTIVATIONS[activation](gate)],
+        return torch.cat([_activation_grad(activation, dh * up, gate), dh * TORCH_ACTIVATIONS[activation](gate)],
                          dim=-1).contiguous()
     from bsmm.backends.cuda.gated_unit import gated_backward  # lazily: CuPy is needed on CUDA only
 
     d_gate_up = gate_up.new_empty(gate_up.shape)
     with torch.cuda.device(gate_up.device):
-        gated_backward(_stream(gate_up), _KERNEL_DTYPES[gate_up.dtype], activation, gate_up.numel() // (2 * hidden),
+        gated_backward(_stream(gate_up), ARRAY_DTYPES[gate_up.dtype].name, activation, gate_up.numel() // (2 * hidden),
                        hidden, dh.data_ptr(), gate_up.data_ptr(), d_gate_up.data_ptr())
     return d_gate_up
 
