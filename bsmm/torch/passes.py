@@ -104,20 +104,28 @@ def run_epilogue(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, ke
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
+def _kept_call(op: BlocksparseMatMul, pass_name: str, a: torch.Tensor, b: torch.Tensor, epilogue: str):
+    """The call ``op`` kept for this pass and epilogue on contiguous tensors like ``a`` and ``b`` (one dtype,
+    the call's device, current), or None."""
+    call = op.kept_calls.get((pass_name, a.shape, ARRAY_DTYPES.get(a.dtype), op.feature_axis, op.tf32, epilogue))
+    if call is None or b.dtype is not a.dtype or b.shape != call.other_shape or not (
+            a.is_contiguous() and b.is_contiguous()):
+        return None
+    device = a.get_device()
+    if b.get_device() != device or device != call.device or launches.current_device() != device:
+        return None
+    return call
+
+
 def _repeat_on_cuda(op: BlocksparseMatMul, pass_name: str, a: torch.Tensor, b: torch.Tensor, out_shape: tuple | None,
                     epilogue: str, bias: torch.Tensor | None = None, keep_pre: bool = False):
     """The pass through the call ``op`` kept from an earlier checked call of this shape and epilogue
     (``bsmm.backends.cuda.backend.FastCall.launch``, the repeat path every caller takes), or None where
     there is none or anything differs from it. A store call gives the output, an epilogue's (y, pre)."""
-    call = op.kept_calls.get((pass_name, a.shape, ARRAY_DTYPES.get(a.dtype), op.feature_axis, op.tf32, epilogue))
-    if call is None or b.dtype is not a.dtype or b.shape != call.other_shape or not (
-            a.is_contiguous() and b.is_contiguous()):
-        return None
-    if out_shape is not None and math.prod(out_shape) != math.prod(call.out_shape):
+    call = _kept_call(op, pass_name, a, b, epilogue)
+    if call is None or out_shape is not None and math.prod(out_shape) != math.prod(call.out_shape):
         return None  # (the checked path then raises: the kernel must not write past the tensor)
-    device = a.get_device()
-    if b.get_device() != device or device != call.device or launches.current_device() != device:
-        return None
+    device = call.device
     # (an int is a CUDA device index; the kernel sees only the pointer, so any shape of its size will do)
     shape = call.out_shape if out_shape is None else out_shape
     out = torch.empty(shape, dtype=a.dtype, device=device)
@@ -149,11 +157,8 @@ def kept_store_call(op: BlocksparseMatMul, pass_name: str, a: torch.Tensor, b: t
     steps) checks once here and then launches into buffers of its own: no tensor is made a step. The
     caller keeps the pointers it launches with as aligned as ``a``'s and ``b``'s (16 bytes where the
     call is aligned)."""
-    call = op.kept_calls.get((pass_name, a.shape, ARRAY_DTYPES.get(a.dtype), op.feature_axis, op.tf32, "store"))
-    if (call is None or not a.is_cuda or b.dtype is not a.dtype or b.shape != call.other_shape
-            or not (a.is_contiguous() and b.is_contiguous()) or a.get_device() != call.device
-            or b.get_device() != call.device or launches.current_device() != call.device
-            or (call.aligned and (a.data_ptr() | b.data_ptr()) & 15)):
+    call = _kept_call(op, pass_name, a, b, "store") if a.is_cuda else None
+    if call is None or call.aligned and (a.data_ptr() | b.data_ptr()) & 15:
         return None
     return call
 
