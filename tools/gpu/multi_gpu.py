@@ -202,6 +202,25 @@ def _table(rows: list) -> str:
     return "\n".join(lines)
 
 
+def run_worlds(rank_main, worlds: str, devices: int, arguments: tuple) -> list:
+    """The rows of ``rank_main(rank, world, port, out, *arguments)`` run in ``world`` processes for each
+    world size in ``worlds`` ("1,2"), rank 0 writing its rows to ``out`` as JSON; a world larger than
+    ``devices`` is skipped and said so."""
+    rows = []
+    for world in sorted({int(w) for w in worlds.split(",")}):
+        if world > devices:
+            print(f"world {world}: skipped, {devices} GPU(s) present")
+            continue
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        out = f"/tmp/{rank_main.__module__}_{os.getpid()}_{world}.json"
+        mp.spawn(rank_main, args=(world, port, out, *arguments), nprocs=world)
+        with open(out) as file:
+            rows += json.load(file)
+    return rows
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--world", default="1,2", help="GPU counts to run, comma-separated (default 1,2)")
@@ -218,19 +237,7 @@ def main(argv=None) -> int:
     if args.profile:
         return _profile()
     gpus = torch.cuda.device_count()
-    rows = []
-    for world in sorted({int(w) for w in args.world.split(",")}):
-        if world > gpus:
-            print(f"world {world}: skipped, {gpus} GPU(s) present")
-            continue
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            port = probe.getsockname()[1]
-        out = f"/tmp/multi_gpu_{os.getpid()}_{world}.json"
-        mp.spawn(_rank_main, args=(world, port, out, args.quick, args.model_features, args.model_density),
-                 nprocs=world)
-        with open(out) as file:
-            rows += json.load(file)
+    rows = run_worlds(_rank_main, args.world, gpus, (args.quick, args.model_features, args.model_density))
     rows.sort(key=lambda r: (r["test"], r.get("workload", r.get("by")), r.get("kind", r.get("n")), r["world"]))
     if args.json:
         with open(args.json, "w") as file:
