@@ -12,6 +12,9 @@
   gate and up projections one product.
 - :mod:`~bsmm.torch.sparsify`: :func:`sparsify`, a model's ``nn.Linear`` layers (and, with ``fuse_mlp``,
   its GLU MLP blocks) made block-sparse in one call.
+- :mod:`~bsmm.torch.dynamic`: :class:`DynamicSparsity`, layouts that change while a model trains (RigL, SET),
+  the number of blocks fixed and the optimizer's state moved with them; the growth signal
+  (:func:`~bsmm.torch.dynamic.gradient_block_norms`).
 - :mod:`~bsmm.torch.lstm`: :class:`BlockSparseLSTM`, one ``nn.LSTM`` layer on block-sparse (small-world) layouts.
 - :mod:`~bsmm.torch.distributed`: :class:`ShardedBlockSparseLinear`, one layer's blocks spread over a
   process group (model parallelism); data parallelism is ``DistributedDataParallel`` or ``fully_shard``.
@@ -36,9 +39,10 @@ from bsmm.torch.mlp import BlockSparseMLP
 from bsmm.torch.distributed import ShardedBlockSparseLinear
 from bsmm.torch.normalization import l2_normalize
 from bsmm.torch.sparsify import SparsifyReport, sparsify
+from bsmm.torch.dynamic import DynamicSparsity
 
 __all__ = ["BlockSparseConv1d", "BlockSparseConv2d", "BlockSparseConv3d", "BlockSparseLinear", "BlockSparseLSTM",
            "BlockSparseMLP", "ShardedBlockSparseLinear",
            "blocksparse_conv", "blocksparse_matmul", "register", "lookup",
            "from_sparse_bsr", "to_sparse_bsr", "l2_normalize", "load_layouts", "sparsify", "SparsifyReport",
-           "gated_unit"]
+           "gated_unit", "DynamicSparsity"]

@@ -273,6 +273,18 @@ class BlockSparseLinear(_BlockSparseLayer):
         self.in_features, self.out_features = self.op.C, self.op.K
         self.feature_axis, self.tf32 = self.op.feature_axis, self.op.tf32
 
+    def _adopt_layout(self, layout: np.ndarray) -> None:
+        """Compute with ``layout`` from now on, a layout of as many blocks (the weight's slots are
+        reordered by the caller: :func:`bsmm.torch.dynamic.change_layout`)."""
+        op = BlocksparseMatMul(layout, self.op.block_size, self.feature_axis, self.tf32)
+        if op.w_shape != self.op.w_shape:
+            raise ValueError(f"layout must hold {self.op.blocks} blocks, as the layer's does (its weight's slots); "
+                             f"got {op.blocks}")
+        self.op, self._registration = op, register(op.index)
+        self._key = self._registration.key
+        with torch.no_grad():
+            self.layout.copy_(torch.from_numpy(np.array(op.layout)))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x (..., C) -> (..., K), or (C, ...) -> (K, ...) with feature_axis=0."""
         # The bias (cast to the product's dtype) and the activation are added in the kernel; y is a

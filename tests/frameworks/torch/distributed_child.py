@@ -11,6 +11,8 @@ CPU (float32 on GPUs), and records the largest relative error of each output and
   ``ddp/mlp/...`` and ``fsdp/mlp/...``: a GLU BlockSparseMLP behind a layer.
 - ``fsdp/...``: fully_shard (FSDP2) over the same model, with and without bf16 parameters; any warning
   FSDP2 gives is recorded.
+- ``dynamic/ddp/...``: DynamicSparsity (RigL) under DDP, each rank's batch its own: the layouts and
+  weights of every rank against rank 0's.
 - ``sharded/...``: ShardedBlockSparseLinear, every split, input and output mode, feature axis, a
   layout whose cut leaves a part without blocks, cuts of unequal widths, an empty batch, no_grad,
   double backward (a gradient penalty), bf16 autocast, and a column-split layer feeding a
@@ -108,6 +110,35 @@ def _train(model, x, r, steps: int, scale: float):
         optimizer.step()
         losses.append(loss.detach())
     return torch.stack(losses), grads
+
+
+def check_dynamic_sparsity(record: Recorder, world: int, device, dtype) -> None:
+    """DynamicSparsity (RigL) under DDP, each rank growing from its own share of the batch: rank 0's layouts
+    are broadcast, so every rank's layouts and weights stay equal to rank 0's."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    rank = record.rank
+    ddp = DistributedDataParallel(_model(dtype, device, seed=5))
+    model = ddp.module
+    optimizer = torch.optim.Adam(ddp.parameters(), lr=1e-2)
+    sparsity = bsmm.torch.DynamicSparsity(model, optimizer, criterion="rigl", drop_fraction=0.3, every=2,
+                                          schedule="constant")
+    start = [layer.op.layout.copy() for layer in sparsity.layers.values()]
+    for step in range(4):
+        x, r = _batch((3, C), dtype, device, seed=100 * step + rank)  # each rank's own rows
+        optimizer.zero_grad()
+        (ddp(x) * r).sum().backward()
+        optimizer.step()
+    mine = {"layouts": [np.array(layer.op.layout).tolist() for layer in sparsity.layers.values()],
+            "weights": [layer.weight.detach().cpu() for layer in sparsity.layers.values()]}
+    everyone = [None] * world
+    dist.all_gather_object(everyone, mine)
+    record.fact("dynamic/ddp/updates", len(sparsity.history))
+    record.fact("dynamic/ddp/moved", sum(int((a != b).sum()) for a, b in
+                                        zip(start, (layer.op.layout for layer in sparsity.layers.values()))))
+    record.fact("dynamic/ddp/layouts-equal", all(other["layouts"] == everyone[0]["layouts"] for other in everyone))
+    for index, weight in enumerate(mine["weights"]):
+        record.close(f"dynamic/ddp/weight{index}", weight, everyone[0]["weights"][index], 0.0)
 
 
 def _full(tensor):
@@ -363,6 +394,7 @@ def _rank_main(rank: int, world: int, backend: str, checks: str, port: int, out:
             dtype, tolerance = torch.float64, 1e-12
         if checks in ("all", "data"):
             check_data_parallel(record, world, device, dtype, tolerance)
+            check_dynamic_sparsity(record, world, device, dtype)
         if checks in ("all", "sharded"):
             check_sharded(record, device, dtype, tolerance)
         dist.barrier()

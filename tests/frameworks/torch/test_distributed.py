@@ -104,6 +104,17 @@ def test_fsdp2_matches_one_process_without_warnings(measured, shape, policy):
         assert results[prefix + "warnings"]["value"] == [], f"rank {rank}"
 
 
+def test_dynamic_sparsity_keeps_ddp_ranks_identical(measured):
+    """RigL under DDP, each rank capturing its own rows: rank 0's new layouts are broadcast, so after two
+    updates every rank's layouts and weights equal rank 0's exactly."""
+    _data_parallel_or_skip(measured)
+    assert _judge(measured, "dynamic/ddp/") == len(measured) * 2
+    for rank, results in measured.items():
+        assert results["dynamic/ddp/updates"]["value"] == 2, f"rank {rank}"
+        assert results["dynamic/ddp/moved"]["value"] > 0, f"rank {rank}"
+        assert results["dynamic/ddp/layouts-equal"]["value"] is True, f"rank {rank}"
+
+
 @pytest.mark.parametrize("case", SHARDED_CASES)
 def test_sharded_layer_matches_the_whole_layer(measured, case):
     """ShardedBlockSparseLinear: y, dx, each rank's dW and db, and full_weight() equal the whole layer's."""

@@ -1,0 +1,384 @@
+"""Layouts that change while a model trains: which blocks a :class:`~bsmm.torch.BlockSparseLinear` keeps is
+decided again every few steps, with its number of blocks fixed.
+
+- :func:`block_norms`: the L2 or max norm of each block of a layer's weight (zero where absent).
+- :func:`gradient_block_norms`: the norms of every block of the dense gradient ``dW = xᵀ·dy``, absent
+  blocks included (the growth signal), by dense products over a few block rows at a time, so the whole
+  ``dW`` is never held.
+- :func:`change_layout`: a layer moved to another layout of as many blocks. The weight's slots are
+  reused: a kept block's values (its gradient, and the optimizer's state shaped like the weight, such as
+  Adam's moments or SGD's momentum) move to its new slot, and a new block starts at zero or at the
+  layer's initial distribution with zero state. The weight stays the same ``Parameter``, so an
+  optimizer holding it needs nothing else.
+- :class:`DynamicSparsity`: drop and regrow every ``every`` optimizer steps, hooked to the optimizer.
+  RigL (Evci et al., 2020) grows the absent blocks of largest dense-gradient norm; SET (Mocanu et al.,
+  2018) grows absent blocks at random. Both drop the present blocks of smallest weight norm.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+import torch
+
+from bsmm.torch.layers import BlockSparseLinear, fan_in_bounds
+
+__all__ = ["DynamicSparsity", "LayoutChange", "block_norms", "change_layout", "gradient_block_norms"]
+
+NORMS = ("l2", "max")
+CRITERIA = ("rigl", "set")
+SCHEDULES = ("cosine", "constant")
+INITS = ("zero", "fan_in")
+#: Bytes of one block row chunk of the dense gradient in :func:`gradient_block_norms`.
+GRADIENT_CHUNK_BYTES = 256 * 2**20
+
+
+def _check_choice(value, choices, argument: str) -> None:
+    if value not in choices:
+        raise ValueError(f"{argument} must be one of {', '.join(map(repr, choices))}; got {value!r}")
+
+
+def _reduce_blocks(blocks: torch.Tensor, ord: str) -> torch.Tensor:
+    """Norms over the last two axes of ``blocks`` (..., bs, bs), in float32."""
+    blocks = blocks.float()
+    if ord == "l2":
+        return torch.linalg.vector_norm(blocks, dim=(-2, -1))
+    return blocks.abs().amax(dim=(-2, -1))
+
+
+def block_norms(layer: BlockSparseLinear, ord: str = "l2") -> torch.Tensor:
+    """(CB, KB) float32: the norm of each block of ``layer``'s weight in place, zero where a block is absent.
+
+    Examples
+    --------
+    >>> import numpy as np, torch, bsmm.torch
+    >>> layer = bsmm.torch.BlockSparseLinear(64, 64, np.array([[1, 0], [0, 1]]), block_size=32, bias=False)
+    >>> with torch.no_grad():
+    ...     _ = layer.weight.fill_(0.5)
+    >>> bsmm.torch.dynamic.block_norms(layer, "max").tolist()
+    [[0.5, 0.0], [0.0, 0.5]]
+    """
+    _check_choice(ord, NORMS, "ord")
+    index = layer.op.index
+    norms = torch.zeros(index.layout.shape, dtype=torch.float32, device=layer.weight.device)
+    rows = torch.tensor(index.rows, dtype=torch.long, device=norms.device)
+    cols = torch.tensor(index.indices, dtype=torch.long, device=norms.device)
+    norms[rows, cols] = _reduce_blocks(layer.weight.detach(), ord)
+    return norms
+
+
+def gradient_block_norms(x: torch.Tensor, dy: torch.Tensor, block_size: int, ord: str = "l2",
+                         feature_axis: int = 1) -> torch.Tensor:
+    """(C // block_size, K // block_size) float32: the norm of every block of ``dW = xᵀ·dy``.
+
+    Parameters
+    ----------
+    x : (..., C) tensor, or (C, ...) with ``feature_axis=0``
+        A layer's input.
+    dy : (..., K) tensor, or (K, ...)
+        The gradient of the loss with respect to the layer's output before any activation, of the same
+        rows as ``x``.
+    block_size : int
+    ord : "l2" or "max"
+
+    Notes
+    -----
+    The product runs in float32 over as many block rows of ``C`` at a time as fit in
+    ``GRADIENT_CHUNK_BYTES``.
+
+    Examples
+    --------
+    >>> import torch, bsmm.torch
+    >>> x, dy = torch.ones(3, 64), torch.ones(3, 32)
+    >>> bsmm.torch.dynamic.gradient_block_norms(x, dy, 32).tolist()   # each block: 32 × 32 entries of 3
+    [[96.0], [96.0]]
+    """
+    _check_choice(ord, NORMS, "ord")
+    if feature_axis not in (0, 1):
+        raise ValueError(f"feature_axis must be 0 or 1; got {feature_axis!r}")
+    if feature_axis == 0:
+        x, dy = x.movedim(0, -1), dy.movedim(0, -1)
+    x, dy = x.reshape(-1, x.shape[-1]).float(), dy.reshape(-1, dy.shape[-1]).float()
+    if x.shape[0] != dy.shape[0]:
+        raise ValueError(f"x and dy must hold the same rows; got {x.shape[0]} and {dy.shape[0]}")
+    c, k = x.shape[1], dy.shape[1]
+    for argument, size in (("x's features", c), ("dy's features", k)):
+        if size % block_size:
+            raise ValueError(f"{argument} ({size}) must be a multiple of block_size {block_size}")
+    block_rows = max(1, GRADIENT_CHUNK_BYTES // (4 * block_size * k))
+    norms = []
+    for start in range(0, c // block_size, block_rows):
+        stop = min(c // block_size, start + block_rows)
+        part = x[:, start * block_size:stop * block_size].T @ dy  # ((stop - start)·bs, K)
+        part = part.reshape(stop - start, block_size, k // block_size, block_size).transpose(1, 2)
+        norms.append(_reduce_blocks(part, ord))
+    return torch.cat(norms)
+
+
+@dataclasses.dataclass(frozen=True)
+class LayoutChange:
+    """What :func:`change_layout` did to one layer.
+
+    Attributes
+    ----------
+    dropped, grown : (n, 2) int arrays
+        Block coordinates (block row, block column) removed and added.
+    source : (nnzb,) int64 array
+        For each slot of the new layout (row-major), the slot of the old layout its values came from,
+        or -1 for a grown block.
+    """
+
+    dropped: np.ndarray
+    grown: np.ndarray
+    source: np.ndarray
+
+
+def _moved(tensor: torch.Tensor, source: torch.Tensor, fresh: torch.Tensor | None = None) -> torch.Tensor:
+    """``tensor``'s slots in the order ``source`` gives, ``fresh`` (or zeros) where it is -1."""
+    moved = tensor[source.clamp(min=0)]
+    grown = (source < 0).view(-1, *([1] * (tensor.dim() - 1)))
+    return torch.where(grown, torch.zeros_like(moved) if fresh is None else fresh, moved)
+
+
+def change_layout(layer: BlockSparseLinear, layout, optimizer: torch.optim.Optimizer | None = None,
+                  init: str = "zero") -> LayoutChange:
+    """Move ``layer`` to ``layout``, a layout of the same shape and number of blocks, in place.
+
+    Blocks present in both keep their values, gradient and optimizer state (moved to their new
+    slots). A new block starts at zero (``init="zero"``) or drawn as the layer draws its weights at
+    construction (``"fan_in"``), with a zero gradient and zero optimizer state. The weight stays the
+    same ``Parameter``. The optimizer's state tensors of the weight's shape are moved; others (step
+    counts) are left as they are.
+
+    Examples
+    --------
+    >>> import numpy as np, torch, bsmm.torch
+    >>> layer = bsmm.torch.BlockSparseLinear(64, 64, np.array([[1, 0], [0, 1]]), block_size=32, bias=False)
+    >>> change = bsmm.torch.dynamic.change_layout(layer, np.array([[1, 1], [0, 0]]))
+    >>> change.dropped.tolist(), change.grown.tolist(), change.source.tolist()
+    ([[1, 1]], [[0, 1]], [0, -1])
+    >>> float(layer.weight.detach()[1].abs().sum())
+    0.0
+    """
+    if not isinstance(layer, BlockSparseLinear):
+        raise TypeError(f"layer must be a bsmm.torch.BlockSparseLinear; got {type(layer).__name__}")
+    _check_choice(init, INITS, "init")
+    old = layer.op.index
+    new_layout = np.asarray(layout.detach().cpu() if isinstance(layout, torch.Tensor) else layout) != 0
+    if new_layout.shape != old.layout.shape:
+        raise ValueError(f"layout must have the layer's layout shape {old.layout.shape}; got {new_layout.shape}")
+    if int(new_layout.sum()) != old.nnzb:
+        raise ValueError(f"layout must hold {old.nnzb} blocks, as the layer's does; got {int(new_layout.sum())}")
+    slots = np.full(old.layout.shape, -1, dtype=np.int64)
+    slots[old.rows, old.indices] = np.arange(old.nnzb)
+    rows, cols = np.nonzero(new_layout)  # row-major: the new index's slot order
+    source = slots[rows, cols]
+    before = old.layout != 0
+    change = LayoutChange(dropped=np.argwhere(before & ~new_layout), grown=np.argwhere(new_layout & ~before),
+                          source=source)
+    weight = layer.weight
+    moved_from = torch.as_tensor(source, device=weight.device)
+    with torch.no_grad():
+        fresh = None
+        if init == "fan_in":
+            bounds = fan_in_bounds(new_layout.astype(np.uint8), layer.op.block_size)[cols]
+            fresh = torch.empty_like(weight).uniform_(-1.0, 1.0).mul_(
+                torch.as_tensor(bounds, dtype=weight.dtype, device=weight.device).view(-1, 1, 1))
+        weight.copy_(_moved(weight, moved_from, fresh))
+        if weight.grad is not None:
+            weight.grad.copy_(_moved(weight.grad, moved_from))
+        if optimizer is not None:
+            for value in optimizer.state.get(weight, {}).values():
+                if isinstance(value, torch.Tensor) and value.shape == weight.shape:
+                    value.copy_(_moved(value, moved_from.to(value.device)))
+    layer._adopt_layout(new_layout.astype(np.uint8))
+    return change
+
+
+def _smallest(scores: np.ndarray, count: int) -> np.ndarray:
+    """Indices of the ``count`` smallest ``scores``; ties to the earlier index."""
+    return np.argsort(scores, kind="stable")[:count]
+
+
+class DynamicSparsity:
+    """Prune and regrow the blocks of a model's :class:`~bsmm.torch.BlockSparseLinear` layers while it trains.
+
+    After every ``every``-th step of ``optimizer`` (until ``end`` steps, if given), each layer drops
+    ``round(f · nnzb)`` of its present blocks, those of smallest weight norm, and grows as many of its
+    absent blocks. Blocks dropped in that update are not regrown in it. ``f`` is ``drop_fraction``
+    (``schedule="constant"``) or decays from it to 0 at ``end`` as ``f/2 · (1 + cos(π t / end))``
+    (``"cosine"``, RigL's). Each layer keeps its number of blocks: see :func:`change_layout` for how
+    values and optimizer state move.
+
+    Parameters
+    ----------
+    model_or_layers : torch.nn.Module or iterable of BlockSparseLinear
+        A model (its ``BlockSparseLinear`` modules, by name) or the layers themselves.
+    optimizer : torch.optim.Optimizer
+        Holding the layers' weights; the update runs in its step post-hook.
+    criterion : "rigl" or "set"
+        How blocks grow: the largest norms of the dense gradient ``xᵀ·dy`` of the step's batch
+        (captured by hooks on the layers during the step before an update; a layer with a fused
+        activation is refused), or uniformly at random.
+    drop_fraction : float in (0, 1)
+    every : int
+        Optimizer steps between updates.
+    end : int, optional
+        The step after which the layouts stay fixed; required by ``schedule="cosine"``.
+    init : "zero" or "fan_in"
+        A grown block's values (:func:`change_layout`).
+    ord : "l2" or "max"
+        The block norm of both choices.
+    seed : int
+        SET's generator.
+
+    Notes
+    -----
+    Under ``torch.distributed`` with more than one process, rank 0's new layouts are broadcast, so that
+    every rank changes alike. Each change re-plans the layer on the host, and a compiled model
+    recompiles after it.
+
+    Examples
+    --------
+    >>> import torch, bsmm.torch
+    >>> model = torch.nn.Sequential(bsmm.torch.BlockSparseLinear(64, 64, density=0.5, block_size=32, seed=0))
+    >>> optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    >>> sparsity = bsmm.torch.DynamicSparsity(model, optimizer, criterion="set", drop_fraction=0.5, every=2,
+    ...                                       schedule="constant")
+    >>> for _ in range(2):
+    ...     model(torch.randn(8, 64)).square().sum().backward()
+    ...     optimizer.step()
+    >>> sparsity.steps, len(sparsity.history), int(model[0].layout.sum())
+    (2, 1, 2)
+    """
+
+    def __init__(self, model_or_layers, optimizer: torch.optim.Optimizer, *, criterion: str = "rigl",
+                 drop_fraction: float = 0.3, every: int = 100, end: int | None = None, schedule: str = "cosine",
+                 init: str = "zero", ord: str = "l2", seed: int = 0):
+        _check_choice(criterion, CRITERIA, "criterion")
+        _check_choice(schedule, SCHEDULES, "schedule")
+        _check_choice(init, INITS, "init")
+        _check_choice(ord, NORMS, "ord")
+        if isinstance(drop_fraction, bool) or not isinstance(drop_fraction, (int, float)) or not 0 < drop_fraction < 1:
+            raise ValueError(f"drop_fraction must be a number in (0, 1); got {drop_fraction!r}")
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise ValueError(f"every must be a positive int; got {every!r}")
+        if end is not None and (isinstance(end, bool) or not isinstance(end, int) or end < 1):
+            raise ValueError(f"end must be a positive int or None; got {end!r}")
+        if schedule == "cosine" and end is None:
+            raise ValueError("schedule='cosine' decays to 0 at end: pass end=, or schedule='constant'")
+        if isinstance(model_or_layers, torch.nn.Module):
+            self.layers = {name: m for name, m in model_or_layers.named_modules() if isinstance(m, BlockSparseLinear)}
+        else:
+            self.layers = {str(i): layer for i, layer in enumerate(model_or_layers)}
+            for name, layer in self.layers.items():
+                if not isinstance(layer, BlockSparseLinear):
+                    raise TypeError(f"model_or_layers[{name}] must be a bsmm.torch.BlockSparseLinear; "
+                                    f"got {type(layer).__name__}")
+        if not self.layers:
+            raise ValueError("model_or_layers holds no bsmm.torch.BlockSparseLinear")
+        held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        for name, layer in self.layers.items():
+            if id(layer.weight) not in held:
+                raise ValueError(f"optimizer does not hold the weight of layer {name!r}")
+            if type(layer.weight.data) is not torch.Tensor:
+                raise TypeError(f"layer {name!r}'s weight is a {type(layer.weight.data).__name__} (sharded): "
+                                "DynamicSparsity moves whole blocks and runs on unsharded weights (DDP, one GPU)")
+            if criterion == "rigl" and layer.activation is not None:
+                raise ValueError(f"criterion='rigl' needs the gradient before the activation; layer {name!r} fuses "
+                                 f"activation {layer.activation!r}: use criterion='set' or an unfused activation")
+        self.optimizer, self.criterion, self.drop_fraction, self.every, self.end = (
+            optimizer, criterion, float(drop_fraction), every, end)
+        self.schedule, self.init, self.ord = schedule, init, ord
+        self.generator = np.random.default_rng(seed)
+        self.steps = 0
+        self.history: list[dict[str, LayoutChange]] = []
+        self._captured: dict[str, list] = {}
+        self._handles = [optimizer.register_step_post_hook(self._after_step)]
+        if criterion == "rigl":
+            self._handles += [layer.register_forward_hook(self._capture_hook(name))
+                              for name, layer in self.layers.items()]
+
+    def fraction(self, step: int) -> float:
+        """The fraction of each layer's blocks replaced at the update after optimizer step ``step``."""
+        if self.end is not None and step > self.end:
+            return 0.0
+        if self.schedule == "constant":
+            return self.drop_fraction
+        return self.drop_fraction / 2 * (1 + math.cos(math.pi * step / self.end))
+
+    def _updates_after(self, step: int) -> bool:
+        return step % self.every == 0 and (self.end is None or step <= self.end)
+
+    def _capture_hook(self, name: str):
+        def hook(module, inputs, output):
+            if not (self._updates_after(self.steps + 1) and torch.is_grad_enabled() and output.requires_grad):
+                return
+            entry = [inputs[0].detach(), None]
+            self._captured.setdefault(name, []).append(entry)
+
+            def keep_gradient(grad):
+                entry[1] = grad.detach()
+            output.register_hook(keep_gradient)
+        return hook
+
+    def _after_step(self, optimizer, args, kwargs) -> None:
+        self.steps += 1
+        if self._updates_after(self.steps):
+            self.update()
+        self._captured.clear()
+
+    def remove(self) -> None:
+        """Detach from the optimizer and the layers: the layouts stay as they are."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def _growth_scores(self, name: str, layer: BlockSparseLinear) -> np.ndarray:
+        if self.criterion == "set":
+            return self.generator.random(layer.op.layout.shape)
+        entries = self._captured.get(name, [])
+        if not entries or any(dy is None for _, dy in entries):
+            raise RuntimeError(f"criterion='rigl': no gradient of the output of layer {name!r} was captured in step "
+                               f"{self.steps}; each update needs a forward and backward through every layer")
+
+        def rows(tensor):  # (rows, features), whichever axis the layer takes its features on
+            features = tensor if layer.feature_axis else tensor.movedim(0, -1)
+            return features.reshape(-1, features.shape[-1])
+
+        x = torch.cat([rows(x) for x, _ in entries])
+        dy = torch.cat([rows(dy) for _, dy in entries])
+        return gradient_block_norms(x, dy, layer.op.block_size, self.ord).cpu().numpy()
+
+    def decide(self, name: str, layer: BlockSparseLinear, fraction: float) -> np.ndarray:
+        """The layout ``layer`` moves to at this update (see the class notes)."""
+        index = layer.op.index
+        present = index.layout != 0
+        absent = np.argwhere(~present)
+        count = min(round(fraction * index.nnzb), len(absent))
+        if count == 0:
+            return present.astype(np.uint8)
+        dropped = _smallest(block_norms(layer, self.ord).cpu().numpy()[index.rows, index.indices], count)
+        scores = self._growth_scores(name, layer)
+        grown = absent[_smallest(-scores[absent[:, 0], absent[:, 1]], count)]
+        layout = present.copy()
+        layout[index.rows[dropped], index.indices[dropped]] = False
+        layout[grown[:, 0], grown[:, 1]] = True
+        return layout.astype(np.uint8)
+
+    def update(self) -> dict[str, LayoutChange]:
+        """Drop and regrow every layer now (the post-step hook calls it every ``every`` steps)."""
+        fraction = self.fraction(self.steps)
+        changes = {}
+        for name, layer in self.layers.items():
+            layout = self.decide(name, layer, fraction)
+            if torch.distributed.is_available() and torch.distributed.is_initialized() \
+                    and torch.distributed.get_world_size() > 1:
+                shared = torch.as_tensor(layout, device=layer.weight.device)
+                torch.distributed.broadcast(shared, src=0)
+                layout = shared.cpu().numpy()
+            changes[name] = change_layout(layer, layout, self.optimizer, self.init)
+        self.history.append(changes)
+        return changes

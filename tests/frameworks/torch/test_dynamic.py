@@ -1,0 +1,342 @@
+"""bsmm.torch.dynamic: block norms and the dense gradient's block norms against float64 written out here;
+change_layout moving values, gradients and optimizer state with their blocks; DynamicSparsity (RigL, SET)
+against a reference that takes the same steps on dense masked weights. CUDA cases carry the ``gpu`` marker."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="PyTorch is not installed: bsmm.torch tests skipped")
+
+import bsmm.torch as bt  # noqa: E402
+from bsmm.layouts import random_layout  # noqa: E402
+from bsmm.torch import dynamic  # noqa: E402
+import torch_cases  # noqa: E402
+
+device = torch_cases.device  # the fixture (tests take it by name)
+
+
+def dtype_on(device):
+    """float64 where bsmm runs it (the CPU); float32 on CUDA."""
+    return torch.float64 if device == "cpu" else torch.float32
+
+
+def tolerance_of(dtype):
+    return 1e-10 if dtype == torch.float64 else 2e-5
+
+
+def block_grid(dense: np.ndarray, bs: int) -> np.ndarray:
+    """(CB, KB, bs, bs) blocks of a (C, K) array."""
+    c, k = dense.shape
+    return dense.reshape(c // bs, bs, k // bs, bs).transpose(0, 2, 1, 3)
+
+
+def reference_norms(dense: np.ndarray, bs: int, ord: str) -> np.ndarray:
+    blocks = block_grid(dense, bs)
+    return np.sqrt((blocks ** 2).sum(axis=(2, 3))) if ord == "l2" else np.abs(blocks).max(axis=(2, 3))
+
+
+@pytest.mark.parametrize("ord", ["l2", "max"])
+@pytest.mark.parametrize("feature_axis", [1, 0])
+def test_gradient_block_norms_against_float64(device, ord, feature_axis, monkeypatch):
+    rng = np.random.default_rng(3)
+    x, dy = rng.standard_normal((2, 19, 96)), rng.standard_normal((2, 19, 160))  # 38 rows, C 96, K 160
+    expected = reference_norms(x.reshape(-1, 96).T @ dy.reshape(-1, 160), 32, ord)
+    tx, tdy = (torch.tensor(a, device=device) for a in (x, dy))
+    if feature_axis == 0:
+        tx, tdy = tx.movedim(-1, 0), tdy.movedim(-1, 0)
+    whole = dynamic.gradient_block_norms(tx, tdy, 32, ord, feature_axis)
+    assert whole.shape == (3, 5) and whole.dtype == torch.float32
+    np.testing.assert_allclose(whole.cpu().numpy(), expected, rtol=2e-6)
+    monkeypatch.setattr(dynamic, "GRADIENT_CHUNK_BYTES", 1)  # one block row at a time
+    assert torch.equal(dynamic.gradient_block_norms(tx, tdy, 32, ord, feature_axis), whole)
+
+
+def test_gradient_block_norms_refusals():
+    x, dy = torch.ones(4, 64), torch.ones(4, 32)
+    with pytest.raises(ValueError, match="same rows; got 4 and 3"):
+        dynamic.gradient_block_norms(x, dy[:3], 32)
+    with pytest.raises(ValueError, match=r"x's features \(64\) must be a multiple of block_size 48"):
+        dynamic.gradient_block_norms(x, torch.ones(4, 48), 48)
+    with pytest.raises(ValueError, match="ord must be one of 'l2', 'max'; got 'l1'"):
+        dynamic.gradient_block_norms(x, dy, 32, "l1")
+    with pytest.raises(ValueError, match="feature_axis must be 0 or 1; got 2"):
+        dynamic.gradient_block_norms(x, dy, 32, feature_axis=2)
+
+
+@pytest.mark.parametrize("ord", ["l2", "max"])
+def test_block_norms_of_a_layer(device, ord):
+    layer = bt.BlockSparseLinear(96, 128, density=0.4, block_size=32, seed=2, device=device, dtype=dtype_on(device))
+    norms = dynamic.block_norms(layer, ord).cpu().numpy()
+    expected = reference_norms(layer.to_dense_weight().detach().cpu().double().numpy(), 32, ord)
+    np.testing.assert_allclose(norms, expected, rtol=1e-6)
+    assert (norms[layer.op.layout == 0] == 0).all() and (norms[layer.op.layout != 0] > 0).all()
+
+
+def a_moved_layout(layout: np.ndarray, rng, count: int) -> np.ndarray:
+    """``layout`` with ``count`` present blocks moved to absent places."""
+    moved = layout.copy()
+    present, absent = np.argwhere(layout != 0), np.argwhere(layout == 0)
+    for r, c in present[rng.choice(len(present), count, replace=False)]:
+        moved[r, c] = 0
+    for r, c in absent[rng.choice(len(absent), count, replace=False)]:
+        moved[r, c] = 1
+    return moved
+
+
+@pytest.mark.parametrize("init", ["zero", "fan_in"])
+def test_change_layout_moves_values_gradients_and_adam_state(device, init):
+    dtype = dtype_on(device)
+    rng = np.random.default_rng(4)
+    layer = bt.BlockSparseLinear(128, 96, density=0.5, block_size=32, seed=1, device=device, dtype=dtype)
+    weight = layer.weight
+    optimizer = torch.optim.Adam(layer.parameters(), lr=1e-2)
+    x = torch.tensor(rng.standard_normal((7, 128)), device=device, dtype=dtype)
+    layer(x).square().sum().backward()
+    optimizer.step()
+    layer(x).square().sum().backward()  # a gradient in place when the layout changes
+    before = {"weight": layer.to_dense_weight().detach().clone(), "layout": layer.op.layout.copy()}
+
+    def dense(slots):  # (C, K) of a per-slot tensor under the layer's current index
+        blocks = torch.zeros(*layer.op.layout.shape, 32, 32, dtype=slots.dtype, device=slots.device)
+        blocks[torch.tensor(layer.op.index.rows, dtype=torch.long), torch.tensor(layer.op.index.indices,
+                                                                                  dtype=torch.long)] = slots
+        return blocks.permute(0, 2, 1, 3).reshape(128, 96)
+
+    state_before = {k: dense(v).clone() for k, v in optimizer.state[weight].items() if torch.is_tensor(v) and
+                    v.shape == weight.shape}
+    grad_before = dense(weight.grad).clone()
+    assert set(state_before) == {"exp_avg", "exp_avg_sq"}
+    new_layout = a_moved_layout(before["layout"], rng, 3)
+    change = dynamic.change_layout(layer, torch.tensor(new_layout), optimizer, init=init)
+    assert layer.weight is weight and np.array_equal(layer.op.layout, new_layout)
+    assert torch.equal(layer.layout.cpu(), torch.tensor(new_layout))
+    assert len(change.dropped) == len(change.grown) == 3 and (change.source == -1).sum() == 3
+    kept = np.kron((before["layout"] != 0) & (new_layout != 0), np.ones((32, 32))).astype(bool)
+    grown = np.kron((before["layout"] == 0) & (new_layout != 0), np.ones((32, 32))).astype(bool)
+    after = layer.to_dense_weight().detach()
+    kept_t, grown_t = torch.tensor(kept, device=device), torch.tensor(grown, device=device)
+    assert torch.equal(after[kept_t], before["weight"][kept_t])
+    for name, value in state_before.items():
+        moved = dense(optimizer.state[weight][name])
+        assert torch.equal(moved[kept_t], value[kept_t]) and not moved[grown_t].any(), name
+    assert torch.equal(dense(weight.grad)[kept_t], grad_before[kept_t]) and not dense(weight.grad)[grown_t].any()
+    if init == "zero":
+        assert not after[grown_t].any()
+    else:  # nn.Linear's bound 1/sqrt(fan_in) of each block column under the new layout
+        bounds = 1 / np.sqrt((new_layout != 0).sum(axis=0) * 32)
+        limit = torch.tensor(np.broadcast_to(np.repeat(bounds, 32), (128, 96))[grown], device=device, dtype=dtype)
+        values = after[grown_t]
+        assert values.abs().min() > 0 and (values.abs() <= limit).all()
+    # The layer computes with the new layout, and trains on: forward, backward and a step
+    expected = x @ after + layer.bias.detach()
+    assert torch.allclose(layer(x), expected, rtol=tolerance_of(dtype), atol=tolerance_of(dtype))
+    layer(x).square().sum().backward()
+    optimizer.step()
+    assert torch.isfinite(layer.weight).all()
+
+
+def test_change_layout_keeps_checkpoints_loadable(tmp_path):
+    layer = bt.BlockSparseLinear(64, 96, density=0.5, block_size=32, seed=3)
+    dynamic.change_layout(layer, a_moved_layout(layer.op.layout, np.random.default_rng(0), 1), init="fan_in")
+    state = layer.state_dict()  # the buffer agrees with the layout computed with: no refusal
+    assert np.array_equal(state["layout"].numpy(), layer.op.layout)
+    fresh = bt.BlockSparseLinear(64, 96, density=0.5, block_size=32, seed=3)
+    with pytest.raises(RuntimeError, match="layout"):
+        fresh.load_state_dict(state)
+    model = torch.nn.Sequential(fresh)
+    bt.load_layouts(model, {"0." + k: v for k, v in state.items()}).load_state_dict(
+        {"0." + k: v for k, v in state.items()})
+    x = torch.randn(5, 64)
+    assert torch.equal(model(x), layer(x))
+    copied = copy.deepcopy(layer)
+    assert torch.equal(copied(x), layer(x))
+
+
+def test_change_layout_refusals():
+    layer = bt.BlockSparseLinear(64, 64, np.array([[1, 0], [0, 1]]), block_size=32)
+    weight = layer.weight.detach().clone()
+    with pytest.raises(ValueError, match=r"layout must hold 2 blocks, as the layer's does; got 3"):
+        dynamic.change_layout(layer, np.array([[1, 1], [0, 1]]))
+    with pytest.raises(ValueError, match=r"layout must have the layer's layout shape \(2, 2\); got \(1, 2\)"):
+        dynamic.change_layout(layer, np.array([[1, 1]]))
+    with pytest.raises(ValueError, match="init must be one of 'zero', 'fan_in'; got 'ones'"):
+        dynamic.change_layout(layer, np.array([[1, 1], [0, 0]]), init="ones")
+    with pytest.raises(TypeError, match="layer must be a bsmm.torch.BlockSparseLinear; got Linear"):
+        dynamic.change_layout(torch.nn.Linear(4, 4), np.ones((1, 1)))
+    assert torch.equal(layer.weight, weight) and np.array_equal(layer.op.layout, [[1, 0], [0, 1]])
+
+
+# -- DynamicSparsity against the same steps on dense masked weights ---------------------------------------------
+class MaskedReference:
+    """Two dense layers (float64) with block masks, ReLU between, Adam; the RigL or SET update written
+    out: drop the present blocks of smallest L2 norm (row-major order breaks ties), grow the absent ones
+    of largest dense-gradient norm (or of largest uniform draw), new blocks and their Adam state zero."""
+
+    def __init__(self, layers, bs, criterion, rng_seed):
+        self.bs, self.criterion = bs, criterion
+        self.masks = [layer.op.layout != 0 for layer in layers]
+        # (clones: on the CPU in float64, .double().cpu() would share the layers' storage)
+        self.weights = [torch.nn.Parameter(layer.to_dense_weight().detach().double().cpu().clone())
+                        for layer in layers]
+        self.biases = [torch.nn.Parameter(layer.bias.detach().double().cpu().clone()) for layer in layers]
+        self.optimizer = torch.optim.Adam([*self.weights, *self.biases], lr=1e-2)
+        self.generator = np.random.default_rng(rng_seed)
+
+    def expanded(self, i):
+        return torch.tensor(np.kron(self.masks[i], np.ones((self.bs, self.bs))))
+
+    def step(self, x, update_fraction=None):
+        masked = [w * self.expanded(i) for i, w in enumerate(self.weights)]
+        for m in masked:
+            m.retain_grad()
+        y = torch.relu(x @ masked[0] + self.biases[0]) @ masked[1] + self.biases[1]
+        y.square().mean().backward()
+        self.optimizer.step()
+        if update_fraction is not None:
+            for i, mask in enumerate(self.masks):
+                self.update(i, mask, masked[i].grad.numpy(), update_fraction)
+        self.optimizer.zero_grad()
+
+    def update(self, i, mask, full_gradient, fraction):
+        present, absent = np.argwhere(mask), np.argwhere(~mask)
+        count = min(round(fraction * len(present)), len(absent))
+        norms = reference_norms((self.weights[i] * self.expanded(i)).detach().numpy(), self.bs, "l2")
+        dropped = present[np.argsort(norms[mask], kind="stable")[:count]]
+        if self.criterion == "rigl":
+            scores = reference_norms(full_gradient, self.bs, "l2")
+        else:
+            scores = self.generator.random(mask.shape)
+        grown = absent[np.argsort(-scores[~mask], kind="stable")[:count]]
+        mask[tuple(dropped.T)] = False
+        mask[tuple(grown.T)] = True
+        fresh = torch.tensor(np.kron(np.isin(np.arange(mask.size), np.ravel_multi_index(tuple(grown.T), mask.shape))
+                                     .reshape(mask.shape), np.ones((self.bs, self.bs))).astype(bool))
+        with torch.no_grad():
+            self.weights[i][fresh] = 0
+            for value in self.optimizer.state[self.weights[i]].values():
+                if torch.is_tensor(value) and value.shape == fresh.shape:
+                    value[fresh] = 0
+
+
+@pytest.mark.parametrize("criterion", ["rigl", "set"])
+def test_dynamic_sparsity_against_dense_masked_reference(device, criterion):
+    dtype = dtype_on(device)
+    bs, seed = 16, 7
+    torch.manual_seed(0)
+    layers = [bt.BlockSparseLinear(64, 96, random_layout(4, 6, 0.4, seed=1), bs, device=device, dtype=dtype),
+              bt.BlockSparseLinear(96, 48, random_layout(6, 3, 0.5, seed=2), bs, device=device, dtype=dtype)]
+    model = torch.nn.Sequential(layers[0], torch.nn.ReLU(), layers[1])
+    reference = MaskedReference(layers, bs, criterion, seed)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    sparsity = bt.DynamicSparsity(model, optimizer, criterion=criterion, drop_fraction=0.3, every=3,
+                                  schedule="constant", seed=seed)
+    rng = np.random.default_rng(5)
+    for step in range(1, 8):
+        x = rng.standard_normal((2, 11, 64))  # leading axes: the captured rows are 22
+        out = model(torch.tensor(x, device=device, dtype=dtype))
+        out.square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        reference.step(torch.tensor(x), 0.3 if step % 3 == 0 else None)
+    assert sparsity.steps == 7 and len(sparsity.history) == 2
+    for i, layer in enumerate(layers):
+        assert np.array_equal(layer.op.layout != 0, reference.masks[i]), i
+        assert int(np.count_nonzero(layer.op.layout)) == len(layer.weight)
+        expected = (reference.weights[i] * reference.expanded(i)).detach()
+        np.testing.assert_allclose(layer.to_dense_weight().detach().cpu().double().numpy(), expected.numpy(),
+                                   rtol=0, atol=tolerance_of(dtype))
+    moved = sum(len(change.grown) for update in sparsity.history for change in update.values())
+    assert moved == 2 * (round(0.3 * 10) + round(0.3 * 9))  # 10 and 9 blocks: 3 and 3 moved at each update
+
+
+def test_cosine_schedule_and_end():
+    layer = bt.BlockSparseLinear(64, 64, density=0.5, block_size=16, seed=0)
+    optimizer = torch.optim.SGD(layer.parameters(), lr=0.1)
+    sparsity = bt.DynamicSparsity([layer], optimizer, criterion="set", drop_fraction=0.4, every=2, end=4)
+    assert [round(sparsity.fraction(t), 6) for t in (0, 2, 4, 5)] == [0.4, 0.2, 0.0, 0.0]
+    for _ in range(8):
+        layer(torch.randn(3, 64)).sum().backward()
+        optimizer.step()
+    assert sparsity.steps == 8 and len(sparsity.history) == 2  # after steps 2 and 4 only
+    assert sum(len(c.grown) for c in sparsity.history[1].values()) == 0  # f = 0 at end
+    sparsity.remove()
+    optimizer.step()
+    assert sparsity.steps == 8
+
+
+def test_dynamic_sparsity_refusals():
+    layer = bt.BlockSparseLinear(64, 64, density=0.5, block_size=16, seed=0)
+    optimizer = torch.optim.SGD(layer.parameters(), lr=0.1)
+    for kwargs, error, match in [
+        ({"criterion": "magnitude"}, ValueError, "criterion must be one of 'rigl', 'set'; got 'magnitude'"),
+        ({"drop_fraction": 1.0}, ValueError, r"drop_fraction must be a number in \(0, 1\); got 1.0"),
+        ({"every": 0}, ValueError, "every must be a positive int; got 0"),
+        ({"schedule": "cosine"}, ValueError, "schedule='cosine' decays to 0 at end: pass end="),
+        ({"schedule": "linear", "end": 5}, ValueError, "schedule must be one of 'cosine', 'constant'"),
+    ]:
+        with pytest.raises(error, match=match):
+            bt.DynamicSparsity([layer], optimizer, **kwargs)
+    with pytest.raises(ValueError, match="holds no bsmm.torch.BlockSparseLinear"):
+        bt.DynamicSparsity(torch.nn.Linear(4, 4), optimizer, end=4)
+    with pytest.raises(ValueError, match="optimizer does not hold the weight of layer '0'"):
+        bt.DynamicSparsity([layer], torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=1), end=4)
+    activated = bt.BlockSparseLinear(64, 64, density=0.5, block_size=16, seed=0, activation="relu")
+    with pytest.raises(ValueError, match="layer '0' fuses activation 'relu': use criterion='set'"):
+        bt.DynamicSparsity([activated], torch.optim.SGD(activated.parameters(), lr=1), end=4)
+    with pytest.raises(TypeError, match=r"model_or_layers\[0\] must be a bsmm.torch.BlockSparseLinear; got ReLU"):
+        bt.DynamicSparsity([torch.nn.ReLU()], optimizer, end=4)
+
+
+def test_rigl_without_a_captured_gradient_says_so():
+    layer = bt.BlockSparseLinear(64, 64, density=0.5, block_size=16, seed=0)
+    optimizer = torch.optim.SGD(layer.parameters(), lr=0.1)
+    bt.DynamicSparsity([layer], optimizer, criterion="rigl", every=1, schedule="constant")
+    layout = layer.op.layout.copy()
+    with torch.no_grad():
+        layer.weight.grad = torch.ones_like(layer.weight)
+    with pytest.raises(RuntimeError, match="no gradient of the output of layer '0' was captured in step 1"):
+        optimizer.step()
+    assert np.array_equal(layer.op.layout, layout)
+
+
+def test_a_compiled_model_computes_with_the_changed_layout():
+    layer = bt.BlockSparseLinear(64, 64, density=0.5, block_size=16, seed=0)
+    compiled = torch.compile(layer, fullgraph=True)
+    x = torch.randn(5, 64)
+    assert torch.allclose(compiled(x), layer(x), rtol=1e-5, atol=1e-6)
+    dynamic.change_layout(layer, a_moved_layout(layer.op.layout, np.random.default_rng(1), 2), init="fan_in")
+    expected = x @ layer.to_dense_weight().detach() + layer.bias.detach()
+    assert torch.allclose(compiled(x), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_rigl_on_features_first_with_accumulated_gradients(device):
+    """feature_axis=0 and two forward-backward passes before the step: the growth signal is the norm of the
+    summed dW, Σ xᵢ·dyᵢᵀ, over both micro-batches."""
+    dtype = dtype_on(device)
+    layer = bt.BlockSparseLinear(64, 96, density=0.25, block_size=16, seed=4, feature_axis=0, device=device,
+                                 dtype=dtype)
+    optimizer = torch.optim.SGD(layer.parameters(), lr=0.0)  # the weights stay: the drop is checked against them
+    sparsity = bt.DynamicSparsity([layer], optimizer, criterion="rigl", drop_fraction=0.35, every=1,
+                                  schedule="constant")
+    present, absent = np.argwhere(layer.op.layout != 0), np.argwhere(layer.op.layout == 0)
+    count = round(0.35 * len(present))
+    norms = dynamic.block_norms(layer).cpu().numpy()[layer.op.layout != 0]
+    gradient = 0
+    rng = np.random.default_rng(9)
+    for rows in (5, 8):
+        x = torch.tensor(rng.standard_normal((64, rows)), device=device, dtype=dtype)
+        out = layer(x)
+        out.retain_grad()
+        out.sin().sum().backward()
+        gradient = gradient + (x @ out.grad.T).double().cpu().numpy()
+    optimizer.step()
+    expected = np.zeros(layer.op.layout.shape, dtype=np.uint8)  # from the starting layout
+    expected[tuple(present.T)] = 1
+    expected[tuple(present[np.argsort(norms, kind="stable")[:count]].T)] = 0
+    growth = reference_norms(gradient, 16, "l2")[tuple(absent.T)]
+    expected[tuple(absent[np.argsort(-growth, kind="stable")[:count]].T)] = 1
+    assert len(sparsity.history) == 1 and np.array_equal(layer.op.layout, expected)
