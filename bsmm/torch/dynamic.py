@@ -330,6 +330,15 @@ class DynamicSparsity:
             self.update()
         self._captured.clear()
 
+    def state_dict(self) -> dict:
+        """The steps taken and SET's generator, to resume with :meth:`load_state_dict` (the layouts
+        themselves travel in the model's ``state_dict``: rebuild with :func:`bsmm.torch.load_layouts`)."""
+        return {"steps": self.steps, "generator": self.generator.bit_generator.state}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.steps = int(state["steps"])
+        self.generator.bit_generator.state = state["generator"]
+
     def remove(self) -> None:
         """Detach from the optimizer and the layers: the layouts stay as they are."""
         for handle in self._handles:

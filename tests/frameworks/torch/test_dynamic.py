@@ -340,3 +340,39 @@ def test_rigl_on_features_first_with_accumulated_gradients(device):
     growth = reference_norms(gradient, 16, "l2")[tuple(absent.T)]
     expected[tuple(absent[np.argsort(-growth, kind="stable")[:count]].T)] = 1
     assert len(sparsity.history) == 1 and np.array_equal(layer.op.layout, expected)
+
+
+def test_a_run_resumes_from_checkpoints_as_it_would_have_gone_on(tmp_path):
+    """Model, optimizer and DynamicSparsity saved mid-run and loaded into fresh objects (the layers rebuilt
+    to the saved layouts by load_layouts): the rest of the run equals the uninterrupted one exactly."""
+    def build():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(bt.BlockSparseLinear(64, 64, density=0.4, block_size=16, seed=1),
+                                    torch.nn.Tanh(), bt.BlockSparseLinear(64, 32, density=0.5, block_size=16, seed=2))
+        optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+        return model, optimizer, bt.DynamicSparsity(model, optimizer, criterion="set", drop_fraction=0.3, every=2,
+                                                    end=8, seed=3)
+
+    def train(model, optimizer, steps):
+        for step in steps:
+            x = torch.tensor(np.random.default_rng(step).standard_normal((4, 64)), dtype=torch.float32)
+            optimizer.zero_grad()
+            model(x).square().mean().backward()
+            optimizer.step()
+
+    model, optimizer, sparsity = build()
+    train(model, optimizer, range(3))
+    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                "sparsity": sparsity.state_dict()}, tmp_path / "run.pt")
+    train(model, optimizer, range(3, 8))
+    saved = torch.load(tmp_path / "run.pt", weights_only=False)
+    resumed, _, _ = build()
+    bt.load_layouts(resumed, saved["model"]).load_state_dict(saved["model"])
+    optimizer2 = torch.optim.Adam(resumed.parameters(), lr=1e-2)
+    optimizer2.load_state_dict(saved["optimizer"])
+    sparsity2 = bt.DynamicSparsity(resumed, optimizer2, criterion="set", drop_fraction=0.3, every=2, end=8, seed=99)
+    sparsity2.load_state_dict(saved["sparsity"])
+    train(resumed, optimizer2, range(3, 8))
+    assert sparsity2.steps == sparsity.steps == 8 and (len(sparsity.history), len(sparsity2.history)) == (4, 3)
+    for a, b in zip(model.state_dict().values(), resumed.state_dict().values()):
+        assert torch.equal(a, b)
