@@ -165,6 +165,9 @@ def change_layout(layer: BlockSparseLinear, layout, optimizer: torch.optim.Optim
     if not isinstance(layer, BlockSparseLinear):
         raise TypeError(f"layer must be a bsmm.torch.BlockSparseLinear; got {type(layer).__name__}")
     _check_choice(init, INITS, "init")
+    if layer.gates is not None:
+        raise ValueError("layer has gates (bsmm.torch.gate_layer): prune it by them first "
+                         "(bsmm.torch.prune_by_gates), then change its layout")
     old = layer.op.index
     new_layout = np.asarray(layout.detach().cpu() if isinstance(layout, torch.Tensor) else layout) != 0
     if new_layout.shape != old.layout.shape:

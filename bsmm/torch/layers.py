@@ -272,6 +272,7 @@ class BlockSparseLinear(_BlockSparseLayer):
                     (("in_features", in_features, 0), ("out_features", out_features, 1)), bias, device, dtype)
         self.in_features, self.out_features = self.op.C, self.op.K
         self.feature_axis, self.tf32 = self.op.feature_axis, self.op.tf32
+        self.gates = None  # per-block gates, given by bsmm.torch.gate_layer
 
     def _adopt_layout(self, layout: np.ndarray) -> None:
         """Compute with ``layout`` from now on, a layout of as many blocks (the weight's slots are
@@ -289,7 +290,10 @@ class BlockSparseLinear(_BlockSparseLayer):
         """x (..., C) -> (..., K), or (C, ...) -> (K, ...) with feature_axis=0."""
         # The bias (cast to the product's dtype) and the activation are added in the kernel; y is a
         # tensor of its own, never a view (FSDP2 warns about module outputs that are views).
-        return matmul_by_key(x, self.weight, self._key, self.in_features, self.out_features, self.feature_axis,
+        weight = self.weight
+        if self.gates is not None:  # y = x·(g ⊙ W) + b, a gate a block (bsmm.torch.gates)
+            weight = weight * self.gates().to(weight.dtype).view(-1, *([1] * (weight.dim() - 1)))
+        return matmul_by_key(x, weight, self._key, self.in_features, self.out_features, self.feature_axis,
                              self.tf32, self.bias, self.activation)
 
     def to_dense_weight(self) -> torch.Tensor:

@@ -1,0 +1,161 @@
+"""Per-block gates: a learnable scale on each block of a :class:`~bsmm.torch.BlockSparseLinear`, with an L0
+penalty that drives a fraction of the gates to exactly zero (Louizos, Welling and Kingma, 2018, "Learning
+Sparse Neural Networks through L0 Regularization": hard-concrete gates).
+
+The gated layer computes ``y = x·(g ⊙ W) + b``, where ``g`` holds one gate per present block. Its
+gradients are ``dx = dy·(g ⊙ W)ᵀ``, ``dW = g ⊙ (xᵀ·dy)`` and ``dg_j = ⟨W_j, (xᵀ·dy)_j⟩``: the seed's
+semantics. Here the gate scales the weight's blocks before the product, so a block whose gate is 0 is
+still multiplied. :func:`prune_by_gates` then builds a layer of only the blocks whose gates are not
+zero.
+
+- :class:`BlockGates`: the gates of one layer. Training samples them, evaluation takes their
+  deterministic value, and :meth:`~BlockGates.penalty` gives the expected number of non-zero gates or
+  the distance of their expected fraction from a target density.
+- :func:`gate_layer` attaches gates to a layer, which then uses them in every forward.
+- :func:`prune_by_gates`: a new layer of the kept blocks, their weights scaled by their gates.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from bsmm.torch.layers import BlockSparseLinear
+
+__all__ = ["BlockGates", "gate_layer", "prune_by_gates"]
+
+
+class BlockGates(torch.nn.Module):
+    """Hard-concrete gates, one per block: ``z = min(1, max(0, s·(ζ − γ) + γ))``.
+
+    In training, ``s = sigmoid((log u − log(1 − u) + log_alpha) / β)`` with ``u ~ U(0, 1)``, a draw each
+    call. In evaluation, ``s = sigmoid(log_alpha)``.
+
+    Parameters
+    ----------
+    blocks : int
+        The number of gates (a layer's ``op.blocks``).
+    density : float in (0, 1]
+        The probability that a gate is non-zero at the start; it sets ``log_alpha``.
+    beta, gamma, zeta : float
+        The temperature and the stretch of the hard concrete (the paper's 2/3, -0.1, 1.1).
+
+    Attributes
+    ----------
+    log_alpha : Parameter (blocks,)
+
+    Examples
+    --------
+    >>> import torch, bsmm.torch
+    >>> gates = bsmm.torch.BlockGates(4, density=0.9).eval()
+    >>> gates().shape, round(gates.expected_density().item(), 2)
+    (torch.Size([4]), 0.9)
+    """
+
+    def __init__(self, blocks: int, density: float = 0.9, *, beta: float = 2 / 3, gamma: float = -0.1,
+                 zeta: float = 1.1, device=None, dtype=None):
+        super().__init__()
+        if isinstance(blocks, bool) or not isinstance(blocks, int) or blocks < 1:
+            raise ValueError(f"blocks must be a positive int; got {blocks!r}")
+        if isinstance(density, bool) or not isinstance(density, (int, float)) or not 0 < density <= 1:
+            raise ValueError(f"density must be a number in (0, 1]; got {density!r}")
+        if not (beta > 0 and gamma < 0 and zeta > 1):
+            raise ValueError(f"beta must be > 0, gamma < 0 and zeta > 1; got {beta}, {gamma}, {zeta}")
+        self.beta, self.gamma, self.zeta = float(beta), float(gamma), float(zeta)
+        # P(z != 0) = sigmoid(log_alpha - β·log(-γ/ζ)): solved for the starting density (capped below 1)
+        start = math.log(min(density, 1 - 1e-4) / (1 - min(density, 1 - 1e-4))) + self._shift
+        self.log_alpha = torch.nn.Parameter(torch.full((blocks,), start, device=device, dtype=dtype))
+
+    @property
+    def _shift(self) -> float:
+        return self.beta * math.log(-self.gamma / self.zeta)
+
+    def forward(self) -> torch.Tensor:
+        """The gates (blocks,): a draw in training, their deterministic value in evaluation."""
+        if self.training:
+            u = torch.rand_like(self.log_alpha).clamp(1e-6, 1 - 1e-6)
+            s = torch.sigmoid((torch.log(u) - torch.log1p(-u) + self.log_alpha) / self.beta)
+        else:
+            s = torch.sigmoid(self.log_alpha)
+        return (s * (self.zeta - self.gamma) + self.gamma).clamp(0, 1)
+
+    def nonzero_probability(self) -> torch.Tensor:
+        """(blocks,): the probability that each gate is not zero in training, differentiable."""
+        return torch.sigmoid(self.log_alpha - self._shift)
+
+    def expected_density(self) -> torch.Tensor:
+        """The expected fraction of non-zero gates, differentiable."""
+        return self.nonzero_probability().mean()
+
+    def penalty(self, target: float | None = None) -> torch.Tensor:
+        """The L0 penalty: without ``target``, the expected number of non-zero gates (the paper's);
+        with it, ``(expected_density − target)²``, which holds the density near the target."""
+        if target is None:
+            return self.nonzero_probability().sum()
+        if not 0 <= target <= 1:
+            raise ValueError(f"target must be in [0, 1]; got {target!r}")
+        return (self.expected_density() - target) ** 2
+
+    def kept(self) -> torch.Tensor:
+        """(blocks,) bool: the gates that are not zero in evaluation."""
+        with torch.no_grad():
+            return (torch.sigmoid(self.log_alpha) * (self.zeta - self.gamma) + self.gamma) > 0
+
+    def extra_repr(self) -> str:
+        return f"blocks={self.log_alpha.numel()}, beta={self.beta:.3g}, gamma={self.gamma}, zeta={self.zeta}"
+
+
+def gate_layer(layer: BlockSparseLinear, density: float = 0.9, **options) -> BlockGates:
+    """Give ``layer`` gates (``layer.gates``, one per block), which it applies in every forward from now on;
+    returns them. ``options``: those of :class:`BlockGates`.
+
+    Examples
+    --------
+    >>> import torch, bsmm.torch
+    >>> layer = bsmm.torch.BlockSparseLinear(64, 64, density=0.5, block_size=32, seed=0)
+    >>> gates = bsmm.torch.gate_layer(layer)
+    >>> layer(torch.ones(3, 64)).shape, gates.log_alpha.shape
+    (torch.Size([3, 64]), torch.Size([2]))
+    """
+    if not isinstance(layer, BlockSparseLinear):
+        raise TypeError(f"layer must be a bsmm.torch.BlockSparseLinear; got {type(layer).__name__}")
+    if getattr(layer, "gates", None) is not None:
+        raise ValueError("layer already has gates (layer.gates)")
+    layer.gates = BlockGates(layer.op.blocks, density, device=layer.weight.device, dtype=torch.float32, **options)
+    return layer.gates
+
+
+def prune_by_gates(layer: BlockSparseLinear) -> BlockSparseLinear:
+    """A new layer (without gates) of the blocks of ``layer`` whose gates are not zero in evaluation, each
+    block's weight multiplied by its gate: it computes what the gated layer computes in evaluation.
+
+    Examples
+    --------
+    >>> import torch, bsmm.torch
+    >>> layer = bsmm.torch.BlockSparseLinear(64, 64, density=1.0, block_size=32, seed=0)
+    >>> gates = bsmm.torch.gate_layer(layer)
+    >>> with torch.no_grad():
+    ...     gates.log_alpha[:2] = -10.0   # two gates closed
+    >>> bsmm.torch.prune_by_gates(layer).op.blocks
+    2
+    """
+    gates = getattr(layer, "gates", None)
+    if gates is None:
+        raise ValueError("layer has no gates: give it some with bsmm.torch.gate_layer")
+    kept = gates.kept().cpu().numpy()
+    index = layer.op.index
+    layout = np.zeros(index.layout.shape, dtype=np.uint8)
+    layout[index.rows[kept], index.indices[kept]] = 1
+    pruned = BlockSparseLinear(layer.in_features, layer.out_features, layout, layer.op.block_size,
+                               bias=layer.bias is not None, feature_axis=layer.feature_axis, tf32=layer.tf32,
+                               device=layer.weight.device, dtype=layer.weight.dtype, activation=layer.activation)
+    with torch.no_grad():
+        training = gates.training
+        scale = gates.eval()().to(layer.weight.dtype)[torch.as_tensor(kept, device=gates.log_alpha.device)]
+        gates.train(training)
+        pruned.weight.copy_(layer.weight[torch.as_tensor(kept, device=layer.weight.device)] * scale.view(-1, 1, 1))
+        if layer.bias is not None:
+            pruned.bias.copy_(layer.bias)
+    return pruned

@@ -1,0 +1,156 @@
+"""bsmm.torch.gates: a gated layer's y, dx, dW and gate gradient against float64 written out here (the
+seed's semantics: y = x·(g ⊙ W) + b); the hard-concrete gates' distribution, penalty and target density;
+prune_by_gates keeping what the gated layer computes. CUDA cases carry the ``gpu`` marker."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="PyTorch is not installed: bsmm.torch tests skipped")
+
+import bsmm.torch as bt  # noqa: E402
+from bsmm.torch import dynamic  # noqa: E402
+import torch_cases  # noqa: E402
+
+device = torch_cases.device  # the fixture (tests take it by name)
+
+
+class FixedGates(torch.nn.Module):
+    """Stands in for BlockGates: returns one given tensor, so its gradient can be read."""
+
+    def __init__(self, gate):
+        super().__init__()
+        self.gate = gate
+
+    def forward(self):
+        return self.gate
+
+
+def per_block(values: np.ndarray, layout: np.ndarray, bs: int) -> np.ndarray:
+    """(C, K): each present block (row-major slot order) filled with its value, zero elsewhere."""
+    grid = np.zeros(layout.shape)
+    grid[np.nonzero(layout)] = values
+    return np.kron(grid, np.ones((bs, bs)))
+
+
+@pytest.mark.parametrize("feature_axis", [1, 0])
+def test_gated_layer_against_float64(device, feature_axis):
+    dtype = torch.float64 if device == "cpu" else torch.float32
+    tolerance = 1e-12 if dtype == torch.float64 else 2e-5
+    bs, rng = 16, np.random.default_rng(0)
+    layer = bt.BlockSparseLinear(64, 80, density=0.45, block_size=bs, seed=5, feature_axis=feature_axis,
+                                 device=device, dtype=dtype)
+    nnzb = layer.op.blocks
+    values = rng.uniform(0.2, 1.0, nnzb)
+    values[:2] = [0.0, 1.0]  # a closed gate and an open one
+    gate = torch.tensor(values, device=device, dtype=torch.float32, requires_grad=True)
+    layer.gates = FixedGates(gate)
+    x_np, dy_np = rng.standard_normal((9, 64)), rng.standard_normal((9, 80))
+    x = torch.tensor(x_np if feature_axis else x_np.T, device=device, dtype=dtype, requires_grad=True)
+    y = layer(x)
+    y.backward(torch.tensor(dy_np if feature_axis else dy_np.T, device=device, dtype=dtype))
+
+    w = layer.to_dense_weight().detach().cpu().double().numpy()  # ungated
+    g = per_block(values.astype(np.float32).astype(np.float64), layer.op.layout, bs)
+    product = x_np.T @ dy_np
+    expected = {"y": x_np @ (w * g) + layer.bias.detach().cpu().double().numpy(), "dx": dy_np @ (w * g).T}
+    actual = {"y": y.detach(), "dx": x.grad}
+    for name in ("y", "dx"):
+        got = actual[name].cpu().double().numpy()
+        got = got if feature_axis else got.T
+        np.testing.assert_allclose(got, expected[name], rtol=0, atol=tolerance * np.abs(expected[name]).max())
+    # dW = g ⊙ (xᵀ·dy) on the present blocks, in slot order; dg_j = ⟨W_j, (xᵀ·dy)_j⟩
+    blocks = product.reshape(4, bs, 5, bs).transpose(0, 2, 1, 3)[layer.op.index.rows, layer.op.index.indices]
+    weights = w.reshape(4, bs, 5, bs).transpose(0, 2, 1, 3)[layer.op.index.rows, layer.op.index.indices]
+    expected_dw = blocks * values.astype(np.float32)[:, None, None]
+    np.testing.assert_allclose(layer.weight.grad.cpu().double().numpy(), expected_dw, rtol=0,
+                               atol=tolerance * np.abs(expected_dw).max())
+    assert not layer.weight.grad[0].any()  # the closed gate passes no gradient to its block
+    expected_dg = (weights * blocks).sum(axis=(1, 2))
+    np.testing.assert_allclose(gate.grad.double().cpu().numpy(), expected_dg, rtol=1e-5,
+                               atol=1e-6 * np.abs(expected_dg).max())
+
+
+def test_hard_concrete_gates():
+    torch.manual_seed(0)
+    gates = bt.BlockGates(5, density=0.6)
+    with torch.no_grad():
+        gates.log_alpha.copy_(torch.tensor([-3.0, -0.5, 0.0, 1.0, 4.0]))
+    draws = torch.stack([gates() for _ in range(20000)])
+    assert draws.min() == 0 and draws.max() == 1 and ((draws > 0) & (draws < 1)).any()
+    np.testing.assert_allclose((draws > 0).float().mean(0).numpy(), gates.nonzero_probability().detach().numpy(),
+                               atol=0.012)
+    gates.eval()
+    s = torch.sigmoid(gates.log_alpha.detach())
+    assert torch.equal(gates().detach(), (s * 1.2 - 0.1).clamp(0, 1))
+    assert gates.kept().tolist() == [False, True, True, True, True]  # sigmoid(-3)·1.2 - 0.1 < 0
+    penalty = gates.penalty()
+    penalty.backward()
+    assert gates.log_alpha.grad is not None and (gates.log_alpha.grad > 0).all()
+    assert abs(penalty.item() - gates.nonzero_probability().sum().item()) < 1e-6
+    assert bt.BlockGates(1000, density=0.3).expected_density().item() == pytest.approx(0.3, abs=1e-6)
+
+
+def test_penalty_reaches_a_target_density():
+    gates = bt.BlockGates(64, density=0.9)
+    optimizer = torch.optim.Adam(gates.parameters(), lr=0.05)
+    for _ in range(400):
+        optimizer.zero_grad()
+        gates.penalty(target=0.3).backward()
+        optimizer.step()
+    assert gates.expected_density().item() == pytest.approx(0.3, abs=0.01)
+
+
+def test_gated_layer_trains_its_gates_and_prunes(device):
+    dtype = torch.float64 if device == "cpu" else torch.float32
+    torch.manual_seed(1)
+    layer = bt.BlockSparseLinear(64, 64, density=0.75, block_size=16, seed=2, device=device, dtype=dtype)
+    gates = bt.gate_layer(layer, density=0.95)
+    assert gates.log_alpha.device == layer.weight.device and layer.gates is gates
+    optimizer = torch.optim.Adam(layer.parameters(), lr=0.05)
+    x = torch.randn(32, 64, device=device, dtype=dtype)
+    target = torch.randn(32, 64, device=device, dtype=dtype)
+    for _ in range(60):  # the task and an L0 push toward half the blocks
+        optimizer.zero_grad()
+        ((layer(x) - target).square().mean() + 0.5 * gates.penalty(target=0.5)).backward()
+        optimizer.step()
+    assert gates.log_alpha.grad is not None and gates.log_alpha.grad.abs().sum() > 0
+    with torch.no_grad():
+        gates.log_alpha[[1, 4, 7]] = -10.0  # three gates closed for good
+    layer.eval()
+    kept = gates.kept()
+    assert int(kept.sum()) == layer.op.blocks - 3
+    pruned = bt.prune_by_gates(layer)
+    assert pruned.gates is None and pruned.op.blocks == int(kept.sum()) and not gates.training
+    tolerance = 1e-12 if dtype == torch.float64 else 1e-5
+    with torch.no_grad():
+        assert torch.allclose(pruned(x), layer(x), rtol=tolerance, atol=tolerance)
+    state = layer.state_dict()
+    assert "gates.log_alpha" in state
+    again = bt.BlockSparseLinear(64, 64, density=0.75, block_size=16, seed=2, device=device, dtype=dtype)
+    bt.gate_layer(again)
+    again.load_state_dict(state)
+    again.eval()
+    with torch.no_grad():
+        assert torch.equal(again(x), layer(x))
+
+
+def test_gate_refusals():
+    layer = bt.BlockSparseLinear(64, 64, density=0.5, block_size=16, seed=0)
+    with pytest.raises(ValueError, match="layer has no gates: give it some with bsmm.torch.gate_layer"):
+        bt.prune_by_gates(layer)
+    bt.gate_layer(layer)
+    with pytest.raises(ValueError, match=r"layer already has gates \(layer.gates\)"):
+        bt.gate_layer(layer)
+    with pytest.raises(ValueError, match="layer has gates"):
+        dynamic.change_layout(layer, layer.op.layout)
+    with pytest.raises(TypeError, match="layer must be a bsmm.torch.BlockSparseLinear; got Linear"):
+        bt.gate_layer(torch.nn.Linear(4, 4))
+    for kwargs, match in [({"blocks": 0}, "blocks must be a positive int; got 0"),
+                          ({"blocks": 3, "density": 0.0}, r"density must be a number in \(0, 1\]; got 0.0"),
+                          ({"blocks": 3, "gamma": 0.1}, "beta must be > 0, gamma < 0 and zeta > 1")]:
+        with pytest.raises(ValueError, match=match):
+            bt.BlockGates(**kwargs)
+    with pytest.raises(ValueError, match=r"target must be in \[0, 1\]; got 2"):
+        bt.BlockGates(3).penalty(target=2)
