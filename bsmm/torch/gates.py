@@ -127,9 +127,12 @@ def gate_layer(layer: BlockSparseLinear, density: float = 0.9, **options) -> Blo
     return layer.gates
 
 
-def prune_by_gates(layer: BlockSparseLinear) -> BlockSparseLinear:
+def prune_by_gates(layer: BlockSparseLinear, blocks: int | None = None) -> BlockSparseLinear:
     """A new layer (without gates) of the blocks of ``layer`` whose gates are not zero in evaluation, each
     block's weight multiplied by its gate: it computes what the gated layer computes in evaluation.
+
+    With ``blocks``, the ``blocks`` gates of largest ``log_alpha`` are kept instead (ties to the earlier
+    slot), open or not, so that layers pruned by gates can be given an exact density.
 
     Examples
     --------
@@ -144,8 +147,15 @@ def prune_by_gates(layer: BlockSparseLinear) -> BlockSparseLinear:
     gates = getattr(layer, "gates", None)
     if gates is None:
         raise ValueError("layer has no gates: give it some with bsmm.torch.gate_layer")
-    kept = gates.kept().cpu().numpy()
     index = layer.op.index
+    if blocks is None:
+        kept = gates.kept().cpu().numpy()
+    else:
+        if isinstance(blocks, bool) or not isinstance(blocks, int) or not 0 <= blocks <= index.nnzb:
+            raise ValueError(f"blocks must be an int in [0, {index.nnzb}] (the layer's blocks); got {blocks!r}")
+        order = np.argsort(-gates.log_alpha.detach().float().cpu().numpy(), kind="stable")
+        kept = np.zeros(index.nnzb, dtype=bool)
+        kept[order[:blocks]] = True
     layout = np.zeros(index.layout.shape, dtype=np.uint8)
     layout[index.rows[kept], index.indices[kept]] = 1
     pruned = BlockSparseLinear(layer.in_features, layer.out_features, layout, layer.op.block_size,

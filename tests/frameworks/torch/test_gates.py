@@ -126,6 +126,12 @@ def test_gated_layer_trains_its_gates_and_prunes(device):
     tolerance = 1e-12 if dtype == torch.float64 else 1e-5
     with torch.no_grad():
         assert torch.allclose(pruned(x), layer(x), rtol=tolerance, atol=tolerance)
+    exact = bt.prune_by_gates(layer, blocks=4)  # the four largest gates, whatever their state
+    largest = torch.argsort(-gates.log_alpha.detach().cpu(), stable=True)[:4].sort().values.numpy()
+    assert exact.op.blocks == 4 and np.array_equal(
+        np.argwhere(exact.op.layout), np.stack([layer.op.index.rows[largest], layer.op.index.indices[largest]], 1))
+    with pytest.raises(ValueError, match=r"blocks must be an int in \[0, 12\] \(the layer's blocks\); got 13"):
+        bt.prune_by_gates(layer, blocks=13)
     state = layer.state_dict()
     assert "gates.log_alpha" in state
     again = bt.BlockSparseLinear(64, 64, density=0.75, block_size=16, seed=2, device=device, dtype=dtype)
