@@ -3,7 +3,8 @@
 # test suite (each census path among them), the randomized sweep at users' shapes, the checks past
 # 2**31 elements, memcheck and initcheck over a sample of the census, and the benchmark. Full logs
 # go to $OUT; a short table is printed last.
-#   tools/gpu/gpu_check.sh [check|smoke|tests|bench|all|note|conv|race|models|tune|framework|multi|callpath|lstm|transformer]
+#   tools/gpu/gpu_check.sh [check|smoke|tests|bench|all|note|conv|race|models|tune|framework|multi|callpath|lstm|transformer|
+#   learned]
 #   [bench args...]
 # check (the default): correctness, then sweep. correctness: compile, census, GPU tests, edges.
 # sweep: compile, the randomized sweep (SWEEP_CASES cases, default 2000, within SWEEP_BUDGET s, default 180), sanitizers (every
@@ -28,6 +29,8 @@
 # transformer: the MLP block's and decoder's GPU tests, `bsmm bench --model transformer` ($TRANSFORMER_BENCH_ARGS),
 # tools/probes/profile_transformer.py, the decode passes' probe (tools/probes/probe_streaming.py --decode) and
 # the eager decode step's host time (tools/probes/probe_decode_host.py); NO_TRANSFORMER_PROFILE=1 skips the three.
+# learned: the GPU tests of per-block gates and changing layouts, tools/probes/probe_layout_change.py, and
+# examples/learned_structure/experiment_torch.py ($LEARNED_ARGS).
 # tune: `python -m bsmm tune` with the remaining arguments (e.g. --workload T --block-size 64
 # --dtype float16 --dry-run); its report, and the kept tiles in $BSMM_CACHE_DIR/tuned.toml.
 set -uo pipefail
@@ -45,7 +48,7 @@ summary=()
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv >"$OUT/gpu.txt" 2>&1
 python3 -c "import cupy, numpy, sys; print('python', sys.version.split()[0], 'cupy', cupy.__version__, 'numpy', numpy.__version__, 'nvrtc', cupy.cuda.nvrtc.getVersion())" | tee -a "$OUT/gpu.txt"
 
-if [[ $stage != framework && $stage != lstm && $stage != transformer ]]; then  # (these stages compile the few kernels they run on first use)
+if [[ $stage != framework && $stage != lstm && $stage != transformer && $stage != learned ]]; then  # (these stages compile the few kernels they run on first use)
   t0=$(date +%s)
   python3 tools/ci/compile_kernels.py --arch sm_90a --jobs 16 --populate-cache --quiet >"$OUT/compile.log" 2>&1 || status=1
   echo "compile: $(tail -1 "$OUT/compile.log") [$(( $(date +%s) - t0 ))s]"
@@ -188,6 +191,23 @@ if [[ $stage == lstm ]]; then
     python3 tools/probes/probe_streaming.py --json "$OUT/streaming.json" >"$OUT/streaming.md" 2>&1 || status=1
     echo "streaming probe [$(( $(date +%s) - t0 ))s]:"; cat "$OUT/streaming.md"
   fi
+fi
+if [[ $stage == learned ]]; then
+  # Learned structure (issue 38): the gates' and dynamic layouts' GPU tests (DDP ranks among them), what a layout
+  # change costs (tools/probes/probe_layout_change.py), and the experiment ($LEARNED_ARGS, e.g. --steps 1000).
+  t0=$(date +%s)
+  python3 -m pytest -q -m gpu tests/frameworks/torch/test_dynamic.py tests/frameworks/torch/test_gates.py \
+    tests/frameworks/torch/test_distributed.py -k "dynamic or gate or Gate" -p no:cacheprovider \
+    >"$OUT/pytest_learned.log" 2>&1 || status=1
+  grep -E "^(FAILED|ERROR)" "$OUT/pytest_learned.log" | head -20
+  echo "learned-structure gpu tests: $(tail -1 "$OUT/pytest_learned.log") [$(( $(date +%s) - t0 ))s]"
+  t0=$(date +%s)
+  python3 tools/probes/probe_layout_change.py >"$OUT/layout_change.md" 2>&1 || status=1
+  echo "layout change [$(( $(date +%s) - t0 ))s]:"; cat "$OUT/layout_change.md"
+  t0=$(date +%s)
+  python3 examples/learned_structure/experiment_torch.py ${LEARNED_ARGS:-} --json "$OUT/learned.json" \
+    --markdown "$OUT/learned.md" --plot "$OUT/learned.png" >"$OUT/learned.log" 2>&1 || status=1
+  echo "learned-structure experiment [$(( $(date +%s) - t0 ))s]:"; cat "$OUT/learned.md"; tail -3 "$OUT/learned.log"
 fi
 if [[ $stage == transformer ]]; then
   # Transformers (issue 37): the MLP block's and the decoder's GPU tests, the decoder bench, where its time goes.
