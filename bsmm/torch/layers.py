@@ -148,7 +148,8 @@ class _BlockSparseLayer(torch.nn.Module):
             raise RuntimeError(
                 f"{prefix}layout no longer equals the layout this {name} computes with (layer.op.layout): it was "
                 f"changed in place ({int(torch.count_nonzero(layout))} blocks against {self.op.blocks}), so its "
-                f"weight would be saved with a layout it does not fit. A layer's layout is fixed when it is built: "
+                f"weight would be saved with a layout it does not fit. Change a layer's layout with "
+                f"bsmm.torch.dynamic.change_layout(layer, layout) (its weight's blocks move with it), "
                 f"build a new {name} with the new layout, or restore the buffer with layer.reset_parameters() "
                 f"(new weights) or layer.layout.copy_(torch.tensor(layer.op.layout))"
             )
@@ -160,8 +161,13 @@ class _BlockSparseLayer(torch.nn.Module):
         name = type(self).__name__
         if saved is not None:
             saved = saved.detach().cpu()
-            if tuple(saved.shape) != self.op.layout.shape or not np.array_equal(saved.numpy() != 0,
-                                                                              self.op.layout != 0):
+            same_shape = tuple(saved.shape) == self.op.layout.shape
+            moved = same_shape and not np.array_equal(saved.numpy() != 0, self.op.layout != 0)
+            if moved and hasattr(self, "_adopt_layout") and int(torch.count_nonzero(saved)) == self.op.blocks:
+                # The same number of blocks elsewhere (a layout changed while training, bsmm.torch.dynamic):
+                # the weight's shape fits, so the layer adopts the saved layout and loads into it.
+                self._adopt_layout((saved.numpy() != 0).astype(np.uint8))
+            elif not same_shape or moved:
                 error_msgs.append(
                     f"{prefix}layout: the state_dict holds a layout of shape {tuple(saved.shape)} with "
                     f"{int(torch.count_nonzero(saved))} blocks, this {name} has shape "
@@ -212,10 +218,12 @@ class BlockSparseLinear(_BlockSparseLayer):
         The present blocks of ``W``, row-major over the layout (``op.w_shape``).
     bias : Parameter (out_features,) or None
     layout : buffer (C // block_size, K // block_size) uint8
-        Saved in the ``state_dict``; loading a state_dict of another layout raises (rebuild
-        the layers first: :meth:`from_state_dict`, :func:`load_layouts`). It records the
-        layout: changing it in place does not change the layer, and ``state_dict()`` then
-        raises rather than save a layout the weight does not fit.
+        Saved in the ``state_dict``. Loading a state_dict whose layout has as many blocks
+        elsewhere adopts it (a layout changed while training: :mod:`bsmm.torch.dynamic`); one of
+        another shape or number of blocks raises (rebuild the layers first: :meth:`from_state_dict`,
+        :func:`load_layouts`). The buffer records the layout: changing it in place does not change
+        the layer, and ``state_dict()`` then raises rather than save a layout the weight does not
+        fit (change a layout with :func:`bsmm.torch.dynamic.change_layout`).
     op : bsmm.BlocksparseMatMul
         The operator over the layout (``op.to_dense``, ``op.flops``, ...).
 

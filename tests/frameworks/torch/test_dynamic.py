@@ -139,19 +139,23 @@ def test_change_layout_moves_values_gradients_and_adam_state(device, init):
     assert torch.isfinite(layer.weight).all()
 
 
-def test_change_layout_keeps_checkpoints_loadable(tmp_path):
+def test_change_layout_keeps_checkpoints_loadable():
+    """A changed layer's state_dict carries its layout: a fresh layer of as many blocks adopts it on
+    load_state_dict, one of other blocks is rebuilt by load_layouts; both then compute as the changed one."""
     layer = bt.BlockSparseLinear(64, 96, density=0.5, block_size=32, seed=3)
     dynamic.change_layout(layer, a_moved_layout(layer.op.layout, np.random.default_rng(0), 1), init="fan_in")
     state = layer.state_dict()  # the buffer agrees with the layout computed with: no refusal
     assert np.array_equal(state["layout"].numpy(), layer.op.layout)
-    fresh = bt.BlockSparseLinear(64, 96, density=0.5, block_size=32, seed=3)
-    with pytest.raises(RuntimeError, match="layout"):
-        fresh.load_state_dict(state)
-    model = torch.nn.Sequential(fresh)
-    bt.load_layouts(model, {"0." + k: v for k, v in state.items()}).load_state_dict(
-        {"0." + k: v for k, v in state.items()})
     x = torch.randn(5, 64)
-    assert torch.equal(model(x), layer(x))
+    fresh = bt.BlockSparseLinear(64, 96, density=0.5, block_size=32, seed=3)
+    fresh.load_state_dict(state)
+    assert np.array_equal(fresh.op.layout, layer.op.layout) and torch.equal(fresh(x), layer(x))
+    denser = torch.nn.Sequential(bt.BlockSparseLinear(64, 96, density=0.75, block_size=32, seed=3))
+    with pytest.raises(RuntimeError, match="layout"):
+        denser.load_state_dict({"0." + k: v for k, v in state.items()})
+    bt.load_layouts(denser, {"0." + k: v for k, v in state.items()}).load_state_dict(
+        {"0." + k: v for k, v in state.items()})
+    assert torch.equal(denser(x), layer(x))
     copied = copy.deepcopy(layer)
     assert torch.equal(copied(x), layer(x))
 
@@ -343,8 +347,8 @@ def test_rigl_on_features_first_with_accumulated_gradients(device):
 
 
 def test_a_run_resumes_from_checkpoints_as_it_would_have_gone_on(tmp_path):
-    """Model, optimizer and DynamicSparsity saved mid-run and loaded into fresh objects (the layers rebuilt
-    to the saved layouts by load_layouts): the rest of the run equals the uninterrupted one exactly."""
+    """Model, optimizer and DynamicSparsity saved mid-run and loaded into fresh objects (load_state_dict adopts
+    the saved layouts: as many blocks as the fresh layers'): the rest of the run equals the uninterrupted one."""
     def build():
         torch.manual_seed(0)
         model = torch.nn.Sequential(bt.BlockSparseLinear(64, 64, density=0.4, block_size=16, seed=1),
@@ -367,7 +371,7 @@ def test_a_run_resumes_from_checkpoints_as_it_would_have_gone_on(tmp_path):
     train(model, optimizer, range(3, 8))
     saved = torch.load(tmp_path / "run.pt", weights_only=False)
     resumed, _, _ = build()
-    bt.load_layouts(resumed, saved["model"]).load_state_dict(saved["model"])
+    resumed.load_state_dict(saved["model"])
     optimizer2 = torch.optim.Adam(resumed.parameters(), lr=1e-2)
     optimizer2.load_state_dict(saved["optimizer"])
     sparsity2 = bt.DynamicSparsity(resumed, optimizer2, criterion="set", drop_fraction=0.3, every=2, end=8, seed=99)

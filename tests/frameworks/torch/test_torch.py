@@ -391,13 +391,26 @@ def test_state_dict_round_trip_into_a_fresh_module(tmp_path):
     assert torch.equal(fresh(x), saved(x))
 
 
-@pytest.mark.parametrize("other", ["moved block", "other shape"])
+def test_state_dict_of_as_many_blocks_elsewhere_is_adopted():
+    """A checkpoint of a layout changed while training (bsmm.torch.dynamic), as many blocks elsewhere: loading
+    adopts its layout, and the layer computes what the saved one did."""
+    layer = bt.BlockSparseLinear(16, 16, np.array([[1, 0], [0, 1]]), block_size=BS)
+    weight = layer.weight
+    source = bt.BlockSparseLinear(16, 16, np.array([[0, 1], [0, 1]]), block_size=BS)
+    layer.load_state_dict(source.state_dict())
+    assert layer.weight is weight and np.array_equal(layer.op.layout, [[0, 1], [0, 1]])
+    x = torch.randn(3, 16)
+    assert torch.equal(layer(x), source(x))
+    assert np.array_equal(layer.state_dict()["layout"].numpy(), [[0, 1], [0, 1]])
+
+
+@pytest.mark.parametrize("other", ["more blocks", "other shape"])
 def test_state_dict_of_another_layout_is_refused(other):
     layout = np.array([[1, 0], [0, 1]])
     layer = bt.BlockSparseLinear(16, 16, layout, block_size=BS)
-    if other == "moved block":
-        source = bt.BlockSparseLinear(16, 16, np.array([[0, 1], [0, 1]]), block_size=BS)
-        match = r"layout: the state_dict holds a layout of shape \(2, 2\) with 2 blocks.* in other places"
+    if other == "more blocks":
+        source = bt.BlockSparseLinear(16, 16, np.array([[1, 1], [0, 1]]), block_size=BS)
+        match = r"layout: the state_dict holds a layout of shape \(2, 2\) with 3 blocks.* in other places"
     else:
         source = bt.BlockSparseLinear(24, 16, np.array([[1, 0], [0, 1], [1, 1]]), block_size=BS)
         match = r"layout: the state_dict holds a layout of shape \(3, 2\) with 4 blocks, this .* shape \(2, 2\)"
@@ -406,7 +419,7 @@ def test_state_dict_of_another_layout_is_refused(other):
         layer.load_state_dict(source.state_dict())
     with pytest.raises(RuntimeError, match="build the layer with the saved layout"):
         layer.load_state_dict(source.state_dict(), strict=False)
-    assert torch.equal(layer.weight, before)
+    assert torch.equal(layer.weight, before) and np.array_equal(layer.op.layout, layout)
 
 
 def test_pickled_and_copied_modules_register_their_layout_again():
