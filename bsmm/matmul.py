@@ -208,12 +208,13 @@ class BlocksparseMatMul:
 
     # -- the three passes ---------------------------------------------------------------
     def __call__(self, x, w, out=None, accumulate: bool = False, *, bias=None, activation: str | None = None,
-                 pre=None):
+                 pre=None, gate=None):
         """Same as :meth:`fprop`."""
-        return self.fprop(x, w, out=out, accumulate=accumulate, bias=bias, activation=activation, pre=pre)
+        return self.fprop(x, w, out=out, accumulate=accumulate, bias=bias, activation=activation, pre=pre,
+                          gate=gate)
 
     def fprop(self, x, w, out=None, accumulate: bool = False, *, bias=None, activation: str | None = None,
-              pre=None):
+              pre=None, gate=None):
         """y = x·W, or with a fused epilogue y = A(x·W + bias).
 
         Parameters
@@ -233,6 +234,8 @@ class BlocksparseMatMul:
         pre : array of y's shape, dtype and library, optional
             Receives z = x·W + bias before the activation: what
             :func:`bsmm.epilogues.activation_grad` needs for GELU and SiLU.
+        gate : (nnzb,) array of w's dtype and library, optional
+            One scale a block: y = x·(g ⊙ W) (:meth:`gated_weights`; NumPy and CuPy arrays).
 
         Returns
         -------
@@ -249,6 +252,8 @@ class BlocksparseMatMul:
         >>> bool(np.allclose(y, np.maximum(x @ op.to_dense(w) + b, 0), atol=1e-5))
         True
         """
+        if gate is not None:
+            w = self.gated_weights(w, gate)
         if x.__class__ is _gpu_array_type and (out is not None or not accumulate) and (
                 activation is None or activation.__class__ is str):  # a repeat: see FastCall
             # (only checked names are kept: any other string finds no call and takes the checked path)
@@ -259,7 +264,7 @@ class BlocksparseMatMul:
                 return result
         return self._activation_pass("fprop", x, "x", w, out, accumulate, self.C, self.K, bias, activation, pre)
 
-    def bprop(self, dy, w, out=None, accumulate: bool = False):
+    def bprop(self, dy, w, out=None, accumulate: bool = False, *, gate=None):
         """dx = dy·Wᵀ.
 
         Parameters
@@ -269,11 +274,15 @@ class BlocksparseMatMul:
         out : (N, C) (or (C, N)) array, optional
         accumulate : bool
             Add dy·Wᵀ to ``out`` (needs ``out``).
+        gate : (nnzb,) array, optional
+            As :meth:`fprop`'s: dx = dy·(g ⊙ W)ᵀ.
 
         Returns
         -------
         dx : (N, C) or (C, N), dy's dtype and library
         """
+        if gate is not None:
+            w = self.gated_weights(w, gate)
         if dy.__class__ is _gpu_array_type and (out is not None or not accumulate):
             call = self._gpu_calls.get(("bprop", dy.shape, dy.dtype, self.feature_axis, self.tf32, "store"))
             result = call(dy, w, out, accumulate) if call is not None else None
@@ -340,7 +349,7 @@ class BlocksparseMatMul:
             raise ValueError(f"{argument} must be C-contiguous; got strides {array.strides}; pass a C-contiguous "
                              f"array to be written")
 
-    def updat(self, x, dy, out=None, accumulate: bool = False):
+    def updat(self, x, dy, out=None, accumulate: bool = False, *, gate=None):
         """dW = xᵀ·dy on the present blocks only.
 
         Parameters
@@ -352,11 +361,25 @@ class BlocksparseMatMul:
         accumulate : bool
             Add to ``out`` instead of overwriting it (needs ``out``), e.g. to
             sum the gradients of many time steps into one buffer.
+        gate : (nnzb,) array of x's dtype and library, optional
+            As :meth:`fprop`'s: dW = g ⊙ (xᵀ·dy), each block scaled by its gate
+            (the gate's own gradient: :meth:`gate_grad`).
 
         Returns
         -------
         dw : (nnzb, bs, bs), x's dtype and library
         """
+        if gate is not None:
+            scaled = self.gated_weights(self.updat(x, dy), gate)
+            if out is None:
+                return scaled
+            out_op = as_operand(out, "out")
+            self._check_weights(out_op, "out", scaled.dtype)
+            if accumulate:
+                out_op.array += scaled
+            else:
+                out_op.array[...] = scaled
+            return out
         if x.__class__ is _gpu_array_type and (out is not None or not accumulate):
             call = self._gpu_calls.get(("updat", x.shape, x.dtype, self.feature_axis, self.tf32, "store"))
             result = call(x, dy, out, accumulate) if call is not None else None
@@ -396,6 +419,61 @@ class BlocksparseMatMul:
         if not array.flags.c_contiguous:
             raise _not_contiguous(operand, argument)
         return array.shape[1 - self.feature_axis]
+
+    def gated_weights(self, w, gate):
+        """g ⊙ W: each block of ``w`` scaled by its gate, a new array (the gated passes compute with it).
+
+        Parameters
+        ----------
+        w : (nnzb, bs, bs) NumPy or CuPy array
+        gate : (nnzb,) array of w's dtype, library and device
+
+        Examples
+        --------
+        >>> import numpy as np, bsmm
+        >>> op = bsmm.BlocksparseMatMul(np.array([[1, 0], [1, 1]]), block_size=8)
+        >>> w = np.ones(op.w_shape, np.float32)
+        >>> op.gated_weights(w, np.array([0.0, 0.5, 2.0], np.float32))[:, 0, 0].tolist()
+        [0.0, 0.5, 2.0]
+        """
+        w_op, gate_op = as_operand(w, "w"), as_operand(gate, "gate")
+        if w_op.library not in ("numpy", "cupy"):
+            raise TypeError(f"gate= takes NumPy or CuPy arrays here; w is a {w_op.library} array: in PyTorch or JAX "
+                            f"pass gate= to bsmm.torch.blocksparse_matmul or bsmm.jax.blocksparse_matmul")
+        self._check_weights(w_op, "w", None)
+        check_same_place({"w": w_op, "gate": gate_op})
+        if tuple(gate_op.array.shape) != (self.blocks,):
+            raise ValueError(f"gate must have shape ({self.blocks},), one value a block; "
+                             f"got {tuple(gate_op.array.shape)}")
+        if gate_op.array.dtype != w_op.array.dtype:
+            raise TypeError(f"gate has dtype {gate_op.array.dtype} but w has {w_op.array.dtype}; pass one dtype")
+        return w_op.array * gate_op.array.reshape(-1, 1, 1)
+
+    def gate_grad(self, x, dy, w):
+        """The gates' gradient of a gated product: ``dg_j = ⟨W_j, (xᵀ·dy)_j⟩``, summed in float32.
+
+        Parameters
+        ----------
+        x, dy : as :meth:`updat`'s
+        w : (nnzb, bs, bs) array, the ungated weights
+
+        Returns
+        -------
+        dg : (nnzb,), w's dtype and library
+
+        Examples
+        --------
+        >>> import numpy as np, bsmm
+        >>> op = bsmm.BlocksparseMatMul(np.array([[1]]), block_size=8)
+        >>> x, dy, w = np.ones((3, 8), np.float32), np.ones((3, 8), np.float32), np.ones(op.w_shape, np.float32)
+        >>> op.gate_grad(x, dy, w).tolist()   # 64 entries of 3 times 1
+        [192.0]
+        """
+        raw, w_op = self.updat(x, dy), as_operand(w, "w")
+        self._check_weights(w_op, "w", raw.dtype)
+        xp = array_module(w_op.array)
+        product = w_op.array.astype(xp.float32) * raw.astype(xp.float32)
+        return product.sum(axis=(1, 2)).astype(w_op.array.dtype)
 
     def _check_weights(self, operand: Operand, argument: str, dtype) -> None:
         array = operand.array

@@ -19,7 +19,7 @@ _ACTIVATIONS = {"none": lambda y: y, "relu": jax.nn.relu, "gelu": lambda y: jax.
                 "gelu_tanh": lambda y: jax.nn.gelu(y, approximate=True), "silu": jax.nn.silu}
 
 
-def blocksparse_matmul(x, w, op: BlocksparseMatMul, bias=None, activation: str | None = None):
+def blocksparse_matmul(x, w, op: BlocksparseMatMul, bias=None, activation: str | None = None, *, gate=None):
     """y = x·W with block-sparse ``W``: differentiable, jit-able and vmap-able; with ``bias`` or
     ``activation``, y = A(x·W + bias).
 
@@ -39,6 +39,8 @@ def blocksparse_matmul(x, w, op: BlocksparseMatMul, bias=None, activation: str |
         As :mod:`bsmm.epilogues` names them (``"gelu"``: the erf form). Applied by XLA
         after the pass, which fuses the bias and the activation into one element-wise
         kernel; the PyTorch and CuPy paths apply them inside bsmm's kernel.
+    gate : (nnzb,) array, optional
+        One scale a block: y = x·(g ⊙ W), differentiable in ``g`` too (cast to w's dtype).
 
     Returns
     -------
@@ -101,6 +103,10 @@ def blocksparse_matmul(x, w, op: BlocksparseMatMul, bias=None, activation: str |
     """
     check_matmul_inputs(x, w, op)
     activation = check_activation(activation)
+    if gate is not None:
+        if tuple(jnp.shape(gate)) != (op.blocks,):
+            raise ValueError(f"gate must have shape ({op.blocks},), one value a block; got {tuple(jnp.shape(gate))}")
+        w = w * jnp.asarray(gate, w.dtype).reshape(-1, 1, 1)
     if op.feature_axis == 1:
         y = differentiable_pass(x.reshape(-1, op.C), w, op, "fprop").reshape(x.shape[:-1] + (op.K,))
     else:

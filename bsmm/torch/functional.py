@@ -44,6 +44,11 @@ def _autocast(x: torch.Tensor, w: torch.Tensor):
     return x, w
 
 
+def gated_weight(w: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """g ⊙ W: each block of ``w`` (nnzb, ..., bs, bs) scaled by its gate (nnzb,), differentiable in both."""
+    return w * gate.to(w.dtype).view(-1, *([1] * (w.dim() - 1)))
+
+
 def matmul_by_key(x, w, key: str, features_in: int, features_out: int, feature_axis: int, tf32: bool,
                   bias: torch.Tensor | None = None, activation: str | None = None) -> torch.Tensor:
     """``A(x·W + bias)`` over any leading (feature_axis=1) or trailing (feature_axis=0) batch
@@ -96,7 +101,7 @@ def _static_arguments(op: BlocksparseMatMul) -> tuple:
 
 
 def blocksparse_matmul(x: torch.Tensor, w: torch.Tensor, op: BlocksparseMatMul, bias: torch.Tensor | None = None,
-                       activation: str | None = None) -> torch.Tensor:
+                       activation: str | None = None, *, gate: torch.Tensor | None = None) -> torch.Tensor:
     """y = x·W for the block-sparse ``W`` of ``op``'s layout, differentiable in ``x`` and ``w``;
     with ``bias`` or ``activation``, y = A(x·W + bias) in one kernel.
 
@@ -115,6 +120,9 @@ def blocksparse_matmul(x: torch.Tensor, w: torch.Tensor, op: BlocksparseMatMul, 
     activation : {None, "none", "relu", "gelu", "gelu_tanh", "silu"}
         Applied inside the kernel to x·W + bias (:mod:`bsmm.epilogues`); ``"gelu"`` is
         ``F.gelu``'s default (erf), ``"gelu_tanh"`` its ``approximate="tanh"``.
+    gate : (nnzb,) tensor, optional
+        One scale a block: y = x·(g ⊙ W), differentiable in ``g`` too (cast to w's dtype;
+        :mod:`bsmm.torch.gates` learns such gates).
 
     Returns
     -------
@@ -152,6 +160,11 @@ def blocksparse_matmul(x: torch.Tensor, w: torch.Tensor, op: BlocksparseMatMul, 
     torch.Size([3, 8, 8])
     """
     key, features_in, features_out, feature_axis, tf32 = _static_arguments(op)
+    if gate is not None:
+        if not isinstance(gate, torch.Tensor) or tuple(gate.shape) != (op.blocks,):
+            raise ValueError(f"gate must be a tensor of shape ({op.blocks},), one value a block; got "
+                             f"{tuple(gate.shape) if isinstance(gate, torch.Tensor) else type(gate).__name__}")
+        w = gated_weight(w, gate)
     return matmul_by_key(x, w, key, features_in, features_out, feature_axis, tf32, bias, activation)
 
 

@@ -20,7 +20,7 @@ from bsmm.nn.conv import BlocksparseConv
 from bsmm.torch.checks import check_dtype
 from bsmm.torch.conv_ops import conv_spec
 from bsmm.torch.conversions import weight_bsr
-from bsmm.torch.functional import conv_by_key, matmul_by_key
+from bsmm.torch.functional import conv_by_key, gated_weight, matmul_by_key
 from bsmm.torch.registry import register
 
 __all__ = ["BlockSparseConv1d", "BlockSparseConv2d", "BlockSparseConv3d", "BlockSparseLinear", "load_layouts"]
@@ -300,7 +300,7 @@ class BlockSparseLinear(_BlockSparseLayer):
         # tensor of its own, never a view (FSDP2 warns about module outputs that are views).
         weight = self.weight
         if self.gates is not None:  # y = x·(g ⊙ W) + b, a gate a block (bsmm.torch.gates)
-            weight = weight * self.gates().to(weight.dtype).view(-1, *([1] * (weight.dim() - 1)))
+            weight = gated_weight(weight, self.gates())
         return matmul_by_key(x, weight, self._key, self.in_features, self.out_features, self.feature_axis,
                              self.tf32, self.bias, self.activation)
 
