@@ -65,7 +65,7 @@ def block_norms(layer: BlockSparseLinear, ord: str = "l2") -> torch.Tensor:
     norms = torch.zeros(index.layout.shape, dtype=torch.float32, device=layer.weight.device)
     rows = torch.tensor(index.rows, dtype=torch.long, device=norms.device)
     cols = torch.tensor(index.indices, dtype=torch.long, device=norms.device)
-    norms[rows, cols] = _reduce_blocks(layer.weight.detach(), ord)
+    norms[rows, cols] = _reduce_blocks(_whole(layer.weight.detach()), ord)
     return norms
 
 
@@ -142,15 +142,33 @@ def _moved(tensor: torch.Tensor, source: torch.Tensor, fresh: torch.Tensor | Non
     return torch.where(grown, torch.zeros_like(moved) if fresh is None else fresh, moved)
 
 
+def _whole(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of a sharded one (FSDP2's DTensor parameters and optimizer state; a collective:
+    every rank calls it), else the tensor itself."""
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
+def _write(target: torch.Tensor, whole: torch.Tensor) -> None:
+    """``target`` (a tensor, or this rank's shard of a DTensor) set from the whole new value."""
+    if hasattr(target, "to_local"):
+        from torch.distributed.tensor import distribute_tensor
+
+        target.to_local().copy_(distribute_tensor(whole, target.device_mesh, target.placements).to_local())
+    else:
+        target.copy_(whole)
+
+
 def change_layout(layer: BlockSparseLinear, layout, optimizer: torch.optim.Optimizer | None = None,
-                  init: str = "zero") -> LayoutChange:
+                  init: str = "zero", generator: torch.Generator | None = None) -> LayoutChange:
     """Move ``layer`` to ``layout``, a layout of the same shape and number of blocks, in place.
 
     Blocks present in both keep their values, gradient and optimizer state (moved to their new
     slots). A new block starts at zero (``init="zero"``) or drawn as the layer draws its weights at
-    construction (``"fan_in"``), with a zero gradient and zero optimizer state. The weight stays the
-    same ``Parameter``. The optimizer's state tensors of the weight's shape are moved; others (step
-    counts) are left as they are.
+    construction (``"fan_in"``, drawn with ``generator``: give every rank of a data-parallel run one
+    seeded alike), with a zero gradient and zero optimizer state. The weight stays the same
+    ``Parameter``. The optimizer's state tensors of the weight's shape are moved; others (step counts)
+    are left as they are. A weight sharded by FSDP2 (``fully_shard``) is gathered, moved and
+    re-sharded: every rank must call this alike.
 
     Examples
     --------
@@ -182,20 +200,22 @@ def change_layout(layer: BlockSparseLinear, layout, optimizer: torch.optim.Optim
     change = LayoutChange(dropped=np.argwhere(before & ~new_layout), grown=np.argwhere(new_layout & ~before),
                           source=source)
     weight = layer.weight
-    moved_from = torch.as_tensor(source, device=weight.device)
     with torch.no_grad():
+        whole = _whole(weight)
+        moved_from = torch.as_tensor(source, device=whole.device)
         fresh = None
         if init == "fan_in":
             bounds = fan_in_bounds(new_layout.astype(np.uint8), layer.op.block_size)[cols]
-            fresh = torch.empty_like(weight).uniform_(-1.0, 1.0).mul_(
-                torch.as_tensor(bounds, dtype=weight.dtype, device=weight.device).view(-1, 1, 1))
-        weight.copy_(_moved(weight, moved_from, fresh))
+            fresh = torch.empty(whole.shape, dtype=whole.dtype, device=whole.device).uniform_(
+                -1.0, 1.0, generator=generator).mul_(
+                torch.as_tensor(bounds, dtype=whole.dtype, device=whole.device).view(-1, 1, 1))
+        _write(weight, _moved(whole, moved_from, fresh))
         if weight.grad is not None:
-            weight.grad.copy_(_moved(weight.grad, moved_from))
+            _write(weight.grad, _moved(_whole(weight.grad), moved_from))
         if optimizer is not None:
             for value in optimizer.state.get(weight, {}).values():
                 if isinstance(value, torch.Tensor) and value.shape == weight.shape:
-                    value.copy_(_moved(value, moved_from.to(value.device)))
+                    _write(value, _moved(_whole(value), moved_from.to(value.device)))
     layer._adopt_layout(new_layout.astype(np.uint8))
     return change
 
@@ -240,7 +260,7 @@ class DynamicSparsity:
     Notes
     -----
     Under ``torch.distributed`` with more than one process, rank 0's new layouts are broadcast, so that
-    every rank changes alike. Each change re-plans the layer on the host, and a compiled model
+    every rank changes alike (DDP, and FSDP2's sharded weights, which are gathered and re-sharded). Each change re-plans the layer on the host, and a compiled model
     recompiles after it.
 
     Examples
@@ -286,16 +306,13 @@ class DynamicSparsity:
         for name, layer in self.layers.items():
             if id(layer.weight) not in held:
                 raise ValueError(f"optimizer does not hold the weight of layer {name!r}")
-            if type(layer.weight.data) is not torch.Tensor:
-                raise TypeError(f"layer {name!r}'s weight is a {type(layer.weight.data).__name__} (sharded): "
-                                "DynamicSparsity moves whole blocks and runs on unsharded weights (DDP, one GPU)")
             if criterion == "rigl" and layer.activation is not None:
                 raise ValueError(f"criterion='rigl' needs the gradient before the activation; layer {name!r} fuses "
                                  f"activation {layer.activation!r}: use criterion='set' or an unfused activation")
         self.optimizer, self.criterion, self.drop_fraction, self.every, self.end = (
             optimizer, criterion, float(drop_fraction), every, end)
         self.schedule, self.init, self.ord = schedule, init, ord
-        self.generator = np.random.default_rng(seed)
+        self.seed, self.generator = seed, np.random.default_rng(seed)
         self.steps = 0
         self.history: list[dict[str, LayoutChange]] = []
         self._captured: dict[str, list] = {}
@@ -384,13 +401,16 @@ class DynamicSparsity:
         """Drop and regrow every layer now (the post-step hook calls it every ``every`` steps)."""
         fraction = self.fraction(self.steps)
         changes = {}
-        for name, layer in self.layers.items():
+        for number, (name, layer) in enumerate(self.layers.items()):
             layout = self.decide(name, layer, fraction)
             if torch.distributed.is_available() and torch.distributed.is_initialized() \
                     and torch.distributed.get_world_size() > 1:
                 shared = torch.as_tensor(layout, device=layer.weight.device)
                 torch.distributed.broadcast(shared, src=0)
                 layout = shared.cpu().numpy()
-            changes[name] = change_layout(layer, layout, self.optimizer, self.init)
+            # (fan-in draws seeded by the run's seed and step: alike on every rank)
+            generator = torch.Generator(layer.layout.device).manual_seed(
+                (self.seed * 1_000_003 + self.steps) * 1_009 + number)
+            changes[name] = change_layout(layer, layout, self.optimizer, self.init, generator)
         self.history.append(changes)
         return changes

@@ -11,8 +11,8 @@ CPU (float32 on GPUs), and records the largest relative error of each output and
   ``ddp/mlp/...`` and ``fsdp/mlp/...``: a GLU BlockSparseMLP behind a layer.
 - ``fsdp/...``: fully_shard (FSDP2) over the same model, with and without bf16 parameters; any warning
   FSDP2 gives is recorded.
-- ``dynamic/ddp/...``: DynamicSparsity (RigL) under DDP, each rank's batch its own: the layouts and
-  weights of every rank against rank 0's.
+- ``dynamic/{ddp,fsdp}/...``: DynamicSparsity (RigL) under DDP and FSDP2, each rank's batch its own: the
+  layouts and weights of every rank against rank 0's, and FSDP2's against DDP's.
 - ``sharded/...``: ShardedBlockSparseLinear, every split, input and output mode, feature axis, a
   layout whose cut leaves a part without blocks, cuts of unequal widths, an empty batch, no_grad,
   double backward (a gradient penalty), bf16 autocast, and a column-split layer feeding a
@@ -112,33 +112,49 @@ def _train(model, x, r, steps: int, scale: float):
     return torch.stack(losses), grads
 
 
-def check_dynamic_sparsity(record: Recorder, world: int, device, dtype) -> None:
-    """DynamicSparsity (RigL) under DDP, each rank growing from its own share of the batch: rank 0's layouts
-    are broadcast, so every rank's layouts and weights stay equal to rank 0's."""
+def check_dynamic_sparsity(record: Recorder, world: int, device, dtype, tolerance: float) -> None:
+    """DynamicSparsity (RigL, new blocks fan-in drawn) under DDP and under FSDP2, each rank growing from its own
+    share of the batch: rank 0's layouts are broadcast and the draws seeded alike, so every rank's layouts and
+    weights equal rank 0's; FSDP2's (gathered, moved, re-sharded) equal DDP's."""
+    from torch.distributed.fsdp import fully_shard
     from torch.nn.parallel import DistributedDataParallel
 
     rank = record.rank
-    ddp = DistributedDataParallel(_model(dtype, device, seed=5))
-    model = ddp.module
-    optimizer = torch.optim.Adam(ddp.parameters(), lr=1e-2)
-    sparsity = bsmm.torch.DynamicSparsity(model, optimizer, criterion="rigl", drop_fraction=0.3, every=2,
-                                          schedule="constant")
-    start = [layer.op.layout.copy() for layer in sparsity.layers.values()]
-    for step in range(4):
-        x, r = _batch((3, C), dtype, device, seed=100 * step + rank)  # each rank's own rows
-        optimizer.zero_grad()
-        (ddp(x) * r).sum().backward()
-        optimizer.step()
-    mine = {"layouts": [np.array(layer.op.layout).tolist() for layer in sparsity.layers.values()],
-            "weights": [layer.weight.detach().cpu() for layer in sparsity.layers.values()]}
-    everyone = [None] * world
-    dist.all_gather_object(everyone, mine)
-    record.fact("dynamic/ddp/updates", len(sparsity.history))
-    record.fact("dynamic/ddp/moved", sum(int((a != b).sum()) for a, b in
-                                        zip(start, (layer.op.layout for layer in sparsity.layers.values()))))
-    record.fact("dynamic/ddp/layouts-equal", all(other["layouts"] == everyone[0]["layouts"] for other in everyone))
-    for index, weight in enumerate(mine["weights"]):
-        record.close(f"dynamic/ddp/weight{index}", weight, everyone[0]["weights"][index], 0.0)
+    finals = {}
+    for wrapper in ("ddp", "fsdp"):
+        model = _model(dtype, device, seed=5)
+        if wrapper == "ddp":
+            wrapped = DistributedDataParallel(model)
+        else:
+            for layer in list(model.modules())[1:]:
+                if isinstance(layer, bsmm.torch.BlockSparseLinear):
+                    fully_shard(layer)
+            wrapped = fully_shard(model)
+        optimizer = torch.optim.Adam(wrapped.parameters(), lr=1e-2)
+        sparsity = bsmm.torch.DynamicSparsity(model, optimizer, criterion="rigl", drop_fraction=0.3, every=2,
+                                              schedule="constant", init="fan_in", seed=4)
+        torch.manual_seed(1000 + rank)  # the ranks' own random streams differ (dropout, data order, ...)
+        start = [layer.op.layout.copy() for layer in sparsity.layers.values()]
+        for step in range(4):
+            x, r = _batch((3, C), dtype, device, seed=100 * step + rank)  # each rank's own rows
+            optimizer.zero_grad()
+            (wrapped(x) * r).sum().backward()
+            optimizer.step()
+        layers = list(sparsity.layers.values())
+        mine = {"layouts": [np.array(layer.op.layout).tolist() for layer in layers],
+                "weights": [_full(layer.weight).detach().cpu() for layer in layers]}
+        everyone = [None] * world
+        dist.all_gather_object(everyone, mine)
+        prefix = f"dynamic/{wrapper}/"
+        record.fact(prefix + "updates", len(sparsity.history))
+        record.fact(prefix + "moved", sum(int((a != layer.op.layout).sum()) for a, layer in zip(start, layers)))
+        record.fact(prefix + "layouts-equal", all(other["layouts"] == everyone[0]["layouts"] for other in everyone))
+        for index, weight in enumerate(mine["weights"]):
+            record.close(f"{prefix}weight{index}", weight, everyone[0]["weights"][index], 0.0)
+        finals[wrapper] = mine
+    record.fact("dynamic/fsdp-layouts-as-ddp", finals["fsdp"]["layouts"] == finals["ddp"]["layouts"])
+    for index, (a, b) in enumerate(zip(finals["fsdp"]["weights"], finals["ddp"]["weights"])):
+        record.close(f"dynamic/fsdp-as-ddp/weight{index}", a, b, tolerance)
 
 
 def _full(tensor):
@@ -394,7 +410,7 @@ def _rank_main(rank: int, world: int, backend: str, checks: str, port: int, out:
             dtype, tolerance = torch.float64, 1e-12
         if checks in ("all", "data"):
             check_data_parallel(record, world, device, dtype, tolerance)
-            check_dynamic_sparsity(record, world, device, dtype)
+            check_dynamic_sparsity(record, world, device, dtype, tolerance)
         if checks in ("all", "sharded"):
             check_sharded(record, device, dtype, tolerance)
         dist.barrier()

@@ -104,15 +104,19 @@ def test_fsdp2_matches_one_process_without_warnings(measured, shape, policy):
         assert results[prefix + "warnings"]["value"] == [], f"rank {rank}"
 
 
-def test_dynamic_sparsity_keeps_ddp_ranks_identical(measured):
-    """RigL under DDP, each rank capturing its own rows: rank 0's new layouts are broadcast, so after two
-    updates every rank's layouts and weights equal rank 0's exactly."""
+@pytest.mark.parametrize("wrapper", ["ddp", "fsdp"])
+def test_dynamic_sparsity_keeps_ranks_identical(measured, wrapper):
+    """RigL under DDP and FSDP2, each rank capturing its own rows: rank 0's new layouts are broadcast and new
+    blocks drawn alike, so after two updates every rank's layouts and weights equal rank 0's exactly; FSDP2's
+    sharded weights, gathered, moved and re-sharded, end as DDP's."""
     _data_parallel_or_skip(measured)
-    assert _judge(measured, "dynamic/ddp/") == len(measured) * 2
+    assert _judge(measured, f"dynamic/{wrapper}/") == len(measured) * 2
+    assert _judge(measured, "dynamic/fsdp-as-ddp/") == len(measured) * 2
     for rank, results in measured.items():
-        assert results["dynamic/ddp/updates"]["value"] == 2, f"rank {rank}"
-        assert results["dynamic/ddp/moved"]["value"] > 0, f"rank {rank}"
-        assert results["dynamic/ddp/layouts-equal"]["value"] is True, f"rank {rank}"
+        assert results[f"dynamic/{wrapper}/updates"]["value"] == 2, f"rank {rank}"
+        assert results[f"dynamic/{wrapper}/moved"]["value"] > 0, f"rank {rank}"
+        assert results[f"dynamic/{wrapper}/layouts-equal"]["value"] is True, f"rank {rank}"
+        assert results["dynamic/fsdp-layouts-as-ddp"]["value"] is True, f"rank {rank}"
 
 
 @pytest.mark.parametrize("case", SHARDED_CASES)
