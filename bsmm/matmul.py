@@ -370,7 +370,9 @@ class BlocksparseMatMul:
         dw : (nnzb, bs, bs), x's dtype and library
         """
         if gate is not None:
-            scaled = self.gated_weights(self.updat(x, dy), gate)
+            if accumulate and out is None:
+                raise ValueError("accumulate=True needs out=, the buffer to add the gradient to")
+            scaled = self._gated(self.updat(x, dy), gate, "x")
             if out is None:
                 return scaled
             out_op = as_operand(out, "out")
@@ -436,21 +438,27 @@ class BlocksparseMatMul:
         >>> op.gated_weights(w, np.array([0.0, 0.5, 2.0], np.float32))[:, 0, 0].tolist()
         [0.0, 0.5, 2.0]
         """
-        w_op, gate_op = as_operand(w, "w"), as_operand(gate, "gate")
+        return self._gated(w, gate, "w")
+
+    def _gated(self, blocks, gate, argument: str):
+        """``blocks`` (nnzb, bs, bs) scaled by ``gate``; ``argument`` names the array whose dtype ``gate`` must have."""
+        w_op, gate_op = as_operand(blocks, argument), as_operand(gate, "gate")
         if w_op.library not in ("numpy", "cupy"):
-            raise TypeError(f"gate= takes NumPy or CuPy arrays here; w is a {w_op.library} array: in PyTorch or JAX "
-                            f"pass gate= to bsmm.torch.blocksparse_matmul or bsmm.jax.blocksparse_matmul")
-        self._check_weights(w_op, "w", None)
-        check_same_place({"w": w_op, "gate": gate_op})
+            raise TypeError(f"gate= takes NumPy or CuPy arrays here; {argument} is a {w_op.library} array: in PyTorch "
+                            f"or JAX pass gate= to bsmm.torch.blocksparse_matmul or bsmm.jax.blocksparse_matmul")
+        self._check_weights(w_op, argument, None)
+        check_same_place({argument: w_op, "gate": gate_op})
         if tuple(gate_op.array.shape) != (self.blocks,):
             raise ValueError(f"gate must have shape ({self.blocks},), one value a block; "
                              f"got {tuple(gate_op.array.shape)}")
         if gate_op.array.dtype != w_op.array.dtype:
-            raise TypeError(f"gate has dtype {gate_op.array.dtype} but w has {w_op.array.dtype}; pass one dtype")
+            raise TypeError(f"gate has dtype {gate_op.array.dtype} but {argument} has {w_op.array.dtype}; "
+                            f"pass one dtype")
         return w_op.array * gate_op.array.reshape(-1, 1, 1)
 
     def gate_grad(self, x, dy, w):
-        """The gates' gradient of a gated product: ``dg_j = ⟨W_j, (xᵀ·dy)_j⟩``, summed in float32.
+        """The gates' gradient of a gated product: ``dg_j = ⟨W_j, (xᵀ·dy)_j⟩``, summed in float32 (float64
+        for float64).
 
         Parameters
         ----------
@@ -472,7 +480,8 @@ class BlocksparseMatMul:
         raw, w_op = self.updat(x, dy), as_operand(w, "w")
         self._check_weights(w_op, "w", raw.dtype)
         xp = array_module(w_op.array)
-        product = w_op.array.astype(xp.float32) * raw.astype(xp.float32)
+        wide = xp.float64 if w_op.array.dtype == xp.float64 else xp.float32
+        product = w_op.array.astype(wide) * raw.astype(wide)
         return product.sum(axis=(1, 2)).astype(w_op.array.dtype)
 
     def _check_weights(self, operand: Operand, argument: str, dtype) -> None:

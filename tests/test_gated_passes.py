@@ -70,12 +70,19 @@ def test_gate_refusals():
     op, x, dy, w, gate = case()
     for bad, error, match in [
         (gate[:-1], ValueError, rf"gate must have shape \({op.blocks},\), one value a block; got \({op.blocks - 1},\)"),
-        (gate.astype(np.float64), TypeError, "gate has dtype float64 but w has float32; pass one dtype"),
+        (gate.astype(np.float64), TypeError, "gate has dtype float64 but (w|x) has float32; pass one dtype"),
     ]:
         for call in (lambda: op.fprop(x, w, gate=bad), lambda: op.bprop(dy, w, gate=bad),
                      lambda: op.updat(x, dy, gate=bad)):
             with pytest.raises(error, match=match):
                 call()
+    with pytest.raises(ValueError, match="accumulate=True needs out="):
+        op.updat(x, dy, accumulate=True, gate=gate)
+
+
+def test_gate_grad_of_float64_sums_in_float64():
+    op, x, dy, w, gate = case(np.float64, seed=4)
+    np.testing.assert_allclose(op.gate_grad(x, dy, w), reference(op, x, dy, w, gate)["dg"], rtol=1e-12)
 
 
 def test_torch_functional_gate():

@@ -17,6 +17,7 @@ decided again every few steps, with its number of blocks fixed.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 
@@ -31,6 +32,8 @@ NORMS = ("l2", "max")
 CRITERIA = ("rigl", "set")
 SCHEDULES = ("cosine", "constant")
 INITS = ("zero", "fan_in")
+#: Updates :attr:`DynamicSparsity.history` keeps.
+HISTORY = 100
 #: Bytes of one block row chunk of the dense gradient in :func:`gradient_block_norms`.
 GRADIENT_CHUNK_BYTES = 256 * 2**20
 
@@ -166,8 +169,9 @@ def change_layout(layer: BlockSparseLinear, layout, optimizer: torch.optim.Optim
     slots). A new block starts at zero (``init="zero"``) or drawn as the layer draws its weights at
     construction (``"fan_in"``, drawn with ``generator``: give every rank of a data-parallel run one
     seeded alike), with a zero gradient and zero optimizer state. The weight stays the same
-    ``Parameter``. The optimizer's state tensors of the weight's shape are moved; others (step counts)
-    are left as they are. A weight sharded by FSDP2 (``fully_shard``) is gathered, moved and
+    ``Parameter``. The optimizer's state tensors of one entry a block (Adam's moments, SGD's momentum,
+    Adafactor's factors) are moved; scalars (step counts) are left as they are, and any other tensor
+    state is refused before anything changes. A weight sharded by FSDP2 (``fully_shard``) is gathered, moved and
     re-sharded: every rank must call this alike.
 
     Examples
@@ -200,6 +204,17 @@ def change_layout(layer: BlockSparseLinear, layout, optimizer: torch.optim.Optim
     change = LayoutChange(dropped=np.argwhere(before & ~new_layout), grown=np.argwhere(new_layout & ~before),
                           source=source)
     weight = layer.weight
+    if not len(change.dropped):  # the same layout: nothing moves, nothing is planned again
+        return change
+    # The optimizer's per-block state (the weight's shape, or per-slot factors such as Adafactor's) moves with
+    # the blocks; state of any other shape cannot be followed, so it is refused before anything changes.
+    per_slot = []
+    for key, value in (optimizer.state.get(weight, {}).items() if optimizer is not None else ()):
+        if isinstance(value, torch.Tensor) and value.dim() >= 1:
+            if value.shape[0] != old.nnzb:
+                raise ValueError(f"the optimizer's state {key!r} of the weight has shape {tuple(value.shape)}, not one "
+                                 f"entry a block ({old.nnzb}, ...): change_layout cannot move it with the blocks")
+            per_slot.append(value)
     with torch.no_grad():
         whole = _whole(weight)
         moved_from = torch.as_tensor(source, device=whole.device)
@@ -212,10 +227,8 @@ def change_layout(layer: BlockSparseLinear, layout, optimizer: torch.optim.Optim
         _write(weight, _moved(whole, moved_from, fresh))
         if weight.grad is not None:
             _write(weight.grad, _moved(_whole(weight.grad), moved_from))
-        if optimizer is not None:
-            for value in optimizer.state.get(weight, {}).values():
-                if isinstance(value, torch.Tensor) and value.shape == weight.shape:
-                    _write(value, _moved(_whole(value), moved_from.to(value.device)))
+        for value in per_slot:
+            _write(value, _moved(_whole(value), moved_from.to(value.device)))
     layer._adopt_layout(new_layout.astype(np.uint8))
     return change
 
@@ -260,8 +273,18 @@ class DynamicSparsity:
     Notes
     -----
     Under ``torch.distributed`` with more than one process, rank 0's new layouts are broadcast, so that
-    every rank changes alike (DDP, and FSDP2's sharded weights, which are gathered and re-sharded). Each change re-plans the layer on the host, and a compiled model
-    recompiles after it.
+    every rank changes alike (DDP, and FSDP2's sharded weights, which are gathered and re-sharded). RigL
+    grows from rank 0's own rows. To resume such a run, load the checkpoint on every rank:
+    ``load_state_dict`` adopts the saved layouts, but DDP's broadcast of buffers writes the ``layout``
+    buffer without changing the layer.
+
+    Under ``torch.compile``, each change gives a layer a new layout key, which the compiled code guards on.
+    The model then compiles again after every update. After ``torch._dynamo.config.recompile_limit``
+    updates (8 by default), Dynamo runs it eagerly, or raises under ``fullgraph=True``: raise the limit or
+    call ``torch.compiler.reset()`` after updates. RigL's capture also breaks the graph in the step before
+    an update. Optimizer state moves with its blocks (:func:`change_layout`); a grown block starts with
+    zero moments while Adam's step count goes on, so its first steps are about ``lr`` in size. Each change
+    builds the layer's block index on the host, and its passes are planned again on first use.
 
     Examples
     --------
@@ -309,13 +332,20 @@ class DynamicSparsity:
             if criterion == "rigl" and layer.activation is not None:
                 raise ValueError(f"criterion='rigl' needs the gradient before the activation; layer {name!r} fuses "
                                  f"activation {layer.activation!r}: use criterion='set' or an unfused activation")
+            if layer.gates is not None:
+                raise ValueError(f"layer {name!r} has gates (bsmm.torch.gate_layer): gates and DynamicSparsity are "
+                                 "two ways of choosing blocks; prune the layer by its gates first")
+        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+            raise ValueError(f"seed must be a non-negative int; got {seed!r}")
         self.optimizer, self.criterion, self.drop_fraction, self.every, self.end = (
             optimizer, criterion, float(drop_fraction), every, end)
         self.schedule, self.init, self.ord = schedule, init, ord
         self.seed, self.generator = seed, np.random.default_rng(seed)
         self.steps = 0
-        self.history: list[dict[str, LayoutChange]] = []
+        #: The last :data:`HISTORY` updates' changes, by layer name.
+        self.history: collections.deque[dict[str, LayoutChange]] = collections.deque(maxlen=HISTORY)
         self._captured: dict[str, list] = {}
+        self._capturing = criterion == "rigl" and self._updates_after(1)  # read by the hooks: one flag
         self._handles = [optimizer.register_step_post_hook(self._after_step)]
         if criterion == "rigl":
             self._handles += [layer.register_forward_hook(self._capture_hook(name))
@@ -334,42 +364,49 @@ class DynamicSparsity:
 
     def _capture_hook(self, name: str):
         def hook(module, inputs, output):
-            if not (self._updates_after(self.steps + 1) and torch.is_grad_enabled() and output.requires_grad):
+            if not (self._capturing and torch.is_grad_enabled() and output.requires_grad):
                 return
             entry = [inputs[0].detach(), None]
             self._captured.setdefault(name, []).append(entry)
 
-            def keep_gradient(grad):
-                entry[1] = grad.detach()
+            def keep_gradient(grad):  # summed over backward passes through this forward, as weight.grad is
+                entry[1] = grad.detach() if entry[1] is None else entry[1] + grad.detach()
             output.register_hook(keep_gradient)
         return hook
 
     def _after_step(self, optimizer, args, kwargs) -> None:
         self.steps += 1
-        if self._updates_after(self.steps):
-            self.update()
-        self._captured.clear()
+        try:
+            if self._updates_after(self.steps):
+                self.update()
+        finally:
+            self._captured.clear()
+            self._capturing = self.criterion == "rigl" and self._updates_after(self.steps + 1)
 
     def state_dict(self) -> dict:
         """The steps taken and SET's generator, to resume with :meth:`load_state_dict` (the layouts
         themselves travel in the model's ``state_dict``: rebuild with :func:`bsmm.torch.load_layouts`)."""
-        return {"steps": self.steps, "generator": self.generator.bit_generator.state}
+        return {"steps": self.steps, "seed": self.seed, "generator": self.generator.bit_generator.state}
 
     def load_state_dict(self, state: dict) -> None:
-        self.steps = int(state["steps"])
+        self.steps, self.seed = int(state["steps"]), int(state["seed"])
         self.generator.bit_generator.state = state["generator"]
+        self._capturing = self.criterion == "rigl" and self._updates_after(self.steps + 1)
 
     def remove(self) -> None:
-        """Detach from the optimizer and the layers: the layouts stay as they are."""
+        """Detach from the optimizer and the layers (captured activations freed): the layouts stay as they are."""
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        self._captured.clear()
+        self._capturing = False
 
     def _growth_scores(self, name: str, layer: BlockSparseLinear) -> np.ndarray:
         if self.criterion == "set":
             return self.generator.random(layer.op.layout.shape)
-        entries = self._captured.get(name, [])
-        if not entries or any(dy is None for _, dy in entries):
+        # Forwards whose output reached no loss (dy None) and overflowed ones (a step GradScaler skipped) are left out.
+        entries = [(x, dy) for x, dy in self._captured.get(name, []) if dy is not None and bool(dy.isfinite().all())]
+        if not entries:
             raise RuntimeError(f"criterion='rigl': no gradient of the output of layer {name!r} was captured in step "
                                f"{self.steps}; each update needs a forward and backward through every layer")
 
@@ -398,19 +435,21 @@ class DynamicSparsity:
         return layout.astype(np.uint8)
 
     def update(self) -> dict[str, LayoutChange]:
-        """Drop and regrow every layer now (the post-step hook calls it every ``every`` steps)."""
+        """Drop and regrow every layer now (the post-step hook calls it every ``every`` steps). Every layer's
+        new layout is decided before any layer changes."""
         fraction = self.fraction(self.steps)
+        layouts = {name: self.decide(name, layer, fraction) for name, layer in self.layers.items()}
+        if torch.distributed.is_available() and torch.distributed.is_initialized() \
+                and torch.distributed.get_world_size() > 1:
+            for name, layer in self.layers.items():
+                shared = torch.as_tensor(layouts[name], device=layer.weight.device)
+                torch.distributed.broadcast(shared, src=0)
+                layouts[name] = shared.cpu().numpy()
         changes = {}
         for number, (name, layer) in enumerate(self.layers.items()):
-            layout = self.decide(name, layer, fraction)
-            if torch.distributed.is_available() and torch.distributed.is_initialized() \
-                    and torch.distributed.get_world_size() > 1:
-                shared = torch.as_tensor(layout, device=layer.weight.device)
-                torch.distributed.broadcast(shared, src=0)
-                layout = shared.cpu().numpy()
-            # (fan-in draws seeded by the run's seed and step: alike on every rank)
-            generator = torch.Generator(layer.layout.device).manual_seed(
-                (self.seed * 1_000_003 + self.steps) * 1_009 + number)
-            changes[name] = change_layout(layer, layout, self.optimizer, self.init, generator)
+            # (fan-in draws seeded by the run's seed, the step and the layer: alike on every rank)
+            seed = np.random.SeedSequence([self.seed, self.steps, number]).generate_state(1, np.uint64)[0]
+            generator = torch.Generator(layer.weight.device).manual_seed(int(seed) % 2**63)
+            changes[name] = change_layout(layer, layouts[name], self.optimizer, self.init, generator)
         self.history.append(changes)
         return changes

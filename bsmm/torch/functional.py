@@ -161,9 +161,11 @@ def blocksparse_matmul(x: torch.Tensor, w: torch.Tensor, op: BlocksparseMatMul, 
     """
     key, features_in, features_out, feature_axis, tf32 = _static_arguments(op)
     if gate is not None:
-        if not isinstance(gate, torch.Tensor) or tuple(gate.shape) != (op.blocks,):
+        if not isinstance(gate, torch.Tensor):
+            raise TypeError(f"gate must be a torch.Tensor or None; got {type(gate).__name__}")
+        if tuple(gate.shape) != (op.blocks,):
             raise ValueError(f"gate must be a tensor of shape ({op.blocks},), one value a block; got "
-                             f"{tuple(gate.shape) if isinstance(gate, torch.Tensor) else type(gate).__name__}")
+                             f"{tuple(gate.shape)}")
         w = gated_weight(w, gate)
     return matmul_by_key(x, w, key, features_in, features_out, feature_axis, tf32, bias, activation)
 

@@ -63,27 +63,41 @@ class BlockGates(torch.nn.Module):
             raise ValueError(f"density must be a number in (0, 1]; got {density!r}")
         if not (beta > 0 and gamma < 0 and zeta > 1):
             raise ValueError(f"beta must be > 0, gamma < 0 and zeta > 1; got {beta}, {gamma}, {zeta}")
-        self.beta, self.gamma, self.zeta = float(beta), float(gamma), float(zeta)
+        self.beta, self.gamma, self.zeta, self.density = float(beta), float(gamma), float(zeta), float(density)
+        self.log_alpha = torch.nn.Parameter(torch.empty((blocks,), device=device, dtype=dtype))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """``log_alpha`` for the starting density (after ``to_empty`` too, as for deferred initialisation)."""
         # P(z != 0) = sigmoid(log_alpha - β·log(-γ/ζ)): solved for the starting density (capped below 1)
-        start = math.log(min(density, 1 - 1e-4) / (1 - min(density, 1 - 1e-4))) + self._shift
-        self.log_alpha = torch.nn.Parameter(torch.full((blocks,), start, device=device, dtype=dtype))
+        density = min(self.density, 1 - 1e-4)
+        with torch.no_grad():
+            self.log_alpha.fill_(math.log(density / (1 - density)) + self._shift)
 
     @property
     def _shift(self) -> float:
         return self.beta * math.log(-self.gamma / self.zeta)
 
+    def _alpha(self) -> torch.Tensor:
+        """``log_alpha`` whole (gathered where FSDP2 shards it) in float32, differentiable."""
+        alpha = self.log_alpha
+        if hasattr(alpha, "full_tensor"):
+            alpha = alpha.full_tensor()
+        return alpha.float()
+
     def forward(self) -> torch.Tensor:
-        """The gates (blocks,): a draw in training, their deterministic value in evaluation."""
+        """The gates (blocks,) in float32: a draw in training, their deterministic value in evaluation."""
+        alpha = self._alpha()
         if self.training:
-            u = torch.rand_like(self.log_alpha).clamp(1e-6, 1 - 1e-6)
-            s = torch.sigmoid((torch.log(u) - torch.log1p(-u) + self.log_alpha) / self.beta)
+            u = torch.rand_like(alpha).clamp(1e-6, 1 - 1e-6)
+            s = torch.sigmoid((torch.log(u) - torch.log1p(-u) + alpha) / self.beta)
         else:
-            s = torch.sigmoid(self.log_alpha)
+            s = torch.sigmoid(alpha)
         return (s * (self.zeta - self.gamma) + self.gamma).clamp(0, 1)
 
     def nonzero_probability(self) -> torch.Tensor:
         """(blocks,): the probability that each gate is not zero in training, differentiable."""
-        return torch.sigmoid(self.log_alpha - self._shift)
+        return torch.sigmoid(self._alpha() - self._shift)
 
     def expected_density(self) -> torch.Tensor:
         """The expected fraction of non-zero gates, differentiable."""
@@ -101,7 +115,7 @@ class BlockGates(torch.nn.Module):
     def kept(self) -> torch.Tensor:
         """(blocks,) bool: the gates that are not zero in evaluation."""
         with torch.no_grad():
-            return (torch.sigmoid(self.log_alpha) * (self.zeta - self.gamma) + self.gamma) > 0
+            return (torch.sigmoid(self._alpha()) * (self.zeta - self.gamma) + self.gamma) > 0
 
     def extra_repr(self) -> str:
         return f"blocks={self.log_alpha.numel()}, beta={self.beta:.3g}, gamma={self.gamma}, zeta={self.zeta}"
@@ -124,6 +138,7 @@ def gate_layer(layer: BlockSparseLinear, density: float = 0.9, **options) -> Blo
     if getattr(layer, "gates", None) is not None:
         raise ValueError("layer already has gates (layer.gates)")
     layer.gates = BlockGates(layer.op.blocks, density, device=layer.weight.device, dtype=torch.float32, **options)
+    layer.gates.train(layer.training)
     return layer.gates
 
 
@@ -153,7 +168,7 @@ def prune_by_gates(layer: BlockSparseLinear, blocks: int | None = None) -> Block
     else:
         if isinstance(blocks, bool) or not isinstance(blocks, int) or not 0 <= blocks <= index.nnzb:
             raise ValueError(f"blocks must be an int in [0, {index.nnzb}] (the layer's blocks); got {blocks!r}")
-        order = np.argsort(-gates.log_alpha.detach().float().cpu().numpy(), kind="stable")
+        order = np.argsort(-gates._alpha().detach().cpu().numpy(), kind="stable")
         kept = np.zeros(index.nnzb, dtype=bool)
         kept[order[:blocks]] = True
     layout = np.zeros(index.layout.shape, dtype=np.uint8)

@@ -163,7 +163,8 @@ class _BlockSparseLayer(torch.nn.Module):
             saved = saved.detach().cpu()
             same_shape = tuple(saved.shape) == self.op.layout.shape
             moved = same_shape and not np.array_equal(saved.numpy() != 0, self.op.layout != 0)
-            if moved and hasattr(self, "_adopt_layout") and int(torch.count_nonzero(saved)) == self.op.blocks:
+            if moved and hasattr(self, "_adopt_layout") and int(torch.count_nonzero(saved)) == self.op.blocks \
+                    and prefix + "weight" in state_dict:  # (without the weight, its slots would mean other blocks)
                 # The same number of blocks elsewhere (a layout changed while training, bsmm.torch.dynamic):
                 # the weight's shape fits, so the layer adopts the saved layout and loads into it.
                 self._adopt_layout((saved.numpy() != 0).astype(np.uint8))
@@ -172,7 +173,7 @@ class _BlockSparseLayer(torch.nn.Module):
                     f"{prefix}layout: the state_dict holds a layout of shape {tuple(saved.shape)} with "
                     f"{int(torch.count_nonzero(saved))} blocks, this {name} has shape "
                     f"{self.op.layout.shape} with {self.op.blocks} blocks"
-                    + ("" if tuple(saved.shape) != self.op.layout.shape else " in other places")
+                    + (" in other places" if same_shape and int(torch.count_nonzero(saved)) == self.op.blocks else "")
                     + f"; build the layer with the saved layout, {name}(..., layout=state_dict"
                     f"['{prefix}layout'])"
                 )
@@ -281,6 +282,11 @@ class BlockSparseLinear(_BlockSparseLayer):
         self.in_features, self.out_features = self.op.C, self.op.K
         self.feature_axis, self.tf32 = self.op.feature_axis, self.op.tf32
         self.gates = None  # per-block gates, given by bsmm.torch.gate_layer
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        if "gates" not in self.__dict__ and "gates" not in self._modules:  # pickled before gates existed
+            self.gates = None
 
     def _adopt_layout(self, layout: np.ndarray) -> None:
         """Compute with ``layout`` from now on, a layout of as many blocks (the weight's slots are

@@ -89,6 +89,16 @@ def sparsified(model, density: float, args, seed: int, layout: str = "random"):
     return bsmm.torch.sparsify(model, density, args.block_size, include="*mlp*", layout=layout, seed=seed)
 
 
+def rebuilt_optimizer(model, old: torch.optim.Optimizer, args) -> torch.optim.AdamW:
+    """AdamW over ``model``'s parameters now, keeping the state of those the old one held (the attention and
+    embeddings go on as they were; only the replaced MLP projections start afresh)."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+    for parameter in model.parameters():
+        if parameter in old.state:
+            optimizer.state[parameter] = old.state[parameter]
+    return optimizer
+
+
 def degree_spread(layout: np.ndarray) -> float:
     """Coefficient of variation of a layout's block-column degrees (blocks per column)."""
     degrees = (layout != 0).sum(axis=0)
@@ -117,13 +127,13 @@ def run(method: str, seed: int, corpus, args) -> dict:
     for step in range(1, args.steps + 1):
         if method == "prune" and step == args.steps // 2 + 1:  # dense half done: keep the largest blocks
             model = sparsified(model, args.density, args, seed, layout="magnitude")
-            optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+            optimizer = rebuilt_optimizer(model, optimizer, args)
         if method == "l0" and step == 3 * args.steps // 4 + 1:  # gates decided: train the pruned model
             for name, layer in sparse_layers(model).items():
                 kept = round(args.density * layer.op.layout.size)  # the target density exactly
                 model.set_submodule(name, bsmm.torch.prune_by_gates(layer.eval(), kept).train())
             gates = {}
-            optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+            optimizer = rebuilt_optimizer(model, optimizer, args)
         optimizer.zero_grad(set_to_none=True)
         loss = loss_of(model, next(data), args)
         total = loss

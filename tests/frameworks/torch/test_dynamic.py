@@ -380,3 +380,113 @@ def test_a_run_resumes_from_checkpoints_as_it_would_have_gone_on(tmp_path):
     assert sparsity2.steps == sparsity.steps == 8 and (len(sparsity.history), len(sparsity2.history)) == (4, 3)
     for a, b in zip(model.state_dict().values(), resumed.state_dict().values()):
         assert torch.equal(a, b)
+
+
+# -- what a training loop does around the updates (the review's cases) ------------------------------------------
+def test_per_slot_optimizer_state_of_other_shapes_moves_and_other_state_is_refused():
+    """Adafactor's factors (nnzb, bs, 1) and (nnzb, 1, bs) move with their blocks like Adam's moments; a state
+    tensor not of one entry a block cannot be followed and is refused before anything changes."""
+    layer = bt.BlockSparseLinear(64, 64, density=0.5, block_size=16, seed=0, bias=False)
+    optimizer = torch.optim.Adafactor(layer.parameters(), lr=1e-2)
+    layer(torch.randn(5, 64)).square().sum().backward()
+    optimizer.step()
+    state = optimizer.state[layer.weight]
+    before = {k: state[k].clone() for k in ("row_var", "col_var")}
+    old = layer.op.layout.copy()
+    change = dynamic.change_layout(layer, a_moved_layout(old, np.random.default_rng(2), 3), optimizer)
+    source = torch.tensor(change.source)
+    for key, value in before.items():
+        assert torch.equal(state[key][source >= 0], value[source[source >= 0]]), key
+        assert not state[key][source < 0].any(), key
+    state["odd"] = torch.ones(7)
+    layout, weight = layer.op.layout.copy(), layer.weight.detach().clone()
+    with pytest.raises(ValueError, match=r"the optimizer's state 'odd' of the weight has shape \(7,\), not one entry "
+                                         r"a block \(8, \.\.\.\)"):
+        dynamic.change_layout(layer, old, optimizer)
+    assert np.array_equal(layer.op.layout, layout) and torch.equal(layer.weight, weight)
+
+
+def rigl_layout_after(layer, gradient: np.ndarray, fraction: float) -> np.ndarray:
+    """RigL's next layout written out: drop the smallest weight blocks, grow the largest gradient blocks."""
+    present, absent = np.argwhere(layer.op.layout != 0), np.argwhere(layer.op.layout == 0)
+    count = round(fraction * len(present))
+    norms = dynamic.block_norms(layer).numpy()[layer.op.layout != 0]
+    expected = np.zeros(layer.op.layout.shape, dtype=np.uint8)
+    expected[tuple(present.T)] = 1
+    expected[tuple(present[np.argsort(norms, kind="stable")[:count]].T)] = 0
+    growth = reference_norms(gradient, layer.op.block_size, "l2")[tuple(absent.T)]
+    expected[tuple(absent[np.argsort(-growth, kind="stable")[:count]].T)] = 1
+    return expected
+
+
+def test_rigl_sums_backward_passes_and_leaves_out_forwards_without_a_usable_gradient():
+    """Two backward passes through one forward count both (as weight.grad does); a forward whose output reaches
+    no loss, and one whose gradient overflowed (a step GradScaler skips), are left out."""
+    layer = bt.BlockSparseLinear(64, 96, density=0.3, block_size=16, seed=6, bias=False, dtype=torch.float64)
+    optimizer = torch.optim.SGD(layer.parameters(), lr=0.0)
+    sparsity = bt.DynamicSparsity([layer], optimizer, criterion="rigl", drop_fraction=0.3, every=2,
+                                  schedule="constant")
+    rng = np.random.default_rng(0)
+    x1, x2, x3 = (torch.tensor(rng.standard_normal((6, 64))) for _ in range(3))
+    layer(x1).sum().backward()
+    optimizer.step()  # step 1: nothing captured
+    with torch.no_grad():
+        layer.weight.grad = None
+    overflowed = layer(x3)
+    (overflowed * float("inf")).sum().backward()  # the step GradScaler would skip: no optimizer.step
+    layer.weight.grad = None
+    layer(x3)  # a forward under grad whose output reaches no loss
+    out = layer(x2)
+    out.retain_grad()
+    out.square().sum().backward(retain_graph=True)
+    first = out.grad.clone()
+    out.sin().sum().backward()
+    gradient = (x2.T @ out.grad).numpy()  # out.grad sums both backward passes
+    assert not torch.equal(out.grad, first)
+    expected = rigl_layout_after(layer, gradient, 0.3)
+    optimizer.step()  # step 2: the update
+    assert len(sparsity.history) == 1 and np.array_equal(layer.op.layout, expected)
+    assert sparsity._captured == {}
+
+
+def test_a_failed_update_changes_no_layer_and_keeps_nothing_captured():
+    layers = [bt.BlockSparseLinear(64, 64, density=0.5, block_size=16, seed=s) for s in (0, 1)]
+    optimizer = torch.optim.SGD([p for layer in layers for p in layer.parameters()], lr=0.1)
+    sparsity = bt.DynamicSparsity(layers, optimizer, criterion="rigl", every=1, schedule="constant")
+    before = [layer.op.layout.copy() for layer in layers]
+    layers[0](torch.randn(3, 64)).sum().backward()  # the second layer is never run: no gradient for it
+    with pytest.raises(RuntimeError, match="no gradient of the output of layer '1'"):
+        optimizer.step()
+    assert all(np.array_equal(layer.op.layout, b) for layer, b in zip(layers, before))
+    assert sparsity._captured == {} and len(sparsity.history) == 0
+    sparsity.remove()
+    layers[0](torch.randn(3, 64)).sum().backward()
+    optimizer.step()  # detached: no update, nothing captured
+    assert sparsity._captured == {} and np.array_equal(layers[0].op.layout, before[0])
+
+
+def test_dynamic_sparsity_argument_and_state_checks():
+    layer = bt.BlockSparseLinear(64, 64, density=0.5, block_size=16, seed=0)
+    optimizer = torch.optim.SGD(layer.parameters(), lr=0.1)
+    for seed in (None, -1, 1.5):
+        with pytest.raises(ValueError, match=f"seed must be a non-negative int; got {seed!r}"):
+            bt.DynamicSparsity([layer], optimizer, criterion="set", end=4, seed=seed)
+    gated = bt.BlockSparseLinear(64, 64, density=0.5, block_size=16, seed=0)
+    bt.gate_layer(gated)
+    with pytest.raises(ValueError, match="layer '0' has gates"):
+        bt.DynamicSparsity([gated], torch.optim.SGD(gated.parameters(), lr=0.1), criterion="set", end=4)
+    sparsity = bt.DynamicSparsity([layer], optimizer, criterion="set", every=1, schedule="constant", seed=2 ** 62)
+    assert sparsity.state_dict()["seed"] == 2 ** 62 and sparsity.history.maxlen == dynamic.HISTORY
+    layer(torch.randn(3, 64)).sum().backward()
+    optimizer.step()  # a large seed derives its draws without overflow
+    assert len(sparsity.history) == 1
+
+
+def test_loading_a_layout_without_its_weight_is_refused():
+    layer = bt.BlockSparseLinear(64, 64, np.array([[1, 0], [0, 1]] * 1).repeat(2, 0).repeat(2, 1), block_size=16)
+    source = bt.BlockSparseLinear(64, 64, np.array([[0, 1], [1, 0]]).repeat(2, 0).repeat(2, 1), block_size=16)
+    state = {"layout": source.state_dict()["layout"]}
+    layout = layer.op.layout.copy()
+    with pytest.raises(RuntimeError, match="layout"):
+        layer.load_state_dict(state, strict=False)
+    assert np.array_equal(layer.op.layout, layout)

@@ -160,3 +160,17 @@ def test_gate_refusals():
             bt.BlockGates(**kwargs)
     with pytest.raises(ValueError, match=r"target must be in \[0, 1\]; got 2"):
         bt.BlockGates(3).penalty(target=2)
+
+
+def test_gates_follow_the_layer_mode_and_deferred_initialisation():
+    layer = bt.BlockSparseLinear(64, 64, density=0.5, block_size=16, seed=0).eval()
+    gates = bt.gate_layer(layer, density=0.7)
+    x = torch.randn(3, 64)
+    assert not gates.training and torch.equal(layer(x), layer(x))  # evaluation: deterministic
+    with torch.device("meta"):
+        deferred = bt.BlockGates(6, density=0.3)
+    deferred.to_empty(device="cpu")
+    deferred.reset_parameters()
+    assert deferred.expected_density().item() == pytest.approx(0.3, abs=1e-6)
+    as_bf16 = bt.BlockGates(6, density=0.3).bfloat16()
+    assert as_bf16().dtype == torch.float32 and torch.isfinite(as_bf16()).all()
