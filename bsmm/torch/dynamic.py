@@ -73,7 +73,7 @@ def block_norms(layer: BlockSparseLinear, ord: str = "l2") -> torch.Tensor:
 
 
 def gradient_block_norms(x: torch.Tensor, dy: torch.Tensor, block_size: int, ord: str = "l2",
-                         feature_axis: int = 1) -> torch.Tensor:
+                         feature_axis: int = 1, group=None) -> torch.Tensor:
     """(C // block_size, K // block_size) float32: the norm of every block of ``dW = xᵀ·dy``.
 
     Parameters
@@ -85,11 +85,14 @@ def gradient_block_norms(x: torch.Tensor, dy: torch.Tensor, block_size: int, ord
         rows as ``x``.
     block_size : int
     ord : "l2" or "max"
+    group : torch.distributed process group, optional
+        Sum ``xᵀ·dy`` over its ranks (each holding its own rows) before taking norms: the norms of the
+        whole batch's gradient. Every rank of the group must call this alike.
 
     Notes
     -----
     The product runs in float32 over as many block rows of ``C`` at a time as fit in
-    ``GRADIENT_CHUNK_BYTES``.
+    ``GRADIENT_CHUNK_BYTES`` (each chunk all-reduced in turn with ``group``).
 
     Examples
     --------
@@ -115,6 +118,8 @@ def gradient_block_norms(x: torch.Tensor, dy: torch.Tensor, block_size: int, ord
     for start in range(0, c // block_size, block_rows):
         stop = min(c // block_size, start + block_rows)
         part = x[:, start * block_size:stop * block_size].T @ dy  # ((stop - start)·bs, K)
+        if group is not None:
+            torch.distributed.all_reduce(part, group=group)
         part = part.reshape(stop - start, block_size, k // block_size, block_size).transpose(1, 2)
         norms.append(_reduce_blocks(part, ord))
     return torch.cat(norms)
@@ -268,13 +273,16 @@ class DynamicSparsity:
     ord : "l2" or "max"
         The block norm of both choices.
     seed : int
-        SET's generator.
+        SET's generator, and the fan-in draws of grown blocks.
+    process_group : torch.distributed process group, optional
+        The ranks that change alike (default: every rank, where ``torch.distributed`` is initialised).
 
     Notes
     -----
     Under ``torch.distributed`` with more than one process, rank 0's new layouts are broadcast, so that
     every rank changes alike (DDP, and FSDP2's sharded weights, which are gathered and re-sharded). RigL
-    grows from rank 0's own rows. To resume such a run, load the checkpoint on every rank:
+    grows by the norms of the whole batch's gradient: each rank's ``xᵀ·dy`` is summed over the ranks, a
+    block row at a time, before the norms are taken. To resume such a run, load the checkpoint on every rank:
     ``load_state_dict`` adopts the saved layouts, but DDP's broadcast of buffers writes the ``layout``
     buffer without changing the layer.
 
@@ -302,7 +310,7 @@ class DynamicSparsity:
 
     def __init__(self, model_or_layers, optimizer: torch.optim.Optimizer, *, criterion: str = "rigl",
                  drop_fraction: float = 0.3, every: int = 100, end: int | None = None, schedule: str = "cosine",
-                 init: str = "zero", ord: str = "l2", seed: int = 0):
+                 init: str = "zero", ord: str = "l2", seed: int = 0, process_group=None):
         _check_choice(criterion, CRITERIA, "criterion")
         _check_choice(schedule, SCHEDULES, "schedule")
         _check_choice(init, INITS, "init")
@@ -341,6 +349,7 @@ class DynamicSparsity:
             optimizer, criterion, float(drop_fraction), every, end)
         self.schedule, self.init, self.ord = schedule, init, ord
         self.seed, self.generator = seed, np.random.default_rng(seed)
+        self.process_group = process_group
         self.steps = 0
         #: The last :data:`HISTORY` updates' changes, by layer name.
         self.history: collections.deque[dict[str, LayoutChange]] = collections.deque(maxlen=HISTORY)
@@ -401,14 +410,25 @@ class DynamicSparsity:
         self._captured.clear()
         self._capturing = False
 
+    def _distributed(self) -> bool:
+        """Whether several ranks change alike (``torch.distributed`` initialised, more than one in the group)."""
+        return (torch.distributed.is_available() and torch.distributed.is_initialized()
+                and torch.distributed.get_world_size(self.process_group) > 1)
+
     def _growth_scores(self, name: str, layer: BlockSparseLinear) -> np.ndarray:
         if self.criterion == "set":
             return self.generator.random(layer.op.layout.shape)
         # Forwards whose output reached no loss (dy None) and overflowed ones (a step GradScaler skipped) are left out.
         entries = [(x, dy) for x, dy in self._captured.get(name, []) if dy is not None and bool(dy.isfinite().all())]
-        if not entries:
+        captured = len(entries) > 0
+        if self._distributed():  # every rank raises alike, rather than some wait in a collective
+            flag = torch.tensor(int(captured), device=layer.weight.device)
+            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN, group=self.process_group)
+            captured = bool(flag.item())
+        if not captured:
             raise RuntimeError(f"criterion='rigl': no gradient of the output of layer {name!r} was captured in step "
-                               f"{self.steps}; each update needs a forward and backward through every layer")
+                               f"{self.steps} (on some rank); each update needs a forward and backward through every "
+                               f"layer")
 
         def rows(tensor):  # (rows, features), whichever axis the layer takes its features on
             features = tensor if layer.feature_axis else tensor.movedim(0, -1)
@@ -416,7 +436,9 @@ class DynamicSparsity:
 
         x = torch.cat([rows(x) for x, _ in entries])
         dy = torch.cat([rows(dy) for _, dy in entries])
-        return gradient_block_norms(x, dy, layer.op.block_size, self.ord).cpu().numpy()
+        # Several ranks: the norms of the whole batch's xᵀ·dy, each rank's rows summed (RigL's dense gradient).
+        group = (self.process_group or torch.distributed.group.WORLD) if self._distributed() else None
+        return gradient_block_norms(x, dy, layer.op.block_size, self.ord, group=group).cpu().numpy()
 
     def decide(self, name: str, layer: BlockSparseLinear, fraction: float) -> np.ndarray:
         """The layout ``layer`` moves to at this update (see the class notes)."""
@@ -439,11 +461,11 @@ class DynamicSparsity:
         new layout is decided before any layer changes."""
         fraction = self.fraction(self.steps)
         layouts = {name: self.decide(name, layer, fraction) for name, layer in self.layers.items()}
-        if torch.distributed.is_available() and torch.distributed.is_initialized() \
-                and torch.distributed.get_world_size() > 1:
+        if self._distributed():
+            first = torch.distributed.get_global_rank(self.process_group or torch.distributed.group.WORLD, 0)
             for name, layer in self.layers.items():
                 shared = torch.as_tensor(layouts[name], device=layer.weight.device)
-                torch.distributed.broadcast(shared, src=0)
+                torch.distributed.broadcast(shared, src=first, group=self.process_group)
                 layouts[name] = shared.cpu().numpy()
         changes = {}
         for number, (name, layer) in enumerate(self.layers.items()):

@@ -152,6 +152,24 @@ def check_dynamic_sparsity(record: Recorder, world: int, device, dtype, toleranc
         for index, weight in enumerate(mine["weights"]):
             record.close(f"{prefix}weight{index}", weight, everyone[0]["weights"][index], 0.0)
         finals[wrapper] = mine
+    # One process on the whole batch (a group of this rank alone: no collectives), the loss scaled as DDP's mean:
+    # RigL's growth from the summed xᵀ·dy of all ranks equals growing from the whole batch.
+    alone = [dist.new_group([r]) for r in range(world)][rank]  # (every rank makes every group, in order)
+    model = _model(dtype, device, seed=5)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    sparsity = bsmm.torch.DynamicSparsity(model, optimizer, criterion="rigl", drop_fraction=0.3, every=2,
+                                          schedule="constant", init="fan_in", seed=4, process_group=alone)
+    for step in range(4):
+        optimizer.zero_grad()
+        batches = [_batch((3, C), dtype, device, seed=100 * step + r) for r in range(world)]
+        (sum((model(x) * r).sum() for x, r in batches) / world).backward()
+        optimizer.step()
+    layers = list(sparsity.layers.values())
+    record.fact("dynamic/ddp-layouts-as-one", [np.array(layer.op.layout).tolist() for layer in layers]
+                == finals["ddp"]["layouts"])
+    for index, layer in enumerate(layers):
+        record.close(f"dynamic/ddp-as-one/weight{index}", finals["ddp"]["weights"][index], layer.weight.detach().cpu(),
+                     tolerance)
     record.fact("dynamic/fsdp-layouts-as-ddp", finals["fsdp"]["layouts"] == finals["ddp"]["layouts"])
     for index, (a, b) in enumerate(zip(finals["fsdp"]["weights"], finals["ddp"]["weights"])):
         record.close(f"dynamic/fsdp-as-ddp/weight{index}", a, b, tolerance)

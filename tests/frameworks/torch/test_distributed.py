@@ -106,13 +106,16 @@ def test_fsdp2_matches_one_process_without_warnings(measured, shape, policy):
 
 @pytest.mark.parametrize("wrapper", ["ddp", "fsdp"])
 def test_dynamic_sparsity_keeps_ranks_identical(measured, wrapper):
-    """RigL under DDP and FSDP2, each rank capturing its own rows: rank 0's new layouts are broadcast and new
-    blocks drawn alike, so after two updates every rank's layouts and weights equal rank 0's exactly; FSDP2's
-    sharded weights, gathered, moved and re-sharded, end as DDP's."""
+    """RigL under DDP and FSDP2, each rank capturing its own rows: the ranks' xᵀ·dy are summed, rank 0's new
+    layouts broadcast and new blocks drawn alike, so after two updates every rank's layouts and weights equal
+    rank 0's exactly; DDP's equal one process's on the whole batch, and FSDP2's (sharded weights gathered,
+    moved and re-sharded) end as DDP's."""
     _data_parallel_or_skip(measured)
     assert _judge(measured, f"dynamic/{wrapper}/") == len(measured) * 2
     assert _judge(measured, "dynamic/fsdp-as-ddp/") == len(measured) * 2
+    assert _judge(measured, "dynamic/ddp-as-one/") == len(measured) * 2
     for rank, results in measured.items():
+        assert results["dynamic/ddp-layouts-as-one"]["value"] is True, f"rank {rank}"
         assert results[f"dynamic/{wrapper}/updates"]["value"] == 2, f"rank {rank}"
         assert results[f"dynamic/{wrapper}/moved"]["value"] > 0, f"rank {rank}"
         assert results[f"dynamic/{wrapper}/layouts-equal"]["value"] is True, f"rank {rank}"
