@@ -20,6 +20,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import math
+import zlib
 
 import numpy as np
 import torch
@@ -161,7 +162,9 @@ def _write(target: torch.Tensor, whole: torch.Tensor) -> None:
     if hasattr(target, "to_local"):
         from torch.distributed.tensor import distribute_tensor
 
-        target.to_local().copy_(distribute_tensor(whole, target.device_mesh, target.placements).to_local())
+        # (every rank holds the same whole: each slices its own shard, nothing is sent)
+        target.to_local().copy_(distribute_tensor(whole, target.device_mesh, target.placements,
+                                                  src_data_rank=None).to_local())
     else:
         target.copy_(whole)
 
@@ -354,6 +357,8 @@ class DynamicSparsity:
         #: The last :data:`HISTORY` updates' changes, by layer name.
         self.history: collections.deque[dict[str, LayoutChange]] = collections.deque(maxlen=HISTORY)
         self._captured: dict[str, list] = {}
+        # The weights the optimizer holds (under FSDP2 the sharded parameters, whose .grad outlives a backward)
+        self._held = {name: layer.weight for name, layer in self.layers.items()}
         self._capturing = criterion == "rigl" and self._updates_after(1)  # read by the hooks: one flag
         self._handles = [optimizer.register_step_post_hook(self._after_step)]
         if criterion == "rigl":
@@ -369,12 +374,16 @@ class DynamicSparsity:
         return self.drop_fraction / 2 * (1 + math.cos(math.pi * step / self.end))
 
     def _updates_after(self, step: int) -> bool:
-        return step % self.every == 0 and (self.end is None or step <= self.end)
+        return step % self.every == 0 and (self.end is None or step <= self.end) and self.fraction(step) > 0
 
     def _capture_hook(self, name: str):
         def hook(module, inputs, output):
             if not (self._capturing and torch.is_grad_enabled() and output.requires_grad):
                 return
+            if self._held[name].grad is None:
+                # Gradients thrown away since the captured forwards' backward (zero_grad after a step GradScaler
+                # skipped): those entries are stale. Forwards not yet backpropagated (dy None) stay.
+                self._captured[name] = [e for e in self._captured.get(name, []) if e[1] is None]
             entry = [inputs[0].detach(), None]
             self._captured.setdefault(name, []).append(entry)
 
@@ -440,6 +449,24 @@ class DynamicSparsity:
         group = (self.process_group or torch.distributed.group.WORLD) if self._distributed() else None
         return gradient_block_norms(x, dy, layer.op.block_size, self.ord, group=group).cpu().numpy()
 
+    def _check_ranks_agree(self) -> None:
+        """Raise alike on every rank unless every rank holds the same layouts, each layer's buffer as it
+        computes (a checkpoint loaded on one rank only, under DDP, would leave the others' layers behind)."""
+        device = next(iter(self.layers.values())).weight.device
+        digests = []
+        for layer in self.layers.values():
+            same = np.array_equal(layer.layout.detach().cpu().numpy() != 0, layer.op.layout != 0)
+            digests.append(zlib.crc32(np.packbits(layer.op.layout != 0).tobytes()) if same else -1)
+        low = torch.tensor(digests, dtype=torch.int64, device=device)
+        high = low.clone()
+        torch.distributed.all_reduce(low, op=torch.distributed.ReduceOp.MIN, group=self.process_group)
+        torch.distributed.all_reduce(high, op=torch.distributed.ReduceOp.MAX, group=self.process_group)
+        differ = [name for name, a, b in zip(self.layers, low.tolist(), high.tolist()) if a != b or a < 0]
+        if differ:
+            raise RuntimeError(f"the ranks' layouts of layers {differ} differ, or a layer's layout buffer no longer "
+                               f"equals the layout it computes with: load a checkpoint of changed layouts on every "
+                               f"rank (load_state_dict adopts them) before training on")
+
     def decide(self, name: str, layer: BlockSparseLinear, fraction: float) -> np.ndarray:
         """The layout ``layer`` moves to at this update (see the class notes)."""
         index = layer.op.index
@@ -460,6 +487,8 @@ class DynamicSparsity:
         """Drop and regrow every layer now (the post-step hook calls it every ``every`` steps). Every layer's
         new layout is decided before any layer changes."""
         fraction = self.fraction(self.steps)
+        if self._distributed():
+            self._check_ranks_agree()
         layouts = {name: self.decide(name, layer, fraction) for name, layer in self.layers.items()}
         if self._distributed():
             first = torch.distributed.get_global_rank(self.process_group or torch.distributed.group.WORLD, 0)

@@ -106,20 +106,30 @@ def test_fsdp2_matches_one_process_without_warnings(measured, shape, policy):
 
 @pytest.mark.parametrize("wrapper", ["ddp", "fsdp"])
 def test_dynamic_sparsity_keeps_ranks_identical(measured, wrapper):
-    """RigL under DDP and FSDP2, each rank capturing its own rows: the ranks' xᵀ·dy are summed, rank 0's new
-    layouts broadcast and new blocks drawn alike, so after two updates every rank's layouts and weights equal
-    rank 0's exactly; DDP's equal one process's on the whole batch, and FSDP2's (sharded weights gathered,
-    moved and re-sharded) end as DDP's."""
+    """RigL under DDP and FSDP2, each rank capturing its own rows, with a step skipped after rank 0 overflowed:
+    the ranks' xᵀ·dy are summed, rank 0's new layouts broadcast and new blocks drawn alike, so after two updates
+    every rank's layouts and weights equal rank 0's exactly; DDP's equal one process's on the whole batch (which
+    never saw the skipped step), and FSDP2's (sharded weights gathered, moved and re-sharded) end as DDP's."""
     _data_parallel_or_skip(measured)
+    if wrapper not in measured["0"]["dynamic/wrappers"]["value"]:
+        pytest.skip("FSDP2 gathering CUDA tensors through gloo crashes PyTorch 2.11 (results/v22): NCCL runs it")
     assert _judge(measured, f"dynamic/{wrapper}/") == len(measured) * 2
-    assert _judge(measured, "dynamic/fsdp-as-ddp/") == len(measured) * 2
     assert _judge(measured, "dynamic/ddp-as-one/") == len(measured) * 2
     for rank, results in measured.items():
-        assert results["dynamic/ddp-layouts-as-one"]["value"] is True, f"rank {rank}"
         assert results[f"dynamic/{wrapper}/updates"]["value"] == 2, f"rank {rank}"
         assert results[f"dynamic/{wrapper}/moved"]["value"] > 0, f"rank {rank}"
         assert results[f"dynamic/{wrapper}/layouts-equal"]["value"] is True, f"rank {rank}"
-        assert results["dynamic/fsdp-layouts-as-ddp"]["value"] is True, f"rank {rank}"
+        assert results["dynamic/ddp-layouts-as-one"]["value"] is True, f"rank {rank}"
+        if wrapper == "fsdp":
+            assert _judge(measured, "dynamic/fsdp-as-ddp/") == len(measured) * 2
+            assert results["dynamic/fsdp-layouts-as-ddp"]["value"] is True, f"rank {rank}"
+
+
+def test_dynamic_sparsity_refuses_ranks_whose_layouts_differ(measured):
+    """A layout changed on one rank only, then DDP: the next update raises the same error on every rank."""
+    _data_parallel_or_skip(measured)
+    for rank, results in measured.items():
+        assert results["dynamic/stale-rank-refused"]["value"] is True, f"rank {rank}"
 
 
 @pytest.mark.parametrize("case", SHARDED_CASES)

@@ -265,8 +265,9 @@ def test_cosine_schedule_and_end():
     for _ in range(8):
         layer(torch.randn(3, 64)).sum().backward()
         optimizer.step()
-    assert sparsity.steps == 8 and len(sparsity.history) == 2  # after steps 2 and 4 only
-    assert sum(len(c.grown) for c in sparsity.history[1].values()) == 0  # f = 0 at end
+    # after step 2 only: at step 4 (end) the fraction is 0, so there is no update (and nothing captured for it)
+    assert sparsity.steps == 8 and len(sparsity.history) == 1
+    assert not sparsity._updates_after(4) and not sparsity._capturing
     sparsity.remove()
     optimizer.step()
     assert sparsity.steps == 8
@@ -377,7 +378,7 @@ def test_a_run_resumes_from_checkpoints_as_it_would_have_gone_on(tmp_path):
     sparsity2 = bt.DynamicSparsity(resumed, optimizer2, criterion="set", drop_fraction=0.3, every=2, end=8, seed=99)
     sparsity2.load_state_dict(saved["sparsity"])
     train(resumed, optimizer2, range(3, 8))
-    assert sparsity2.steps == sparsity.steps == 8 and (len(sparsity.history), len(sparsity2.history)) == (4, 3)
+    assert sparsity2.steps == sparsity.steps == 8 and (len(sparsity.history), len(sparsity2.history)) == (3, 2)
     for a, b in zip(model.state_dict().values(), resumed.state_dict().values()):
         assert torch.equal(a, b)
 
@@ -490,3 +491,43 @@ def test_loading_a_layout_without_its_weight_is_refused():
     with pytest.raises(RuntimeError, match="layout"):
         layer.load_state_dict(state, strict=False)
     assert np.array_equal(layer.op.layout, layout)
+
+
+def test_rigl_counts_every_forward_before_the_backward():
+    """A layer applied twice in one step (weight sharing, or micro-batches summed into one loss): both forwards'
+    xᵀ·dy count, as both reach weight.grad."""
+    layer = bt.BlockSparseLinear(64, 64, density=0.3, block_size=16, seed=8, bias=False, dtype=torch.float64)
+    optimizer = torch.optim.SGD(layer.parameters(), lr=0.0)
+    sparsity = bt.DynamicSparsity([layer], optimizer, criterion="rigl", drop_fraction=0.3, every=1,
+                                  schedule="constant")
+    x = torch.tensor(np.random.default_rng(3).standard_normal((5, 64)))
+    hidden = layer(x)
+    hidden.retain_grad()
+    out = layer(torch.tanh(hidden))
+    out.retain_grad()
+    out.square().sum().backward()
+    gradient = (x.T @ hidden.grad + torch.tanh(hidden).T @ out.grad).detach().numpy()
+    expected = rigl_layout_after(layer, gradient, 0.3)
+    optimizer.step()
+    assert len(sparsity.history) == 1 and np.array_equal(layer.op.layout, expected)
+
+
+def test_rigl_forgets_a_step_whose_gradients_were_thrown_away():
+    """A forward and backward whose step was skipped (GradScaler found an overflow elsewhere) and whose gradients
+    were then zeroed: the update grows as if that batch had never been seen."""
+    def run(skipped: bool):
+        torch.manual_seed(0)  # the same weights in both runs
+        layer = bt.BlockSparseLinear(64, 64, density=0.3, block_size=16, seed=9, bias=False, dtype=torch.float64)
+        optimizer = torch.optim.SGD(layer.parameters(), lr=0.0)
+        bt.DynamicSparsity([layer], optimizer, criterion="rigl", drop_fraction=0.3, every=1, schedule="constant")
+        rng = np.random.default_rng(4)
+        thrown, kept = (torch.tensor(rng.standard_normal((5, 64))) for _ in range(2))
+        thrown[:, 48:] *= 100  # the thrown batch would make the last block row's blocks grow
+        if skipped:
+            layer(thrown).sin().sum().backward()
+            optimizer.zero_grad(set_to_none=True)  # no optimizer.step: the step was skipped
+        layer(kept).sin().sum().backward()
+        optimizer.step()
+        return layer.op.layout.copy()
+
+    assert np.array_equal(run(skipped=True), run(skipped=False))
