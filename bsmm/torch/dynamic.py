@@ -287,7 +287,10 @@ class DynamicSparsity:
     grows by the norms of the whole batch's gradient: each rank's ``xᵀ·dy`` is summed over the ranks, a
     block row at a time, before the norms are taken. To resume such a run, load the checkpoint on every rank:
     ``load_state_dict`` adopts the saved layouts, but DDP's broadcast of buffers writes the ``layout``
-    buffer without changing the layer.
+    buffer without changing the layer. Every rank of the group must take the same optimizer steps: the
+    update's collectives run inside ``optimizer.step()`` (under FSDP2 use ``ShardedGradScaler``, which skips
+    a step on every rank alike). With pipeline parallelism, pass each stage's data-parallel group as
+    ``process_group``.
 
     Under ``torch.compile``, each change gives a layer a new layout key, which the compiled code guards on.
     The model then compiles again after every update. After ``torch._dynamo.config.recompile_limit``
