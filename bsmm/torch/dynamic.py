@@ -362,7 +362,8 @@ class DynamicSparsity:
         self._captured: dict[str, list] = {}
         # The weights the optimizer holds (under FSDP2 the sharded parameters, whose .grad outlives a backward)
         self._held = {name: layer.weight for name, layer in self.layers.items()}
-        self._capturing = criterion == "rigl" and self._updates_after(1)  # read by the hooks: one flag
+        self._capturing = False  # read by the hooks: one flag (set by _arm)
+        self._arm()
         self._handles = [optimizer.register_step_post_hook(self._after_step)]
         if criterion == "rigl":
             self._handles += [layer.register_forward_hook(self._capture_hook(name))
@@ -378,6 +379,10 @@ class DynamicSparsity:
 
     def _updates_after(self, step: int) -> bool:
         return step % self.every == 0 and (self.end is None or step <= self.end) and self.fraction(step) > 0
+
+    def _arm(self) -> None:
+        """Capture in the coming step exactly when RigL updates after it."""
+        self._capturing = self.criterion == "rigl" and self._updates_after(self.steps + 1)
 
     def _capture_hook(self, name: str):
         def hook(module, inputs, output):
@@ -402,7 +407,7 @@ class DynamicSparsity:
                 self.update()
         finally:
             self._captured.clear()
-            self._capturing = self.criterion == "rigl" and self._updates_after(self.steps + 1)
+            self._arm()
 
     def state_dict(self) -> dict:
         """The steps taken and SET's generator, to resume with :meth:`load_state_dict` (the layouts
@@ -412,7 +417,7 @@ class DynamicSparsity:
     def load_state_dict(self, state: dict) -> None:
         self.steps, self.seed = int(state["steps"]), int(state["seed"])
         self.generator.bit_generator.state = state["generator"]
-        self._capturing = self.criterion == "rigl" and self._updates_after(self.steps + 1)
+        self._arm()
 
     def remove(self) -> None:
         """Detach from the optimizer and the layers (captured activations freed): the layouts stay as they are."""
@@ -478,7 +483,7 @@ class DynamicSparsity:
         count = min(round(fraction * index.nnzb), len(absent))
         if count == 0:
             return present.astype(np.uint8)
-        dropped = _smallest(block_norms(layer, self.ord).cpu().numpy()[index.rows, index.indices], count)
+        dropped = _smallest(_reduce_blocks(_whole(layer.weight.detach()), self.ord).cpu().numpy(), count)  # by slot
         scores = self._growth_scores(name, layer)
         grown = absent[_smallest(-scores[absent[:, 0], absent[:, 1]], count)]
         layout = present.copy()

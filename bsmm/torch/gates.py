@@ -85,15 +85,16 @@ class BlockGates(torch.nn.Module):
             alpha = alpha.full_tensor()
         return alpha.float()
 
+    def _stretched(self, s: torch.Tensor) -> torch.Tensor:
+        return (s * (self.zeta - self.gamma) + self.gamma).clamp(0, 1)
+
     def forward(self) -> torch.Tensor:
         """The gates (blocks,) in float32: a draw in training, their deterministic value in evaluation."""
         alpha = self._alpha()
-        if self.training:
-            u = torch.rand_like(alpha).clamp(1e-6, 1 - 1e-6)
-            s = torch.sigmoid((torch.log(u) - torch.log1p(-u) + alpha) / self.beta)
-        else:
-            s = torch.sigmoid(alpha)
-        return (s * (self.zeta - self.gamma) + self.gamma).clamp(0, 1)
+        if not self.training:
+            return self._stretched(torch.sigmoid(alpha))
+        u = torch.rand_like(alpha).clamp(1e-6, 1 - 1e-6)
+        return self._stretched(torch.sigmoid((torch.log(u) - torch.log1p(-u) + alpha) / self.beta))
 
     def nonzero_probability(self) -> torch.Tensor:
         """(blocks,): the probability that each gate is not zero in training, differentiable."""
@@ -115,7 +116,7 @@ class BlockGates(torch.nn.Module):
     def kept(self) -> torch.Tensor:
         """(blocks,) bool: the gates that are not zero in evaluation."""
         with torch.no_grad():
-            return (torch.sigmoid(self._alpha()) * (self.zeta - self.gamma) + self.gamma) > 0
+            return self._stretched(torch.sigmoid(self._alpha())) > 0
 
     def extra_repr(self) -> str:
         return f"blocks={self.log_alpha.numel()}, beta={self.beta:.3g}, gamma={self.gamma}, zeta={self.zeta}"
@@ -177,9 +178,8 @@ def prune_by_gates(layer: BlockSparseLinear, blocks: int | None = None) -> Block
                                bias=layer.bias is not None, feature_axis=layer.feature_axis, tf32=layer.tf32,
                                device=layer.weight.device, dtype=layer.weight.dtype, activation=layer.activation)
     with torch.no_grad():
-        training = gates.training
-        scale = gates.eval()().to(layer.weight.dtype)[torch.as_tensor(kept, device=gates.log_alpha.device)]
-        gates.train(training)
+        scale = gates._stretched(torch.sigmoid(gates._alpha())).to(layer.weight.dtype)[
+            torch.as_tensor(kept, device=gates.log_alpha.device)]  # the gates' values in evaluation
         pruned.weight.copy_(layer.weight[torch.as_tensor(kept, device=layer.weight.device)] * scale.view(-1, 1, 1))
         if layer.bias is not None:
             pruned.bias.copy_(layer.bias)

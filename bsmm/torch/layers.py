@@ -99,9 +99,7 @@ class _BlockSparseLayer(torch.nn.Module):
                     f"{argument} must be layout.shape[{blocks}] * block_size = {self.op.layout.shape[blocks]} * "
                     f"{self.op.block_size} = {expected}; got {value}"
                 )
-        # Pickles as its layout and re-registers on load (see bsmm.torch.registry).
-        self._registration = register(self.op.index)
-        self._key = self._registration.key
+        self._use(self.op)
         self.register_buffer("layout", torch.tensor(np.array(self.op.layout), device=device))
         self.weight = torch.nn.Parameter(torch.empty(self.op.w_shape, device=device, dtype=dtype))
         if bias:
@@ -109,6 +107,12 @@ class _BlockSparseLayer(torch.nn.Module):
         else:
             self.register_parameter("bias", None)
         self.reset_parameters()
+
+    def _use(self, op) -> None:
+        """Compute with ``op``: its registration held (the layer pickles as its layout and registers again on
+        load, see bsmm.torch.registry) and its key for the operators."""
+        self.op, self._registration = op, register(op.index)
+        self._key = self._registration.key
 
     def reset_parameters(self) -> None:
         """Draw the weight and bias again (see Notes), with PyTorch's random generator, and write
@@ -295,8 +299,7 @@ class BlockSparseLinear(_BlockSparseLayer):
         if op.w_shape != self.op.w_shape:
             raise ValueError(f"layout must hold {self.op.blocks} blocks, as the layer's does (its weight's slots); "
                              f"got {op.blocks}")
-        self.op, self._registration = op, register(op.index)
-        self._key = self._registration.key
+        self._use(op)
         with torch.no_grad():
             self.layout.copy_(torch.from_numpy(np.array(op.layout)))
 
