@@ -20,17 +20,22 @@ from __future__ import annotations
 import collections
 import dataclasses
 import math
+import sys
 import zlib
 
 import numpy as np
 import torch
 
 from bsmm.torch.layers import BlockSparseLinear, fan_in_bounds
+from bsmm.torch.lstm import BlockSparseLSTM
 
 __all__ = ["DynamicSparsity", "LayoutChange", "block_norms", "change_layout", "gradient_block_norms"]
 
 NORMS = ("l2", "max")
+ROUTES = ("auto", "dense", "gram")
 CRITERIA = ("rigl", "set")
+#: The layers whose layouts change: a linear layer's, an LSTM's recurrent (and shared input) layout.
+DYNAMIC_LAYERS = (BlockSparseLinear, BlockSparseLSTM)
 SCHEDULES = ("cosine", "constant")
 INITS = ("zero", "fan_in")
 #: Updates :attr:`DynamicSparsity.history` keeps.
@@ -74,7 +79,7 @@ def block_norms(layer: BlockSparseLinear, ord: str = "l2") -> torch.Tensor:
 
 
 def gradient_block_norms(x: torch.Tensor, dy: torch.Tensor, block_size: int, ord: str = "l2",
-                         feature_axis: int = 1, group=None) -> torch.Tensor:
+                         feature_axis: int = 1, group=None, route: str = "auto") -> torch.Tensor:
     """(C // block_size, K // block_size) float32: the norm of every block of ``dW = xᵀ·dy``.
 
     Parameters
@@ -89,11 +94,18 @@ def gradient_block_norms(x: torch.Tensor, dy: torch.Tensor, block_size: int, ord
     group : torch.distributed process group, optional
         Sum ``xᵀ·dy`` over its ranks (each holding its own rows) before taking norms: the norms of the
         whole batch's gradient. Every rank of the group must call this alike.
+    route : "auto", "dense" or "gram"
+        How the norms are computed (see Notes); "auto" takes the one of fewer operations.
 
     Notes
     -----
-    The product runs in float32 over as many block rows of ``C`` at a time as fit in
-    ``GRADIENT_CHUNK_BYTES`` (each chunk all-reduced in turn with ``group``).
+    ``"dense"``: the product runs in float32 over as many block rows of ``C`` at a time as fit in
+    ``GRADIENT_CHUNK_BYTES`` (each chunk all-reduced in turn with ``group``), ``2·N·C·K`` operations
+    for N rows. ``"gram"`` (L2 only, one process): the squared norm of block (c, k) is the sum of
+    ``(X_c·X_cᵀ) ∘ (dY_k·dY_kᵀ)``, the N × N Gram matrices of the block's columns of ``x`` and ``dy``:
+    ``2·N²·(C + K + C·K/bs²)`` operations, fewer where N is small beside ``bs²``, and no block of ``dW``
+    is ever formed. Its float32 sums cancel more: expect relative errors near ``N · 1e-7``. "auto" takes
+    "gram" where it needs under half the operations and its Gram matrices fit in ``GRADIENT_CHUNK_BYTES``.
 
     Examples
     --------
@@ -114,6 +126,13 @@ def gradient_block_norms(x: torch.Tensor, dy: torch.Tensor, block_size: int, ord
     for argument, size in (("x's features", c), ("dy's features", k)):
         if size % block_size:
             raise ValueError(f"{argument} ({size}) must be a multiple of block_size {block_size}")
+    _check_choice(route, ROUTES, "route")
+    if route == "auto":
+        route = "gram" if _gram_is_cheaper(x.shape[0], c, k, block_size, ord, group) else "dense"
+    if route == "gram":
+        if ord != "l2" or group is not None:
+            raise ValueError("route='gram' takes L2 norms of one process's rows: ord='l2' and no group")
+        return _gram_block_norms(x, dy, block_size)
     block_rows = max(1, GRADIENT_CHUNK_BYTES // (4 * block_size * k))
     norms = []
     for start in range(0, c // block_size, block_rows):
@@ -124,6 +143,27 @@ def gradient_block_norms(x: torch.Tensor, dy: torch.Tensor, block_size: int, ord
         part = part.reshape(stop - start, block_size, k // block_size, block_size).transpose(1, 2)
         norms.append(_reduce_blocks(part, ord))
     return torch.cat(norms)
+
+
+def _gram_is_cheaper(n: int, c: int, k: int, block_size: int, ord: str, group) -> bool:
+    """Whether the Gram route needs under half the dense route's operations, and fits its memory."""
+    if ord != "l2" or group is not None or n == 0:
+        return False
+    gram_bytes = 4 * n * n * (c + k) // block_size
+    gram_operations = 2 * n * n * (c + k + c * k // block_size ** 2)
+    return gram_bytes <= GRADIENT_CHUNK_BYTES and 2 * gram_operations < 2 * n * c * k
+
+
+def _gram_block_norms(x: torch.Tensor, dy: torch.Tensor, block_size: int) -> torch.Tensor:
+    """The Gram route of :func:`gradient_block_norms` on (N, C) and (N, K) float32 rows."""
+    n = x.shape[0]
+
+    def grams(rows):  # (features / bs, N·N): each block column's N × N Gram matrix, flattened
+        blocks = rows.reshape(n, -1, block_size).transpose(0, 1)  # (blocks, N, bs)
+        return (blocks @ blocks.transpose(1, 2)).reshape(blocks.shape[0], n * n)
+
+    squares = grams(x) @ grams(dy).T
+    return squares.clamp_(min=0).sqrt_()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,11 +184,12 @@ class LayoutChange:
     source: np.ndarray
 
 
-def _moved(tensor: torch.Tensor, source: torch.Tensor, fresh: torch.Tensor | None = None) -> torch.Tensor:
-    """``tensor``'s slots in the order ``source`` gives, ``fresh`` (or zeros) where it is -1."""
-    moved = tensor[source.clamp(min=0)]
-    grown = (source < 0).view(-1, *([1] * (tensor.dim() - 1)))
-    return torch.where(grown, torch.zeros_like(moved) if fresh is None else fresh, moved)
+def _moved(tensor: torch.Tensor, gather: torch.Tensor, grown: torch.Tensor,
+           fresh: torch.Tensor | None = None) -> torch.Tensor:
+    """``tensor``'s slots in the order ``gather`` gives, then the ``grown`` slots set to ``fresh`` (one
+    entry a grown slot) or zeros: one gather of the whole tensor and a write of the grown slots alone."""
+    moved = tensor.index_select(0, gather)
+    return moved.index_fill_(0, grown, 0) if fresh is None else moved.index_copy_(0, grown, fresh)
 
 
 def _whole(tensor: torch.Tensor) -> torch.Tensor:
@@ -180,7 +221,10 @@ def change_layout(layer: BlockSparseLinear, layout, optimizer: torch.optim.Optim
     ``Parameter``. The optimizer's state tensors of one entry a block (Adam's moments, SGD's momentum,
     Adafactor's factors) are moved; scalars (step counts) are left as they are, and any other tensor
     state is refused before anything changes. A weight sharded by FSDP2 (``fully_shard``) is gathered, moved and
-    re-sharded: every rank must call this alike.
+    re-sharded: every rank must call this alike. From its first change on, the layer computes under a
+    moving layout key (:func:`bsmm.torch.registry.moving`): a model compiled after that needs no
+    recompilation for later changes (see :class:`DynamicSparsity` for CUDA graphs). Change layouts between
+    training steps: under a moving key, a backward pending across a change raises.
 
     Examples
     --------
@@ -192,8 +236,12 @@ def change_layout(layer: BlockSparseLinear, layout, optimizer: torch.optim.Optim
     >>> float(layer.weight.detach()[1].abs().sum())
     0.0
     """
+    if isinstance(layer, BlockSparseLSTM):  # its recurrent layout (bsmm.torch.dynamic_lstm)
+        from bsmm.torch.dynamic_lstm import change_lstm_layout
+
+        return change_lstm_layout(layer, layout, optimizer, init, generator)
     if not isinstance(layer, BlockSparseLinear):
-        raise TypeError(f"layer must be a bsmm.torch.BlockSparseLinear; got {type(layer).__name__}")
+        raise TypeError(f"layer must be a bsmm.torch.BlockSparseLinear or BlockSparseLSTM; got {type(layer).__name__}")
     _check_choice(init, INITS, "init")
     if layer.gates is not None:
         raise ValueError("layer has gates (bsmm.torch.gate_layer): prune it by them first "
@@ -223,22 +271,42 @@ def change_layout(layer: BlockSparseLinear, layout, optimizer: torch.optim.Optim
                 raise ValueError(f"the optimizer's state {key!r} of the weight has shape {tuple(value.shape)}, not one "
                                  f"entry a block ({old.nnzb}, ...): change_layout cannot move it with the blocks")
             per_slot.append(value)
+    grown_slots = np.flatnonzero(source < 0)
     with torch.no_grad():
         whole = _whole(weight)
-        moved_from = torch.as_tensor(source, device=whole.device)
+        # (one upload: the gather, then the grown slots)
+        tables = torch.as_tensor(np.concatenate([np.maximum(source, 0), grown_slots]), device=whole.device)
+        gather, grown = tables[:len(source)], tables[len(source):]
         fresh = None
-        if init == "fan_in":
-            bounds = fan_in_bounds(new_layout.astype(np.uint8), layer.op.block_size)[cols]
-            fresh = torch.empty(whole.shape, dtype=whole.dtype, device=whole.device).uniform_(
-                -1.0, 1.0, generator=generator).mul_(
-                torch.as_tensor(bounds, dtype=whole.dtype, device=whole.device).view(-1, 1, 1))
-        _write(weight, _moved(whole, moved_from, fresh))
+        if init == "fan_in":  # drawn for the grown blocks only
+            bounds = fan_in_bounds(new_layout.astype(np.uint8), layer.op.block_size)[cols[grown_slots]]
+            fresh = torch.empty((len(grown_slots), *whole.shape[1:]), dtype=whole.dtype, device=whole.device)
+            fresh.uniform_(-1.0, 1.0, generator=generator).mul_(
+                torch.as_tensor(bounds, dtype=whole.dtype).to(whole.device).view(-1, 1, 1))
+        _write(weight, _moved(whole, gather, grown, fresh))
         if weight.grad is not None:
-            _write(weight.grad, _moved(_whole(weight.grad), moved_from))
+            _write(weight.grad, _moved(_whole(weight.grad), gather, grown))
         for value in per_slot:
-            _write(value, _moved(_whole(value), moved_from.to(value.device)))
-    layer._adopt_layout(new_layout.astype(np.uint8))
+            on = value.device
+            _write(value, _moved(_whole(value), gather.to(on), grown.to(on)))
+    # Under CUDA graphs that torch.compile recorded (mode="reduce-overhead"), a replay would launch with the
+    # old layout's tables: a new key then makes the compiled model compile and record again.
+    layer._adopt_layout(new_layout.astype(np.uint8), fresh_key=_cuda_graphs_recorded())
     return change
+
+
+def _cuda_graphs_recorded() -> bool:
+    """Whether ``torch.compile`` has recorded CUDA graphs (its CUDA-graph trees) in this thread."""
+    trees = sys.modules.get("torch._inductor.cudagraph_trees")
+    if trees is None:
+        return False
+    try:  # (PyTorch's private state: where it is not as expected, assume graphs were recorded)
+        if not torch._C._is_key_in_tls("tree_manager_containers"):
+            return False
+        containers = trees.get_obj(trees.local, "tree_manager_containers")
+        return any(getattr(container, "tree_manager", None) is not None for container in containers.values())
+    except (AttributeError, RuntimeError, TypeError):
+        return True
 
 
 def _smallest(scores: np.ndarray, count: int) -> np.ndarray:
@@ -292,13 +360,17 @@ class DynamicSparsity:
     a step on every rank alike). With pipeline parallelism, pass each stage's data-parallel group as
     ``process_group``.
 
-    Under ``torch.compile``, each change gives a layer a new layout key, which the compiled code guards on.
-    The model then compiles again after every update. After ``torch._dynamo.config.recompile_limit``
-    updates (8 by default), Dynamo runs it eagerly, or raises under ``fullgraph=True``: raise the limit or
-    call ``torch.compiler.reset()`` after updates. RigL's capture also breaks the graph in the step before
-    an update. Optimizer state moves with its blocks (:func:`change_layout`); a grown block starts with
-    zero moments while Adam's step count goes on, so its first steps are about ``lr`` in size. Each change
-    builds the layer's block index on the host, and its passes are planned again on first use.
+    Under ``torch.compile``, the layers compute under moving layout keys, which this constructor gives them
+    (:func:`bsmm.torch.registry.moving`; a model compiled before compiles once more): the compiled code
+    holds the key and computes with each new layout, with no recompilation. Under CUDA graphs that
+    ``torch.compile`` recorded (``mode="reduce-overhead"``) a change gives the layer a new key instead,
+    so that no replay launches with the old layout: the model then compiles again after every update, and
+    after ``torch._dynamo.config.recompile_limit`` updates (8 by default) Dynamo runs it eagerly, or raises
+    under ``fullgraph=True``. Graphs a caller captured itself (``torch.cuda.graph``) must be captured
+    again after an update. RigL's capture breaks the graph in the step before an update. Optimizer state
+    moves with its blocks (:func:`change_layout`); a grown block starts with zero moments while Adam's
+    step count goes on, so its first steps are about ``lr`` in size. Each change builds the layer's block
+    index on the host, and its passes are planned again on first use.
 
     Examples
     --------
@@ -330,23 +402,23 @@ class DynamicSparsity:
         if schedule == "cosine" and end is None:
             raise ValueError("schedule='cosine' decays to 0 at end: pass end=, or schedule='constant'")
         if isinstance(model_or_layers, torch.nn.Module):
-            self.layers = {name: m for name, m in model_or_layers.named_modules() if isinstance(m, BlockSparseLinear)}
+            self.layers = {name: m for name, m in model_or_layers.named_modules() if isinstance(m, DYNAMIC_LAYERS)}
         else:
             self.layers = {str(i): layer for i, layer in enumerate(model_or_layers)}
             for name, layer in self.layers.items():
-                if not isinstance(layer, BlockSparseLinear):
-                    raise TypeError(f"model_or_layers[{name}] must be a bsmm.torch.BlockSparseLinear; "
-                                    f"got {type(layer).__name__}")
+                if not isinstance(layer, DYNAMIC_LAYERS):
+                    raise TypeError(f"model_or_layers[{name}] must be a bsmm.torch.BlockSparseLinear or "
+                                    f"BlockSparseLSTM; got {type(layer).__name__}")
         if not self.layers:
-            raise ValueError("model_or_layers holds no bsmm.torch.BlockSparseLinear")
+            raise ValueError("model_or_layers holds no bsmm.torch.BlockSparseLinear or BlockSparseLSTM")
         held = {id(p) for group in optimizer.param_groups for p in group["params"]}
         for name, layer in self.layers.items():
-            if id(layer.weight) not in held:
+            if id(_weight_of(layer)) not in held:
                 raise ValueError(f"optimizer does not hold the weight of layer {name!r}")
-            if criterion == "rigl" and layer.activation is not None:
+            if criterion == "rigl" and getattr(layer, "activation", None) is not None:
                 raise ValueError(f"criterion='rigl' needs the gradient before the activation; layer {name!r} fuses "
                                  f"activation {layer.activation!r}: use criterion='set' or an unfused activation")
-            if layer.gates is not None:
+            if getattr(layer, "gates", None) is not None:
                 raise ValueError(f"layer {name!r} has gates (bsmm.torch.gate_layer): gates and DynamicSparsity are "
                                  "two ways of choosing blocks; prune the layer by its gates first")
         if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
@@ -361,12 +433,15 @@ class DynamicSparsity:
         self.history: collections.deque[dict[str, LayoutChange]] = collections.deque(maxlen=HISTORY)
         self._captured: dict[str, list] = {}
         # The weights the optimizer holds (under FSDP2 the sharded parameters, whose .grad outlives a backward)
-        self._held = {name: layer.weight for name, layer in self.layers.items()}
+        self._held = {name: _weight_of(layer) for name, layer in self.layers.items()}
         self._capturing = False  # read by the hooks: one flag (set by _arm)
+        for layer in self.layers.values():
+            layer._moving_registration()
         self._arm()
         self._handles = [optimizer.register_step_post_hook(self._after_step)]
         if criterion == "rigl":
-            self._handles += [layer.register_forward_hook(self._capture_hook(name))
+            self._handles += [layer.register_gradient_capture(_lstm().gradient_capture(self, name))
+                              if isinstance(layer, BlockSparseLSTM) else layer.register_forward_hook(self._capture_hook(name))
                               for name, layer in self.layers.items()]
 
     def fraction(self, step: int) -> float:
@@ -434,18 +509,22 @@ class DynamicSparsity:
 
     def _growth_scores(self, name: str, layer: BlockSparseLinear) -> np.ndarray:
         if self.criterion == "set":
-            return self.generator.random(layer.op.layout.shape)
+            return self.generator.random(_index_of(layer).layout.shape)
         # Forwards whose output reached no loss (dy None) and overflowed ones (a step GradScaler skipped) are left out.
         entries = [(x, dy) for x, dy in self._captured.get(name, []) if dy is not None and bool(dy.isfinite().all())]
         captured = len(entries) > 0
         if self._distributed():  # every rank raises alike, rather than some wait in a collective
-            flag = torch.tensor(int(captured), device=layer.weight.device)
+            flag = torch.tensor(int(captured), device=_weight_of(layer).device)
             torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN, group=self.process_group)
             captured = bool(flag.item())
         if not captured:
             raise RuntimeError(f"criterion='rigl': no gradient of the output of layer {name!r} was captured in step "
                                f"{self.steps} (on some rank); each update needs a forward and backward through every "
                                f"layer")
+        # Several ranks: the norms of the whole batch's xᵀ·dy, each rank's rows summed (RigL's dense gradient).
+        group = (self.process_group or torch.distributed.group.WORLD) if self._distributed() else None
+        if isinstance(layer, BlockSparseLSTM):  # entries of (h_in, x) and dz rows: dWh (and dWx)
+            return _lstm().growth_scores(entries, layer, self.ord, group)
 
         def rows(tensor):  # (rows, features), whichever axis the layer takes its features on
             features = tensor if layer.feature_axis else tensor.movedim(0, -1)
@@ -453,18 +532,17 @@ class DynamicSparsity:
 
         x = torch.cat([rows(x) for x, _ in entries])
         dy = torch.cat([rows(dy) for _, dy in entries])
-        # Several ranks: the norms of the whole batch's xᵀ·dy, each rank's rows summed (RigL's dense gradient).
-        group = (self.process_group or torch.distributed.group.WORLD) if self._distributed() else None
         return gradient_block_norms(x, dy, layer.op.block_size, self.ord, group=group).cpu().numpy()
 
     def _check_ranks_agree(self) -> None:
         """Raise alike on every rank unless every rank holds the same layouts, each layer's buffer as it
         computes (a checkpoint loaded on one rank only, under DDP, would leave the others' layers behind)."""
-        device = next(iter(self.layers.values())).weight.device
+        device = _weight_of(next(iter(self.layers.values()))).device
         digests = []
         for layer in self.layers.values():
-            same = np.array_equal(layer.layout.detach().cpu().numpy() != 0, layer.op.layout != 0)
-            digests.append(zlib.crc32(np.packbits(layer.op.layout != 0).tobytes()) if same else -1)
+            computed = _index_of(layer).layout != 0
+            same = np.array_equal(_layout_buffer_of(layer).detach().cpu().numpy() != 0, computed)
+            digests.append(zlib.crc32(np.packbits(computed).tobytes()) if same else -1)
         low = torch.tensor(digests, dtype=torch.int64, device=device)
         high = low.clone()
         torch.distributed.all_reduce(low, op=torch.distributed.ReduceOp.MIN, group=self.process_group)
@@ -477,13 +555,13 @@ class DynamicSparsity:
 
     def decide(self, name: str, layer: BlockSparseLinear, fraction: float) -> np.ndarray:
         """The layout ``layer`` moves to at this update (see the class notes)."""
-        index = layer.op.index
+        index = _index_of(layer)
         present = index.layout != 0
         absent = np.argwhere(~present)
         count = min(round(fraction * index.nnzb), len(absent))
         if count == 0:
             return present.astype(np.uint8)
-        dropped = _smallest(_reduce_blocks(_whole(layer.weight.detach()), self.ord).cpu().numpy(), count)  # by slot
+        dropped = _smallest(_slot_norms(layer, self.ord).cpu().numpy(), count)  # by slot
         scores = self._growth_scores(name, layer)
         grown = absent[_smallest(-scores[absent[:, 0], absent[:, 1]], count)]
         layout = present.copy()
@@ -501,14 +579,43 @@ class DynamicSparsity:
         if self._distributed():
             first = torch.distributed.get_global_rank(self.process_group or torch.distributed.group.WORLD, 0)
             for name, layer in self.layers.items():
-                shared = torch.as_tensor(layouts[name], device=layer.weight.device)
+                shared = torch.as_tensor(layouts[name], device=_weight_of(layer).device)
                 torch.distributed.broadcast(shared, src=first, group=self.process_group)
                 layouts[name] = shared.cpu().numpy()
         changes = {}
         for number, (name, layer) in enumerate(self.layers.items()):
             # (fan-in draws seeded by the run's seed, the step and the layer: alike on every rank)
             seed = np.random.SeedSequence([self.seed, self.steps, number]).generate_state(1, np.uint64)[0]
-            generator = torch.Generator(layer.weight.device).manual_seed(int(seed) % 2**63)
+            generator = torch.Generator(_weight_of(layer).device).manual_seed(int(seed) % 2**63)
             changes[name] = change_layout(layer, layouts[name], self.optimizer, self.init, generator)
         self.history.append(changes)
         return changes
+
+
+# -- a linear layer or an LSTM (bsmm.torch.dynamic_lstm): what an update reads of each ---------------------------
+def _lstm():
+    """:mod:`bsmm.torch.dynamic_lstm`, imported on first use (it imports this module)."""
+    from bsmm.torch import dynamic_lstm
+
+    return dynamic_lstm
+
+
+def _weight_of(layer) -> torch.nn.Parameter:
+    """The weight whose blocks the layout places: an LSTM's ``Wh``."""
+    return layer.weight_hh if isinstance(layer, BlockSparseLSTM) else layer.weight
+
+
+def _index_of(layer):
+    """The block index of the changing layout."""
+    return layer._recurrent.index if isinstance(layer, BlockSparseLSTM) else layer.op.index
+
+
+def _layout_buffer_of(layer) -> torch.Tensor:
+    return layer.recurrent_layout if isinstance(layer, BlockSparseLSTM) else layer.layout
+
+
+def _slot_norms(layer, ord: str) -> torch.Tensor:
+    """(nnzb,) each present block's norm: the drop criterion."""
+    if isinstance(layer, BlockSparseLSTM):
+        return _lstm().slot_norms(layer, ord)
+    return _reduce_blocks(_whole(layer.weight.detach()), ord)

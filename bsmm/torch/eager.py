@@ -62,8 +62,19 @@ def _keep_registration(ctx, key: str) -> None:
         ctx.registration = live_registration(key)
 
 
+def _check_registration(ctx, key: str) -> None:
+    """Refuse a backward whose forward ran on another layout than ``key`` names now: a moving key
+    (:func:`bsmm.torch.registry.move`, a layer's layout changed by :mod:`bsmm.torch.dynamic`) moved
+    between them, so the backward would compute with blocks the forward never used."""
+    held = getattr(ctx, "registration", None)
+    if held is not None and live_registration(key) is not held:
+        raise RuntimeError(f"the layout of {key!r} changed between this forward and its backward "
+                           f"(bsmm.torch.dynamic.change_layout): change layouts only between training steps")
+
+
 def _cotangents(ctx, pass_name: str, grad: torch.Tensor, operands: tuple) -> list:
     """The gradients of a pass's two operands from its output's gradient (:attr:`BlockPass.cotangents`)."""
+    _check_registration(ctx, ctx.options[0])
     differentiable = torch.is_grad_enabled()
     found = []
     for needed, rule in zip(ctx.needs_input_grad[:2], PASSES[pass_name].cotangents):

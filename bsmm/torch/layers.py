@@ -21,7 +21,7 @@ from bsmm.torch.checks import check_dtype
 from bsmm.torch.conv_ops import conv_spec
 from bsmm.torch.conversions import weight_bsr
 from bsmm.torch.functional import conv_by_key, gated_weight, matmul_by_key
-from bsmm.torch.registry import register
+from bsmm.torch.registry import Registration, move, moving, register
 
 __all__ = ["BlockSparseConv1d", "BlockSparseConv2d", "BlockSparseConv3d", "BlockSparseLinear", "load_layouts"]
 
@@ -108,10 +108,10 @@ class _BlockSparseLayer(torch.nn.Module):
             self.register_parameter("bias", None)
         self.reset_parameters()
 
-    def _use(self, op) -> None:
-        """Compute with ``op``: its registration held (the layer pickles as its layout and registers again on
-        load, see bsmm.torch.registry) and its key for the operators."""
-        self.op, self._registration = op, register(op.index)
+    def _use(self, op, registration: Registration | None = None) -> None:
+        """Compute with ``op``: its registration held (by default its layout's content key; the layer pickles
+        as its layout and registers again on load, see bsmm.torch.registry) and its key for the operators."""
+        self.op, self._registration = op, register(op.index) if registration is None else registration
         self._key = self._registration.key
 
     def reset_parameters(self) -> None:
@@ -291,17 +291,28 @@ class BlockSparseLinear(_BlockSparseLayer):
         super().__setstate__(state)
         if "gates" not in self.__dict__ and "gates" not in self._modules:  # pickled before gates existed
             self.gates = None
+        # The registration unpickles under its layout's content key; a moving key would name the original's
+        # layout (copy.deepcopy in one process), which moves with the original, not with this copy.
+        self._key = self._registration.key
 
-    def _adopt_layout(self, layout: np.ndarray) -> None:
+    def _adopt_layout(self, layout: np.ndarray, fresh_key: bool = False) -> None:
         """Compute with ``layout`` from now on, a layout of as many blocks (the weight's slots are
-        reordered by the caller: :func:`bsmm.torch.dynamic.change_layout`)."""
+        reordered by the caller: :func:`bsmm.torch.dynamic.change_layout`), under the layer's moving key
+        (a compiled graph holding it needs no recompilation), or a new one where ``fresh_key``."""
         op = BlocksparseMatMul(layout, self.op.block_size, self.feature_axis, self.tf32)
         if op.w_shape != self.op.w_shape:
             raise ValueError(f"layout must hold {self.op.blocks} blocks, as the layer's does (its weight's slots); "
                              f"got {op.blocks}")
-        self._use(op)
+        self._use(op, moving(op.index) if fresh_key else move(self._moving_registration(), op.index))
         with torch.no_grad():
             self.layout.copy_(torch.from_numpy(np.array(op.layout)))
+
+    def _moving_registration(self) -> Registration:
+        """The layer's registration, moved to a moving key of its own on the first call (a model compiled
+        before that compiles once more; :class:`bsmm.torch.DynamicSparsity` calls this when it is built)."""
+        if "/moving-" not in self._key:
+            self._use(self.op, moving(self.op.index))
+        return self._registration
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x (..., C) -> (..., K), or (C, ...) -> (K, ...) with feature_axis=0."""

@@ -12,8 +12,11 @@ stores ``Wᵀ`` and has two biases: see :class:`BlockSparseLSTM`'s Notes.
 
 from __future__ import annotations
 
+import collections
+
 import numpy as np
 import torch
+import torch.utils.hooks
 
 from bsmm.block_index import check_block_size, check_layout
 from bsmm.layouts.checks import check_int
@@ -44,6 +47,13 @@ def _gate_layout(layout, argument: str, rows: int, hidden_blocks: int) -> np.nda
         raise ValueError(f"{argument} must have shape ({rows}, {widths[0]}) (one gate, tiled) or ({rows}, "
                          f"{widths[1]}) (all gates); got {checked.shape}")
     return np.tile(checked, (1, _GATES)) if checked.shape[1] == hidden_blocks else checked
+
+
+def gate_column_bounds(layout: np.ndarray, block_size: int, hidden_size: int) -> np.ndarray:
+    """Per block column ``k`` of a (H/bs, 4H/bs) recurrent layout: the initialization bound
+    1/sqrt(fan_in_k), ``fan_in_k = block_size ×`` the column's present blocks (``hidden_size`` for an empty one)."""
+    fan_in = np.count_nonzero(layout, axis=0) * block_size
+    return 1.0 / np.sqrt(np.where(fan_in > 0, fan_in, hidden_size))
 
 
 def _describe(layout) -> str:
@@ -150,6 +160,7 @@ class BlockSparseLSTM(torch.nn.Module):
         super().__init__()
         self.cuda_graphs = bool(cuda_graphs)
         self._graphs = lstm_steps.SequenceGraphs()
+        self._gradient_captures: collections.OrderedDict = collections.OrderedDict()
         self.input_size = check_int(input_size, "input_size", 1)
         self.hidden_size = check_int(hidden_size, "hidden_size", 1)
         self.block_size = bs = check_block_size(block_size)
@@ -163,6 +174,8 @@ class BlockSparseLSTM(torch.nn.Module):
                                  "recurrent_layout", hidden_blocks, hidden_blocks)
         self._recurrent = register(BlocksparseMatMul(recurrent, bs).index)
         self._input = self._input_registration(input_layout, recurrent, hidden_blocks)
+        #: Whether ``Wx`` follows ``Wh``'s layout (``input_layout="recurrent"``): a layout change moves both.
+        self.shared_layout = isinstance(input_layout, str)
         for name, registration in (("recurrent_layout", self._recurrent), ("input_layout", self._input)):
             self.register_buffer(name, None if registration is None else
                                  torch.tensor(np.array(registration.index.layout), device=device))
@@ -208,9 +221,7 @@ class BlockSparseLSTM(torch.nn.Module):
 
     def reset_parameters(self) -> None:
         """Draw the weights and bias again (see Notes), with PyTorch's random generator."""
-        recurrent = self._recurrent.index
-        fan_in = np.count_nonzero(recurrent.layout, axis=0) * self.block_size
-        bounds = 1.0 / np.sqrt(np.where(fan_in > 0, fan_in, self.hidden_size))  # per block column of the gates
+        bounds = gate_column_bounds(self._recurrent.index.layout, self.block_size, self.hidden_size)
         with torch.no_grad():
             for weight, registration in ((self.weight_hh, self._recurrent), (self.weight_ih, self._input)):
                 column_bounds = bounds[registration.index.indices] if registration is not None else \
@@ -245,17 +256,73 @@ class BlockSparseLSTM(torch.nn.Module):
             h0, c0 = (self._state(state, name, input, batched, n) for state, name in zip(hx, ("h0", "c0")))
         input_key = None if self._input is None else self._input.key
         if torch.compiler.is_compiling():  # the sequence's two operators, traced into the caller's graph
+            if self._gradient_captures:
+                raise NotImplementedError("BlockSparseLSTM: a gradient capture (register_gradient_capture, as "
+                                          "DynamicSparsity(criterion='rigl') registers) runs in the eager backward "
+                                          "only: run the model uncompiled, or use criterion='set'")
             output, h_n, c_n = CompiledSequence.apply(x, h0, c0, self.weight_ih, self.weight_hh, self.bias,
                                                       self._recurrent.key, input_key, self.tf32)
         else:
             plan = plan_of(self._recurrent.key, input_key, self.tf32, (self._recurrent, self._input),
-                           self._graphs if self.cuda_graphs else None)
+                           self._graphs if self.cuda_graphs else None, self._armed_captures())
             output, h_n, c_n = Sequence.apply(x, h0, c0, self.weight_ih, self.weight_hh, self.bias, plan)
         if not batched:  # N = 1: h_n and c_n are (1, H) already
             return output.squeeze(1), (h_n, c_n)
         if self.batch_first:
             output = output.transpose(0, 1)
         return output, (h_n.unsqueeze(0), c_n.unsqueeze(0))
+
+    def register_gradient_capture(self, hook) -> torch.utils.hooks.RemovableHandle:
+        """Call ``hook()`` at every eager forward under grad; where it returns a function, the sequence's
+        backward calls that with the rows of the weight gradients, ``(h_in, x, dz)``: ``h_in`` (T·N, H) the
+        states each step read (``h_0 … h_{T-1}``), ``x`` (T·N, I) the input and ``dz`` (T·N, 4H) the
+        pre-activation gradients, so that ``dWh = h_inᵀ·dz`` and ``dWx = xᵀ·dz``. ``dz`` may be a buffer
+        the layer writes again: copy what you keep. A capture is refused under ``torch.compile``.
+
+        Examples
+        --------
+        >>> import torch, bsmm.torch
+        >>> lstm = bsmm.torch.BlockSparseLSTM(32, 32, block_size=16, bias=False)
+        >>> rows = []
+        >>> handle = lstm.register_gradient_capture(lambda: lambda h_in, x, dz: rows.append(dz.clone()))
+        >>> lstm(torch.randn(5, 2, 32))[0].sum().backward()
+        >>> handle.remove()
+        >>> rows[0].shape
+        torch.Size([10, 128])
+        """
+        handle = torch.utils.hooks.RemovableHandle(self._gradient_captures)
+        self._gradient_captures[handle.id] = hook
+        return handle
+
+    def _armed_captures(self) -> tuple:
+        """This forward's gradient captures (see :meth:`register_gradient_capture`)."""
+        if not self._gradient_captures or not torch.is_grad_enabled():
+            return ()
+        return tuple(call for call in (hook() for hook in self._gradient_captures.values()) if call is not None)
+
+    def _adopt_layout(self, layout: np.ndarray) -> None:
+        """Compute ``Wh`` (and ``Wx`` where it shares the layout) with ``layout`` (H/bs, 4H/bs) from now on,
+        a layout of as many blocks; the caller reorders the weights' slots
+        (:func:`bsmm.torch.dynamic.change_layout`). The CUDA graphs of the old layout are forgotten."""
+        index = BlocksparseMatMul(layout, self.block_size).index
+        old = self._recurrent.index
+        if index.layout.shape != old.layout.shape or index.nnzb != old.nnzb:
+            raise ValueError(f"layout must have shape {old.layout.shape} and hold {old.nnzb} blocks, as the layer's "
+                             f"recurrent layout; got shape {index.layout.shape} with {index.nnzb} blocks")
+        self._recurrent = register(index)
+        if self.shared_layout:
+            self._input = self._recurrent
+        # The graphs launch the old layout's passes, and a new operator may reuse the id they are keyed by.
+        self._graphs.invalidate()
+        with torch.no_grad():
+            for name in ("recurrent_layout",) + (("input_layout",) if self.shared_layout else ()):
+                getattr(self, name).copy_(torch.from_numpy(np.array(index.layout)))
+
+    def _moving_registration(self) -> Registration:
+        """The recurrent layout's registration (:class:`bsmm.torch.DynamicSparsity` asks every layer). Unlike
+        :class:`~bsmm.torch.BlockSparseLinear`, the LSTM keeps its layouts' content keys: a compiled model
+        compiles again after each change of its layout."""
+        return self._recurrent
 
     def _state(self, state, name: str, input: torch.Tensor, batched: bool, n: int) -> torch.Tensor:
         """``h0`` or ``c0`` as (N, H), contiguous, or raise naming it."""
@@ -286,6 +353,7 @@ class BlockSparseLSTM(torch.nn.Module):
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
+        self._adopt_saved_layout(state_dict, prefix)
         for name, registration in (("recurrent_layout", self._recurrent), ("input_layout", self._input)):
             saved = state_dict.get(prefix + name)
             saved = None if saved is None else saved.detach().cpu().numpy() != 0
@@ -304,6 +372,20 @@ class BlockSparseLSTM(torch.nn.Module):
             return
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
+
+    def _adopt_saved_layout(self, state_dict, prefix: str) -> None:
+        """Adopt a saved recurrent layout of this one's shape and block count (one changed while training,
+        :func:`bsmm.torch.dynamic.change_layout`), with the saved input layout where the layer shares it."""
+        saved = state_dict.get(prefix + "recurrent_layout")
+        if saved is None:
+            return
+        saved = saved.detach().cpu().numpy() != 0
+        own = self._recurrent.index.layout != 0
+        saved_input = state_dict.get(prefix + "input_layout")
+        follows = not self.shared_layout or (saved_input is not None and tuple(saved_input.shape) == saved.shape
+                                             and np.array_equal(saved_input.detach().cpu().numpy() != 0, saved))
+        if saved.shape == own.shape and saved.sum() == own.sum() and not np.array_equal(saved, own) and follows:
+            self._adopt_layout(saved.astype(np.uint8))
 
     def extra_repr(self) -> str:
         text = (f"{self.input_size}, {self.hidden_size}, block_size={self.block_size}, "

@@ -45,6 +45,8 @@ class SequencePlan(NamedTuple):
 
     ``input_op`` and ``input_key`` are None where ``Wx`` is dense (plain ``torch.matmul``). The
     registrations keep both keys resolvable until the backward has run, whatever the caller drops.
+    ``captures``: functions the eager backward calls with ``(h_in, x, dz)`` rows
+    (:meth:`bsmm.torch.BlockSparseLSTM.register_gradient_capture`).
     """
 
     recurrent_op: BlocksparseMatMul
@@ -53,14 +55,15 @@ class SequencePlan(NamedTuple):
     input_key: str | None
     registrations: tuple
     graphs: lstm_steps.SequenceGraphs | None = None  # the layer's, where it replays its loops from CUDA graphs
+    captures: tuple = ()
 
 
 def plan_of(recurrent_key: str, input_key: str | None, tf32: bool, registrations: tuple = (),
-            graphs: lstm_steps.SequenceGraphs | None = None) -> SequencePlan:
+            graphs: lstm_steps.SequenceGraphs | None = None, captures: tuple = ()) -> SequencePlan:
     """The plan of layouts registered under these keys (:mod:`bsmm.torch.registry`)."""
     return SequencePlan(matmul_operator(recurrent_key, 1, tf32), recurrent_key,
                         None if input_key is None else matmul_operator(input_key, 1, tf32), input_key,
-                        registrations, graphs)
+                        registrations, graphs, captures)
 
 
 def _input_fprop(rows: torch.Tensor, weight: torch.Tensor, plan: SequencePlan) -> torch.Tensor:
@@ -231,11 +234,14 @@ def _weight_grads(x, h0, weight_ih, out, dz_rows, plan, needs) -> tuple:
     """(dx, dWx, dWh) from every step's dz stacked, (T·N, 4H) in the passes' dtype."""
     steps, n, hidden = out.shape
     d_weight_hh = None
-    if needs[4]:
+    rows = x.view(steps * n, -1)
+    if needs[4] or plan.captures:
         # The states each step read, h_0 ... h_{T-1}, stacked: one updat sums over the steps.
         h_in = torch.cat((h0.unsqueeze(0), out[:-1])).view(steps * n, hidden)
-        d_weight_hh = run_on(plan.recurrent_op, "updat", h_in, dz_rows, plan.recurrent_key)
-    rows = x.view(steps * n, -1)
+        for capture in plan.captures:
+            capture(h_in, rows, dz_rows)
+        if needs[4]:
+            d_weight_hh = run_on(plan.recurrent_op, "updat", h_in, dz_rows, plan.recurrent_key)
     d_x = _input_bprop(dz_rows, weight_ih, plan).view(x.shape) if needs[0] else None
     d_weight_ih = _input_updat(rows, dz_rows, plan) if needs[3] else None
     return d_x, d_weight_ih, d_weight_hh

@@ -163,6 +163,12 @@ class SequenceGraphs:
         with self._lock:
             self._trim(0)
 
+    def invalidate(self) -> None:
+        """Forget every set: the free ones now, those a forward holds once its backward lets go of them
+        (after a layout change, whose new operator may even reuse the old one's id in :class:`SetKey`)."""
+        with self._lock:
+            self._sets = {}  # a held set's release then finds it in no list, and it goes with its forward
+
     def acquire(self, key: SetKey, make) -> tuple[StepBuffers, torch.Tensor]:
         """A free set of ``key`` (``make()`` builds one where none is free) and the token whose death
         frees it again: save the token for the backward (it dies with the forward's saved tensors).

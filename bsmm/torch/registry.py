@@ -9,11 +9,19 @@ registry of :class:`Registration` objects held weakly; whoever needs a layout (a
 holds its ``Registration``, so an entry lives exactly as long as something can call an operator
 with its key. Nothing about the registry is pickled: the layout itself is, and unpickling
 registers it again.
+
+A layer whose layout changes while it trains (:mod:`bsmm.torch.dynamic`) holds a *moving* key
+instead (:func:`moving`): ``"{CB}x{KB}/{block_size}/moving-{n}-{random hex}"``, unique to the
+process, which :func:`move` points at each new layout. A compiled graph that holds the key then
+computes with the layer's current layout, with no recompilation; a key of one process never
+names a layout in another, so cached graphs never confuse the two.
 """
 
 from __future__ import annotations
 
 import hashlib
+import itertools
+import secrets
 import threading
 import weakref
 
@@ -21,7 +29,7 @@ import numpy as np
 
 from bsmm.block_index import BlockIndex, block_index
 
-__all__ = ["Registration", "layout_key", "live_registration", "lookup", "register", "registration"]
+__all__ = ["Registration", "layout_key", "live_registration", "lookup", "move", "moving", "register", "registration"]
 
 
 class Registration:
@@ -89,6 +97,50 @@ def register(index: BlockIndex) -> Registration:
         if registration is None:
             registration = _REGISTRY[key] = Registration(key, index)
     return registration
+
+
+_MOVING_NUMBERS = itertools.count()
+_PROCESS_TAG = secrets.token_hex(6)  # (a moving key of this process never equals one of another)
+
+
+def moving(index: BlockIndex) -> Registration:
+    """A registration of ``index`` under a moving key of its own, which :func:`move` points at
+    other layouts of the same shape and block size (see the module docstring).
+
+    Examples
+    --------
+    >>> import numpy as np, bsmm
+    >>> first = moving(bsmm.block_index(np.eye(2), block_size=8))
+    >>> second = move(first, bsmm.block_index(np.ones((2, 2)), block_size=8))
+    >>> second.key == first.key, int(lookup(first.key).nnzb)
+    (True, 4)
+    """
+    key = (f"{index.n_block_rows}x{index.n_block_cols}/{index.block_size}/"
+           f"moving-{next(_MOVING_NUMBERS)}-{_PROCESS_TAG}")
+    registration = Registration(key, index)
+    with _LOCK:
+        _REGISTRY[key] = registration
+    return registration
+
+
+def move(registration: Registration, index: BlockIndex) -> Registration:
+    """Point ``registration``'s moving key at ``index`` (a layout of the same shape and block size)
+    and return the new registration to hold in its place; ``registration`` keeps the old layout for
+    whatever still holds it (a pending eager backward, which then refuses to run rather than compute
+    with the new layout)."""
+    old = registration.index
+    if "/moving-" not in registration.key:
+        raise ValueError(f"registration {registration.key!r} has a layout's content key, not a moving one: "
+                         f"make one with bsmm.torch.registry.moving")
+    if (index.n_block_rows, index.n_block_cols, index.block_size) != (old.n_block_rows, old.n_block_cols,
+                                                                       old.block_size):
+        raise ValueError(f"index must have the layout shape {(old.n_block_rows, old.n_block_cols)} and block size "
+                         f"{old.block_size} of {registration.key!r}; got {(index.n_block_rows, index.n_block_cols)} "
+                         f"and {index.block_size}")
+    moved = Registration(registration.key, index)
+    with _LOCK:
+        _REGISTRY[registration.key] = moved
+    return moved
 
 
 def _register_layout(layout: np.ndarray, block_size: int) -> Registration:

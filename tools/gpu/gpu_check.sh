@@ -29,8 +29,8 @@
 # transformer: the MLP block's and decoder's GPU tests, `bsmm bench --model transformer` ($TRANSFORMER_BENCH_ARGS),
 # tools/probes/profile_transformer.py, the decode passes' probe (tools/probes/probe_streaming.py --decode) and
 # the eager decode step's host time (tools/probes/probe_decode_host.py); NO_TRANSFORMER_PROFILE=1 skips the three.
-# learned: the GPU tests of per-block gates and changing layouts, tools/probes/probe_layout_change.py, and
-# examples/learned_structure/experiment_torch.py ($LEARNED_ARGS).
+# learned: the GPU tests of per-block gates and changing layouts, tools/probes/probe_layout_change.py,
+# tools/probes/probe_growth_signal.py, and examples/learned_structure/experiment_torch.py ($LEARNED_ARGS).
 # tune: `python -m bsmm tune` with the remaining arguments (e.g. --workload T --block-size 64
 # --dtype float16 --dry-run); its report, and the kept tiles in $BSMM_CACHE_DIR/tuned.toml.
 set -uo pipefail
@@ -202,8 +202,11 @@ if [[ $stage == learned ]]; then
   grep -E "^(FAILED|ERROR)" "$OUT/pytest_learned.log" | head -20
   echo "learned-structure gpu tests: $(tail -1 "$OUT/pytest_learned.log") [$(( $(date +%s) - t0 ))s]"
   t0=$(date +%s)
-  python3 tools/probes/probe_layout_change.py >"$OUT/layout_change.md" 2>&1 || status=1
+  python3 tools/probes/probe_layout_change.py --profile >"$OUT/layout_change.md" 2>&1 || status=1
   echo "layout change [$(( $(date +%s) - t0 ))s]:"; cat "$OUT/layout_change.md"
+  t0=$(date +%s)
+  python3 tools/probes/probe_growth_signal.py >"$OUT/growth_signal.md" 2>&1 || status=1
+  echo "growth signal, dense against Gram route [$(( $(date +%s) - t0 ))s]:"; cat "$OUT/growth_signal.md"
   t0=$(date +%s)
   python3 examples/learned_structure/experiment_torch.py ${LEARNED_ARGS:-} --json "$OUT/learned.json" \
     --markdown "$OUT/learned.md" --plot "$OUT/learned.png" >"$OUT/learned.log" 2>&1 || status=1

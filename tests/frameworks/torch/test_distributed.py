@@ -128,6 +128,8 @@ def test_dynamic_sparsity_keeps_ranks_identical(measured, wrapper):
 def test_dynamic_sparsity_refuses_ranks_whose_layouts_differ(measured):
     """A layout changed on one rank only, then DDP: the next update raises the same error on every rank."""
     _data_parallel_or_skip(measured)
+    if len(measured) < 2:
+        pytest.skip("one rank (NCCL on a machine of one GPU): no other rank to differ")
     for rank, results in measured.items():
         assert results["dynamic/stale-rank-refused"]["value"] is True, f"rank {rank}"
 

@@ -52,7 +52,23 @@ def test_gradient_block_norms_against_float64(device, ord, feature_axis, monkeyp
     assert whole.shape == (3, 5) and whole.dtype == torch.float32
     np.testing.assert_allclose(whole.cpu().numpy(), expected, rtol=2e-6)
     monkeypatch.setattr(dynamic, "GRADIENT_CHUNK_BYTES", 1)  # one block row at a time
-    assert torch.equal(dynamic.gradient_block_norms(tx, tdy, 32, ord, feature_axis), whole)
+    # (the same values; on CUDA, a reduction's order follows its tensor's size, so not always the same bits)
+    torch.testing.assert_close(dynamic.gradient_block_norms(tx, tdy, 32, ord, feature_axis), whole, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("rows", [1, 38, 300])
+def test_gram_route_against_float64(device, rows):
+    """The Gram route (no dW block formed) against the float64 product; "auto" picks it at one row."""
+    rng = np.random.default_rng(rows)
+    x, dy = rng.standard_normal((rows, 96)), rng.standard_normal((rows, 160))
+    expected = reference_norms(x.T @ dy, 32, "l2")
+    tx, tdy = (torch.tensor(a, device=device) for a in (x, dy))
+    gram = dynamic.gradient_block_norms(tx, tdy, 32, route="gram")
+    assert gram.shape == (3, 5) and gram.dtype == torch.float32
+    np.testing.assert_allclose(gram.cpu().numpy(), expected, rtol=rows * 2e-7 + 1e-6)
+    assert dynamic._gram_is_cheaper(rows, 96, 160, 32, "l2", None) == (rows == 1)
+    assert dynamic._gram_is_cheaper(8, 4096, 4096, 128, "l2", None)
+    assert not dynamic._gram_is_cheaper(8, 4096, 4096, 128, "max", None)
 
 
 def test_gradient_block_norms_refusals():
@@ -65,6 +81,10 @@ def test_gradient_block_norms_refusals():
         dynamic.gradient_block_norms(x, dy, 32, "l1")
     with pytest.raises(ValueError, match="feature_axis must be 0 or 1; got 2"):
         dynamic.gradient_block_norms(x, dy, 32, feature_axis=2)
+    with pytest.raises(ValueError, match="route must be one of 'auto', 'dense', 'gram'; got 'sparse'"):
+        dynamic.gradient_block_norms(x, dy, 32, route="sparse")
+    with pytest.raises(ValueError, match="route='gram' takes L2 norms"):
+        dynamic.gradient_block_norms(x, dy, 32, "max", route="gram")
 
 
 @pytest.mark.parametrize("ord", ["l2", "max"])
@@ -169,7 +189,7 @@ def test_change_layout_refusals():
         dynamic.change_layout(layer, np.array([[1, 1]]))
     with pytest.raises(ValueError, match="init must be one of 'zero', 'fan_in'; got 'ones'"):
         dynamic.change_layout(layer, np.array([[1, 1], [0, 0]]), init="ones")
-    with pytest.raises(TypeError, match="layer must be a bsmm.torch.BlockSparseLinear; got Linear"):
+    with pytest.raises(TypeError, match="layer must be a bsmm.torch.BlockSparseLinear or BlockSparseLSTM; got Linear"):
         dynamic.change_layout(torch.nn.Linear(4, 4), np.ones((1, 1)))
     assert torch.equal(layer.weight, weight) and np.array_equal(layer.op.layout, [[1, 0], [0, 1]])
 
@@ -292,7 +312,7 @@ def test_dynamic_sparsity_refusals():
     activated = bt.BlockSparseLinear(64, 64, density=0.5, block_size=16, seed=0, activation="relu")
     with pytest.raises(ValueError, match="layer '0' fuses activation 'relu': use criterion='set'"):
         bt.DynamicSparsity([activated], torch.optim.SGD(activated.parameters(), lr=1), end=4)
-    with pytest.raises(TypeError, match=r"model_or_layers\[0\] must be a bsmm.torch.BlockSparseLinear; got ReLU"):
+    with pytest.raises(TypeError, match=r"model_or_layers\[0\] must be a bsmm.torch.BlockSparseLinear or BlockSparseLSTM; got ReLU"):
         bt.DynamicSparsity([torch.nn.ReLU()], optimizer, end=4)
 
 
@@ -316,6 +336,111 @@ def test_a_compiled_model_computes_with_the_changed_layout():
     dynamic.change_layout(layer, a_moved_layout(layer.op.layout, np.random.default_rng(1), 2), init="fan_in")
     expected = x @ layer.to_dense_weight().detach() + layer.bias.detach()
     assert torch.allclose(compiled(x), expected, rtol=1e-5, atol=1e-5)
+
+
+def _sparse_model(device="cpu", dtype=torch.float32):
+    return torch.nn.Sequential(
+        bt.BlockSparseLinear(64, 96, density=0.5, block_size=16, seed=0, device=device, dtype=dtype), torch.nn.ReLU(),
+        bt.BlockSparseLinear(96, 64, density=0.4, block_size=16, seed=1, device=device, dtype=dtype))
+
+
+def _dense_forward(model, x):
+    """The model's forward on its dense masked weights (each layer's current layout)."""
+    hidden = torch.relu(x @ model[0].to_dense_weight() + model[0].bias)
+    return hidden @ model[2].to_dense_weight() + model[2].bias
+
+
+def test_a_compiled_model_trains_through_layout_changes_with_no_recompilation():
+    """DynamicSparsity gives its layers moving keys: four updates, one compiled frame, and after each update
+    the compiled model computes with the new layouts (against the dense masked weights)."""
+    torch.manual_seed(0)
+    model = _sparse_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    sparsity = bt.DynamicSparsity(model, optimizer, criterion="set", drop_fraction=0.3, every=1, schedule="constant",
+                                  init="fan_in")
+    keys = [layer._key for layer in sparsity.layers.values()]
+    assert all("/moving-" in key for key in keys)
+    from torch._dynamo.testing import CompileCounter
+
+    torch._dynamo.reset()
+    counter = CompileCounter()
+    compiled = torch.compile(model, backend=counter)
+    start = [layer.op.layout.copy() for layer in sparsity.layers.values()]
+    for _ in range(4):
+        x = torch.randn(6, 64)
+        compiled(x).square().sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        # (in grad mode, as the step: Dynamo guards on it, so no_grad would compile a frame of its own)
+        torch.testing.assert_close(compiled(x).detach(), _dense_forward(model, x).detach(), rtol=1e-5, atol=1e-5)
+    assert counter.frame_count == 1, counter.frame_count
+    assert len(sparsity.history) == 4
+    assert [layer._key for layer in sparsity.layers.values()] == keys
+    assert all(not np.array_equal(a, layer.op.layout) for a, layer in zip(start, sparsity.layers.values()))
+
+
+def test_recorded_cuda_graphs_give_a_changed_layer_a_new_key(monkeypatch):
+    """Where torch.compile recorded CUDA graphs, a change takes a new moving key, so the compiled model
+    compiles (and records) again rather than replay launches of the old layout."""
+    layer = bt.BlockSparseLinear(64, 64, density=0.5, block_size=16, seed=0)
+    rng = np.random.default_rng(2)
+    dynamic.change_layout(layer, a_moved_layout(layer.op.layout, rng, 2))
+    key = layer._key
+    dynamic.change_layout(layer, a_moved_layout(layer.op.layout, rng, 2))
+    assert layer._key == key and not dynamic._cuda_graphs_recorded()
+    monkeypatch.setattr(dynamic, "_cuda_graphs_recorded", lambda: True)
+    dynamic.change_layout(layer, a_moved_layout(layer.op.layout, rng, 2))
+    assert layer._key != key and "/moving-" in layer._key
+    x = torch.randn(3, 64)
+    torch.testing.assert_close(layer(x), x @ layer.to_dense_weight().detach() + layer.bias.detach())
+
+
+def test_a_backward_pending_across_a_change_is_refused():
+    """dW of a forward before a change would land in the new layout's slots: refused. (Without a bias the
+    weight is not saved for dW, so PyTorch's version counter alone would not notice.)"""
+    layer = bt.BlockSparseLinear(64, 64, density=0.5, block_size=16, seed=0, bias=False)
+    layer._moving_registration()  # (as DynamicSparsity does, or a first change)
+    y = layer(torch.randn(3, 64))
+    dynamic.change_layout(layer, a_moved_layout(layer.op.layout, np.random.default_rng(3), 2))
+    with pytest.raises(RuntimeError, match="changed between this forward and its backward"):
+        y.sum().backward()
+
+
+def test_a_copy_of_a_moving_layer_keeps_its_own_layout():
+    """copy.deepcopy of a layer under a moving key: the copy computes with its own layout (a content key),
+    not with the original's next one."""
+    layer = bt.BlockSparseLinear(64, 64, density=0.5, block_size=16, seed=0)
+    rng = np.random.default_rng(5)
+    dynamic.change_layout(layer, a_moved_layout(layer.op.layout, rng, 2))
+    twin = copy.deepcopy(layer)
+    assert "/moving-" not in twin._key and np.array_equal(twin.op.layout, layer.op.layout)
+    dynamic.change_layout(layer, a_moved_layout(layer.op.layout, rng, 2))
+    x = torch.randn(3, 64)
+    torch.testing.assert_close(twin(x), x @ twin.to_dense_weight().detach() + twin.bias.detach())
+    assert not np.array_equal(twin.op.layout, layer.op.layout)
+
+
+@pytest.mark.gpu
+def test_reduce_overhead_replays_the_changed_layout():
+    """torch.compile(mode="reduce-overhead") records CUDA graphs: after each update the compiled model
+    computes with the new layouts (recorded again), never a replay of the old ones."""
+    torch_cases.cuda_or_skip()
+    torch.manual_seed(0)
+    model = _sparse_model("cuda")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    sparsity = bt.DynamicSparsity(model, optimizer, criterion="set", drop_fraction=0.3, every=2, schedule="constant")
+    torch._dynamo.reset()
+    compiled = torch.compile(model, mode="reduce-overhead")
+    for step in range(6):
+        x = torch.randn(6, 64, device="cuda")
+        torch.compiler.cudagraph_mark_step_begin()
+        compiled(x).square().sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        with torch.no_grad():
+            torch.compiler.cudagraph_mark_step_begin()
+            torch.testing.assert_close(compiled(x).clone(), _dense_forward(model, x), rtol=1e-4, atol=1e-4)
+    assert len(sparsity.history) == 3
 
 
 def test_rigl_on_features_first_with_accumulated_gradients(device):
