@@ -92,12 +92,13 @@ def change_lstm_layout(lstm: BlockSparseLSTM, layout, optimizer: torch.optim.Opt
     weights = _moving_weights(lstm)
     per_slot = []  # (checked for every weight before anything changes)
     for weight, name in zip(weights, ("weight_hh", "weight_ih")):
-        for key, value in (optimizer.state.get(weight, {}).items() if optimizer is not None else ()):
-            if isinstance(value, torch.Tensor) and value.dim() >= 1:
-                if value.shape[0] != old.nnzb:
-                    raise ValueError(f"the optimizer's state {key!r} of {name} has shape {tuple(value.shape)}, not "
-                                     f"one entry a block ({old.nnzb}, ...): change_layout cannot move it")
-                per_slot.append(value)
+        state = {} if optimizer is None else optimizer.state.get(weight, {})
+        tensors = {key: value for key, value in state.items() if isinstance(value, torch.Tensor) and value.dim()}
+        odd = [(key, tuple(value.shape)) for key, value in tensors.items() if value.shape[0] != old.nnzb]
+        if odd:
+            raise ValueError(f"the optimizer's state {odd[0][0]!r} of {name} has shape {odd[0][1]}, not one entry a "
+                             f"block ({old.nnzb}, ...): change_layout cannot move it")
+        per_slot += tensors.values()
     grown_slots = np.flatnonzero(source < 0)
     bounds = gate_column_bounds(new_layout, lstm.block_size, lstm.hidden_size)[cols[grown_slots]]
     with torch.no_grad():

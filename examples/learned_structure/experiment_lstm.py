@@ -40,7 +40,6 @@ a second copy of each weight would not follow its blocks.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import pathlib
 import statistics
@@ -60,7 +59,8 @@ from bsmm.layouts.small_world import layout_report, small_world_layout  # noqa: 
 from bsmm.torch.dynamic_lstm import slot_norms  # noqa: E402
 from examples.char_lstm.experiment_torch import CharModel, bits_per_char  # noqa: E402
 from examples.char_lstm.text import char_corpus, stream_chunks  # noqa: E402
-from examples.learned_structure.experiment_torch import degree_spread, plot  # noqa: E402
+from examples.learned_structure.experiment_torch import (  # noqa: E402
+    checked_methods, common_arguments, degree_spread, run_methods)
 
 METHODS = ("random", "smallworld", "rigl", "set", "prune")
 #: The measures of :func:`bsmm.layouts.small_world.layout_report` kept for each final layout.
@@ -189,52 +189,22 @@ def markdown(results: list[dict], args) -> str:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated, of {', '.join(METHODS)}")
-    parser.add_argument("--seeds", default="0,1,2")
-    parser.add_argument("--steps", type=int, default=1000, help="optimizer steps (BPTT windows) a run")
-    parser.add_argument("--every", type=int, default=100, help="steps between RigL/SET updates")
-    parser.add_argument("--density", type=float, default=0.1)
+    common_arguments(parser, METHODS)
     parser.add_argument("--hidden", type=int, default=2048)
-    parser.add_argument("--block-size", type=int, default=32)
-    parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--bptt", type=int, default=64, help="characters a window of truncated BPTT")
-    parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--clip", type=float, default=1.0, help="gradient norm clipped to")
-    parser.add_argument("--log-every", type=int, default=20)
     parser.add_argument("--eval-chars", type=int, default=262_144)
-    parser.add_argument("--max-chars", type=int, default=None, help="corpus characters (default: all)")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--json")
-    parser.add_argument("--markdown")
-    parser.add_argument("--plot")
     args = parser.parse_args(argv)
-    args.methods = [m for m in args.methods.split(",") if m]
-    for method in args.methods:
-        if method not in METHODS:
-            parser.error(f"--methods: {method!r} is not one of {', '.join(METHODS)}")
+    checked_methods(parser, args, METHODS)
     if args.hidden % args.block_size:
         parser.error(f"--hidden ({args.hidden}) must be a multiple of --block-size ({args.block_size})")
-    seeds = [int(s) for s in args.seeds.split(",")]
     corpus = char_corpus(args.max_chars)
     if min(corpus.valid.size, args.eval_chars) < args.batch * args.bptt:
         parser.error(f"held-out text of {min(corpus.valid.size, args.eval_chars)} characters holds no window of "
                      f"{args.batch} × {args.bptt}: raise --eval-chars or --max-chars")
-    results = []
-    for method in args.methods:
-        for seed in seeds:
-            results.append(run(method, seed, corpus, args))
-            r = results[-1]
-            print(f"{method} seed {seed}: {r['valid_bpc']:.4f} bits/char, density {r['density']:.4f}, "
-                  f"clustering {r['clustering']:.3f}, {r['train_seconds']:.1f} s", flush=True)
-    table = markdown(results, args)
-    print(table)
-    if args.json:
-        pathlib.Path(args.json).write_text(json.dumps({"args": vars(args), "results": results}, indent=1))
-    if args.markdown:
-        pathlib.Path(args.markdown).write_text(table)
-    if args.plot:
-        plot(results, args.plot)
-    return 0
+    return run_methods(run, corpus, args, markdown, lambda r: (
+        f"{r['valid_bpc']:.4f} bits/char, density {r['density']:.4f}, clustering {r['clustering']:.3f}, "
+        f"{r['train_seconds']:.1f} s"))
 
 
 if __name__ == "__main__":

@@ -191,44 +191,40 @@ def plot(results: list[dict], path: str) -> None:
     figure.savefig(path, dpi=120)
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated, of {', '.join(METHODS)}")
+def common_arguments(parser: argparse.ArgumentParser, methods: tuple) -> None:
+    """The arguments of both halves of the experiment (this script and ``experiment_lstm.py``)."""
+    parser.add_argument("--methods", default=",".join(methods), help=f"comma-separated, of {', '.join(methods)}")
     parser.add_argument("--seeds", default="0,1,2")
-    parser.add_argument("--steps", type=int, default=1000)
+    parser.add_argument("--steps", type=int, default=1000, help="optimizer steps a run")
     parser.add_argument("--every", type=int, default=100, help="steps between RigL/SET updates")
     parser.add_argument("--density", type=float, default=0.1)
     parser.add_argument("--block-size", type=int, default=32)
-    parser.add_argument("--d-model", type=int, default=512)
-    parser.add_argument("--d-hidden", type=int, default=2048)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--batch", type=int, default=32)
-    parser.add_argument("--sequence", type=int, default=256)
     parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument("--l0-start", type=float, default=2.0, help="L0: starting density, times --density")
-    parser.add_argument("--l0-weight", type=float, default=1.0, help="L0: weight of the target-density penalty")
     parser.add_argument("--log-every", type=int, default=20)
-    parser.add_argument("--eval-chars", type=int, default=200_000)
     parser.add_argument("--max-chars", type=int, default=None, help="corpus characters (default: all)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--json")
     parser.add_argument("--markdown")
     parser.add_argument("--plot")
-    args = parser.parse_args(argv)
+
+
+def checked_methods(parser: argparse.ArgumentParser, args, methods: tuple) -> None:
+    """``args.methods`` as a list, each one of ``methods`` (else the parser's error)."""
     args.methods = [m for m in args.methods.split(",") if m]
     for method in args.methods:
-        if method not in METHODS:
-            parser.error(f"--methods: {method!r} is not one of {', '.join(METHODS)}")
-    seeds = [int(s) for s in args.seeds.split(",")]
-    corpus = char_corpus(args.max_chars)
+        if method not in methods:
+            parser.error(f"--methods: {method!r} is not one of {', '.join(methods)}")
+
+
+def run_methods(run, corpus, args, markdown, summary) -> int:
+    """``run(method, seed, corpus, args)`` for every method and seed (``summary(result)`` printed after
+    each), then the table ``markdown(results, args)`` printed and the outputs asked for written."""
     results = []
     for method in args.methods:
-        for seed in seeds:
+        for seed in (int(s) for s in args.seeds.split(",")):
             results.append(run(method, seed, corpus, args))
-            r = results[-1]
-            print(f"{method} seed {seed}: {r['valid_bpc']:.4f} bits/char, density {r['density']:.3f}, "
-                  f"{r['train_seconds']:.1f} s", flush=True)
+            print(f"{method} seed {seed}: {summary(results[-1])}", flush=True)
     table = markdown(results, args)
     print(table)
     if args.json:
@@ -238,6 +234,23 @@ def main(argv=None) -> int:
     if args.plot:
         plot(results, args.plot)
     return 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    common_arguments(parser, METHODS)
+    parser.add_argument("--d-model", type=int, default=512)
+    parser.add_argument("--d-hidden", type=int, default=2048)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--sequence", type=int, default=256)
+    parser.add_argument("--l0-start", type=float, default=2.0, help="L0: starting density, times --density")
+    parser.add_argument("--l0-weight", type=float, default=1.0, help="L0: weight of the target-density penalty")
+    parser.add_argument("--eval-chars", type=int, default=200_000)
+    args = parser.parse_args(argv)
+    checked_methods(parser, args, METHODS)
+    return run_methods(run, char_corpus(args.max_chars), args, markdown, lambda r: (
+        f"{r['valid_bpc']:.4f} bits/char, density {r['density']:.3f}, {r['train_seconds']:.1f} s"))
 
 
 if __name__ == "__main__":

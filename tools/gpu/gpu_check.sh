@@ -30,7 +30,9 @@
 # tools/probes/profile_transformer.py, the decode passes' probe (tools/probes/probe_streaming.py --decode) and
 # the eager decode step's host time (tools/probes/probe_decode_host.py); NO_TRANSFORMER_PROFILE=1 skips the three.
 # learned: the GPU tests of per-block gates and changing layouts, tools/probes/probe_layout_change.py,
-# tools/probes/probe_growth_signal.py, and examples/learned_structure/experiment_torch.py ($LEARNED_ARGS).
+# tools/probes/probe_growth_signal.py, and the experiment's halves ($LEARNED_EXPERIMENTS, default
+# transformer,lstm): examples/learned_structure/experiment_torch.py ($LEARNED_ARGS) and experiment_lstm.py
+# ($LEARNED_LSTM_ARGS).
 # tune: `python -m bsmm tune` with the remaining arguments (e.g. --workload T --block-size 64
 # --dtype float16 --dry-run); its report, and the kept tiles in $BSMM_CACHE_DIR/tuned.toml.
 set -uo pipefail
@@ -194,10 +196,12 @@ if [[ $stage == lstm ]]; then
 fi
 if [[ $stage == learned ]]; then
   # Learned structure (issue 38): the gates' and dynamic layouts' GPU tests (DDP ranks among them), what a layout
-  # change costs (tools/probes/probe_layout_change.py), and the experiment ($LEARNED_ARGS, e.g. --steps 1000).
+  # change costs (tools/probes/probe_layout_change.py), the growth signal's two routes, the experiment's halves.
   t0=$(date +%s)
-  python3 -m pytest -q -m gpu tests/frameworks/torch/test_dynamic.py tests/frameworks/torch/test_gates.py \
-    tests/frameworks/torch/test_distributed.py -k "dynamic or gate or Gate" -p no:cacheprovider \
+  # (LEARNED_PYTEST: other pytest arguments, e.g. "tests/frameworks/torch -n 6")
+  python3 -m pytest -q -m gpu ${LEARNED_PYTEST:-tests/frameworks/torch/test_dynamic.py \
+    tests/frameworks/torch/test_dynamic_lstm.py tests/frameworks/torch/test_gates.py \
+    tests/frameworks/torch/test_distributed.py -k "dynamic or gate or Gate"} -p no:cacheprovider \
     >"$OUT/pytest_learned.log" 2>&1 || status=1
   grep -E "^(FAILED|ERROR)" "$OUT/pytest_learned.log" | head -20
   echo "learned-structure gpu tests: $(tail -1 "$OUT/pytest_learned.log") [$(( $(date +%s) - t0 ))s]"
@@ -207,10 +211,16 @@ if [[ $stage == learned ]]; then
   t0=$(date +%s)
   python3 tools/probes/probe_growth_signal.py >"$OUT/growth_signal.md" 2>&1 || status=1
   echo "growth signal, dense against Gram route [$(( $(date +%s) - t0 ))s]:"; cat "$OUT/growth_signal.md"
-  t0=$(date +%s)
-  python3 examples/learned_structure/experiment_torch.py ${LEARNED_ARGS:-} --json "$OUT/learned.json" \
-    --markdown "$OUT/learned.md" --plot "$OUT/learned.png" >"$OUT/learned.log" 2>&1 || status=1
-  echo "learned-structure experiment [$(( $(date +%s) - t0 ))s]:"; cat "$OUT/learned.md"; tail -3 "$OUT/learned.log"
+  # LEARNED_EXPERIMENTS: which halves of the experiment run (default both; "none" skips them).
+  for half in transformer lstm; do
+    [[ ${LEARNED_EXPERIMENTS:-transformer,lstm} == *$half* ]] || continue
+    if [[ $half == transformer ]]; then script=experiment_torch.py name=learned args=${LEARNED_ARGS:-}
+    else script=experiment_lstm.py name=learned_lstm args=${LEARNED_LSTM_ARGS:-}; fi
+    t0=$(date +%s)
+    python3 examples/learned_structure/$script $args --json "$OUT/$name.json" --markdown "$OUT/$name.md" \
+      --plot "$OUT/$name.png" >"$OUT/$name.log" 2>&1 || status=1
+    echo "learned-structure experiment, $half [$(( $(date +%s) - t0 ))s]:"; cat "$OUT/$name.md"; tail -3 "$OUT/$name.log"
+  done
 fi
 if [[ $stage == transformer ]]; then
   # Transformers (issue 37): the MLP block's and the decoder's GPU tests, the decoder bench, where its time goes.

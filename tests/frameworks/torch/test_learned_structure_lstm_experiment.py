@@ -13,12 +13,13 @@ pytest.importorskip("torch", reason="PyTorch is not installed")
 from examples.learned_structure import experiment_lstm  # noqa: E402
 
 
+TINY = ("--device cpu --hidden 128 --block-size 16 --density 0.25 --batch 4 --bptt 16 --steps 8 --every 2 "
+        "--log-every 2 --eval-chars 2000 --max-chars 200000 --seeds 0,1").split()
+
+
 def test_every_method_trains_to_the_same_block_count_and_is_scored(tmp_path):
     out, table = tmp_path / "run.json", tmp_path / "run.md"
-    assert experiment_lstm.main(["--device", "cpu", "--hidden", "128", "--block-size", "16", "--density", "0.25",
-                                 "--batch", "4", "--bptt", "16", "--steps", "8", "--every", "2", "--log-every", "2",
-                                 "--eval-chars", "2000", "--max-chars", "200000", "--seeds", "0,1",
-                                 "--json", str(out), "--markdown", str(table)]) == 0
+    assert experiment_lstm.main([*TINY, "--json", str(out), "--markdown", str(table)]) == 0
     results = json.loads(out.read_text())["results"]
     assert [(r["method"], r["seed"]) for r in results] == [(m, s) for m in experiment_lstm.METHODS for s in (0, 1)]
     for seed in (0, 1):  # equal density at the end, whatever the way
