@@ -25,7 +25,7 @@ import numpy as np
 from bsmm.arrays import check_plain_ndarray
 from bsmm.config import settings
 
-__all__ = ["BlockIndex", "block_index", "check_layout", "check_block_size", "MAX_BLOCKS"]
+__all__ = ["BlockIndex", "block_index", "check_layout", "check_block_size", "present_blocks", "stable_order", "MAX_BLOCKS"]
 
 
 def check_block_size(block_size) -> int:
@@ -184,11 +184,38 @@ class BlockIndex:
         return (self.nnzb, self.block_size, self.block_size)
 
 
+def present_blocks(layout: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(rows, columns) of the non-zero entries of a 2-D ``layout``, row-major: ``np.nonzero(layout)``,
+    several times faster (one pass over the flat layout; planning a changed layout runs this often).
+
+    Examples
+    --------
+    >>> rows, columns = present_blocks(np.array([[0, 1], [1, 1]]))
+    >>> rows.tolist(), columns.tolist()
+    ([0, 1, 1], [1, 0, 1])
+    """
+    flat = np.flatnonzero(layout)  # (fastest on a bool array)
+    rows = flat // max(1, layout.shape[1])
+    return rows, flat - rows * layout.shape[1]
+
+
+def stable_order(keys: np.ndarray, bound: int) -> np.ndarray:
+    """``np.argsort(keys, kind="stable")`` of non-negative int ``keys`` below ``bound``: a radix sort where
+    they fit in 16 bits, which NumPy sorts in linear time.
+
+    Examples
+    --------
+    >>> stable_order(np.array([2, 0, 2, 1]), 3).tolist()
+    [1, 3, 0, 2]
+    """
+    return np.argsort(keys.astype(np.uint16) if bound <= 2**16 else keys, kind="stable")
+
+
 def _build(layout: np.ndarray, block_size: int) -> BlockIndex:
-    rows, cols = np.nonzero(layout)
+    rows, cols = present_blocks(layout.view(bool))  # (the checked layout holds 0 and 1 only)
     indptr = np.zeros(layout.shape[0] + 1, dtype=np.int64)
     np.cumsum(np.bincount(rows, minlength=layout.shape[0]), out=indptr[1:])
-    col_order = np.lexsort((rows, cols))
+    col_order = stable_order(cols, layout.shape[1])  # (rows already ascend: by column, then row)
     colptr = np.zeros(layout.shape[1] + 1, dtype=np.int64)
     np.cumsum(np.bincount(cols, minlength=layout.shape[1]), out=colptr[1:])
     tables = [a.astype(np.int32) for a in (indptr, cols, rows, col_order, colptr)]

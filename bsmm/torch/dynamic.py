@@ -26,6 +26,7 @@ import zlib
 import numpy as np
 import torch
 
+from bsmm.block_index import BlockIndex, present_blocks
 from bsmm.torch.layers import BlockSparseLinear, fan_in_bounds
 from bsmm.torch.lstm import BlockSparseLSTM
 
@@ -252,13 +253,7 @@ def change_layout(layer: BlockSparseLinear, layout, optimizer: torch.optim.Optim
         raise ValueError(f"layout must have the layer's layout shape {old.layout.shape}; got {new_layout.shape}")
     if int(new_layout.sum()) != old.nnzb:
         raise ValueError(f"layout must hold {old.nnzb} blocks, as the layer's does; got {int(new_layout.sum())}")
-    slots = np.full(old.layout.shape, -1, dtype=np.int64)
-    slots[old.rows, old.indices] = np.arange(old.nnzb)
-    rows, cols = np.nonzero(new_layout)  # row-major: the new index's slot order
-    source = slots[rows, cols]
-    before = old.layout != 0
-    change = LayoutChange(dropped=np.argwhere(before & ~new_layout), grown=np.argwhere(new_layout & ~before),
-                          source=source)
+    change, cols = _slot_change(old, new_layout)
     weight = layer.weight
     if not len(change.dropped):  # the same layout: nothing moves, nothing is planned again
         return change
@@ -271,6 +266,7 @@ def change_layout(layer: BlockSparseLinear, layout, optimizer: torch.optim.Optim
                 raise ValueError(f"the optimizer's state {key!r} of the weight has shape {tuple(value.shape)}, not one "
                                  f"entry a block ({old.nnzb}, ...): change_layout cannot move it with the blocks")
             per_slot.append(value)
+    source = change.source
     grown_slots = np.flatnonzero(source < 0)
     with torch.no_grad():
         whole = _whole(weight)
@@ -293,6 +289,25 @@ def change_layout(layer: BlockSparseLinear, layout, optimizer: torch.optim.Optim
     # old layout's tables: a new key then makes the compiled model compile and record again.
     layer._adopt_layout(new_layout.astype(np.uint8), fresh_key=_cuda_graphs_recorded())
     return change
+
+
+def _coordinates(mask: np.ndarray) -> np.ndarray:
+    """(n, 2) int64 (block row, block column) of ``mask``'s true entries, row-major: ``np.argwhere``."""
+    return np.stack(present_blocks(mask), axis=1)
+
+
+def _slot_change(old: BlockIndex, new_layout: np.ndarray) -> tuple[LayoutChange, np.ndarray]:
+    """The :class:`LayoutChange` from ``old`` to ``new_layout`` (bool, as many blocks), and the block column of
+    each new slot. (From the two indices' lists: the grid is scanned once, for the new one.)"""
+    rows, cols = present_blocks(new_layout)  # row-major: the new index's slot order
+    slots = np.full(old.layout.shape, -1, dtype=np.int64)
+    slots[old.rows, old.indices] = np.arange(old.nnzb)
+    source = slots[rows, cols]
+    gone = ~new_layout[old.rows, old.indices]  # (storage order is row-major, as np.argwhere's)
+    grown = source < 0
+    change = LayoutChange(dropped=np.stack([old.rows[gone], old.indices[gone]], axis=1).astype(np.int64),
+                          grown=np.stack([rows[grown], cols[grown]], axis=1), source=source)
+    return change, cols
 
 
 def _cuda_graphs_recorded() -> bool:
@@ -557,7 +572,7 @@ class DynamicSparsity:
         """The layout ``layer`` moves to at this update (see the class notes)."""
         index = _index_of(layer)
         present = index.layout != 0
-        absent = np.argwhere(~present)
+        absent = _coordinates(~present)
         count = min(round(fraction * index.nnzb), len(absent))
         if count == 0:
             return present.astype(np.uint8)

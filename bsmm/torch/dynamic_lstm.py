@@ -80,13 +80,7 @@ def change_lstm_layout(lstm: BlockSparseLSTM, layout, optimizer: torch.optim.Opt
     if int(new_layout.sum()) != old.nnzb:
         raise ValueError(f"layout must hold {old.nnzb} blocks, as the layer's recurrent layout does; "
                          f"got {int(new_layout.sum())}")
-    slots = np.full(old.layout.shape, -1, dtype=np.int64)
-    slots[old.rows, old.indices] = np.arange(old.nnzb)
-    rows, cols = np.nonzero(new_layout)  # row-major: the new index's slot order
-    source = slots[rows, cols]
-    before = old.layout != 0
-    change = dynamic.LayoutChange(dropped=np.argwhere(before & ~new_layout), grown=np.argwhere(new_layout & ~before),
-                                  source=source)
+    change, cols = dynamic._slot_change(old, new_layout)
     if not len(change.dropped):
         return change
     weights = _moving_weights(lstm)
@@ -99,6 +93,7 @@ def change_lstm_layout(lstm: BlockSparseLSTM, layout, optimizer: torch.optim.Opt
             raise ValueError(f"the optimizer's state {odd[0][0]!r} of {name} has shape {odd[0][1]}, not one entry a "
                              f"block ({old.nnzb}, ...): change_layout cannot move it")
         per_slot += tensors.values()
+    source = change.source
     grown_slots = np.flatnonzero(source < 0)
     bounds = gate_column_bounds(new_layout, lstm.block_size, lstm.hidden_size)[cols[grown_slots]]
     with torch.no_grad():

@@ -205,12 +205,14 @@ if [[ $stage == learned ]]; then
     >"$OUT/pytest_learned.log" 2>&1 || status=1
   grep -E "^(FAILED|ERROR)" "$OUT/pytest_learned.log" | head -20
   echo "learned-structure gpu tests: $(tail -1 "$OUT/pytest_learned.log") [$(( $(date +%s) - t0 ))s]"
-  t0=$(date +%s)
-  python3 tools/probes/probe_layout_change.py --profile >"$OUT/layout_change.md" 2>&1 || status=1
-  echo "layout change [$(( $(date +%s) - t0 ))s]:"; cat "$OUT/layout_change.md"
-  t0=$(date +%s)
-  python3 tools/probes/probe_growth_signal.py >"$OUT/growth_signal.md" 2>&1 || status=1
-  echo "growth signal, dense against Gram route [$(( $(date +%s) - t0 ))s]:"; cat "$OUT/growth_signal.md"
+  if [[ -z ${NO_LEARNED_PROBES:-} ]]; then
+    t0=$(date +%s)
+    python3 tools/probes/probe_layout_change.py --profile >"$OUT/layout_change.md" 2>&1 || status=1
+    echo "layout change [$(( $(date +%s) - t0 ))s]:"; cat "$OUT/layout_change.md"
+    t0=$(date +%s)
+    python3 tools/probes/probe_growth_signal.py >"$OUT/growth_signal.md" 2>&1 || status=1
+    echo "growth signal, dense against Gram route [$(( $(date +%s) - t0 ))s]:"; cat "$OUT/growth_signal.md"
+  fi
   # LEARNED_EXPERIMENTS: which halves of the experiment run (default both; "none" skips them).
   for half in transformer lstm; do
     [[ ${LEARNED_EXPERIMENTS:-transformer,lstm} == *$half* ]] || continue

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from bsmm.block_index import BlockIndex
+from bsmm.block_index import BlockIndex, stable_order
 
 __all__ = ["parts", "unit_table", "block_steps", "group_steps", "row_groups"]
 
@@ -54,7 +54,12 @@ def group_steps(index: BlockIndex, by_column: bool, cols: int) -> tuple[np.ndarr
     n_out_blocks = index.n_block_cols if by_column else index.n_block_rows
     n_units = -(-n_out_blocks // cols)
     keys = (unit_axis // cols).astype(np.int64) * n_step_blocks + step_axis
-    unique_keys, step_of_block = np.unique(keys, return_inverse=True)
+    # np.unique(keys, return_inverse=True) through a table of the key space (no larger than the layout):
+    # linear time, where sorting took most of a changed layout's planning.
+    used = np.zeros(n_units * n_step_blocks, dtype=bool)
+    used[keys] = True
+    unique_keys = np.flatnonzero(used)
+    step_of_block = (np.cumsum(used) - 1)[keys]
     entries = np.full((len(unique_keys), 1 + cols), -1, dtype=np.int64)
     entries[:, 0] = unique_keys % n_step_blocks
     entries[step_of_block, 1 + unit_axis % cols] = np.arange(index.nnzb)
@@ -73,7 +78,8 @@ def row_groups(index: BlockIndex, cols: int, window: int | None = None) -> np.nd
     """
     rows, columns = index.rows.astype(np.int64), index.indices.astype(np.int64)
     band = columns // window if window else np.zeros_like(columns)
-    order = np.lexsort((columns, rows, band))  # storage order within a (window, row) run
+    # Storage order is by (row, column) already: a stable sort by window keeps it within a (window, row) run.
+    order = stable_order(band, -(-index.n_block_cols // window)) if window else np.arange(len(rows))
     run_key = band[order] * index.n_block_rows + rows[order]
     starts = np.flatnonzero(np.r_[True, run_key[1:] != run_key[:-1]])
     lengths = np.diff(np.r_[starts, len(order)])
