@@ -330,7 +330,8 @@ def _smallest(scores: np.ndarray, count: int) -> np.ndarray:
 
 
 class DynamicSparsity:
-    """Prune and regrow the blocks of a model's :class:`~bsmm.torch.BlockSparseLinear` layers while it trains.
+    """Prune and regrow the blocks of a model's :class:`~bsmm.torch.BlockSparseLinear` layers (and
+    :class:`~bsmm.torch.BlockSparseLSTM` recurrent layouts, :mod:`bsmm.torch.dynamic_lstm`) while it trains.
 
     After every ``every``-th step of ``optimizer`` (until ``end`` steps, if given), each layer drops
     ``round(f · nnzb)`` of its present blocks, those of smallest weight norm, and grows as many of its
@@ -341,8 +342,8 @@ class DynamicSparsity:
 
     Parameters
     ----------
-    model_or_layers : torch.nn.Module or iterable of BlockSparseLinear
-        A model (its ``BlockSparseLinear`` modules, by name) or the layers themselves.
+    model_or_layers : torch.nn.Module or iterable of BlockSparseLinear and BlockSparseLSTM
+        A model (its ``BlockSparseLinear`` and ``BlockSparseLSTM`` modules, by name) or the layers themselves.
     optimizer : torch.optim.Optimizer
         Holding the layers' weights; the update runs in its step post-hook.
     criterion : "rigl" or "set"

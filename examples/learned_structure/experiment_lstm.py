@@ -12,7 +12,8 @@ method ends with ``4m`` blocks of the (H/bs, 4H/bs) gate layout (that graph tile
 - ``random``: a random graph of ``m`` blocks (the diagonal and uniformly chosen others), tiled, fixed;
 - ``smallworld``: the Barabási–Albert graph, tiled, fixed (the seed's choice);
 - ``rigl``: the random layout, then drop and regrow by dense-gradient norm every ``--every`` steps until 3/4
-  of the run (``bsmm.torch.DynamicSparsity(criterion="rigl")``, cosine drop fraction from 0.3): the growth
+  of the run (``bsmm.torch.DynamicSparsity(criterion="rigl")``, cosine drop fraction from ``--drop-fraction``,
+  0.3, grown blocks at ``--init``, zero): the growth
   signal is the block norms of ``dWh = Σ_t h_{t-1}ᵀ·dz_t`` and ``dWx`` together (:mod:`bsmm.torch.dynamic_lstm`);
   each block of each gate moves on its own, so the layout need not stay tiled;
 - ``set``: the same, regrowing at random (``criterion="set"``);
@@ -25,8 +26,9 @@ L0 gates (the transformer half's ``l0``) are left out: ``bsmm.torch.gate_layer``
 
 Every method gets the same steps, batch, windows and seeds (``--seeds``). The script records the training
 loss every ``--log-every`` steps, held-out bits per character at the end, and, for each final layout, the
-spread of its block-column degrees and the small-world measures (``bsmm.layouts.layout_report``) of its
-graph: block ``c`` linked to hidden block ``k`` where any gate holds block ``(c, k)``. It writes JSON, a
+spread of its block-column degrees, the share of the dense gradient on its blocks (``gradient_share``) and
+the small-world measures (``bsmm.layouts.layout_report``) of its graph: block ``c`` linked to hidden block
+``k`` where any gate holds block ``(c, k)``. It writes JSON, a
 Markdown table (mean ± s.d. over seeds) and, with ``--plot``, the loss curves.
 
 Parameters are float32 and the products TF32 on CUDA, not the seed experiment's bfloat16 copies of
@@ -56,7 +58,7 @@ sys.path.insert(0, str(ROOT))
 import bsmm.torch  # noqa: E402
 from bsmm.layouts import measures  # noqa: E402
 from bsmm.layouts.small_world import layout_report, small_world_layout  # noqa: E402
-from bsmm.torch.dynamic_lstm import slot_norms  # noqa: E402
+from bsmm.torch.dynamic_lstm import growth_scores, slot_norms  # noqa: E402
 from examples.char_lstm.experiment_torch import CharModel, bits_per_char  # noqa: E402
 from examples.char_lstm.text import char_corpus, stream_chunks  # noqa: E402
 from examples.learned_structure.experiment_torch import (  # noqa: E402
@@ -120,6 +122,27 @@ def graph_measures(layout: np.ndarray, seed: int) -> dict:
     return {name: float(report.get(name, math.nan)) for name in GRAPH_MEASURES}
 
 
+def gradient_share(model: CharModel, ids: np.ndarray, args) -> float:
+    """The share of the dense gradient's squared norm (``dWh`` and ``dWx``, every block) that falls on the
+    blocks ``model``'s LSTM holds, for the first window of ``ids`` from a zero state (a random layout's is
+    near its density; RigL grew blocks where it was large)."""
+    entries = []
+
+    def keep(h_in, x, dz):
+        entries.append(((h_in.detach(), x.detach()), dz.detach().clone()))
+    handle = model.lstm.register_gradient_capture(lambda: keep)
+    x, y = next(stream_chunks(ids, args.batch, args.bptt))
+    try:
+        logits, _ = model(torch.from_numpy(x).long().to(args.device))
+        target = torch.from_numpy(y).long().to(args.device).flatten()
+        torch.nn.functional.cross_entropy(logits.flatten(0, 1), target).backward()
+    finally:
+        handle.remove()
+    model.zero_grad(set_to_none=True)
+    squares = growth_scores(entries, model.lstm, "l2") ** 2
+    return float(squares[model.lstm.recurrent_layout.cpu().numpy() != 0].sum() / squares.sum())
+
+
 def run(method: str, seed: int, corpus, args) -> dict:
     torch.manual_seed(seed)
     hidden_blocks = args.hidden // args.block_size
@@ -130,8 +153,9 @@ def run(method: str, seed: int, corpus, args) -> dict:
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
     sparsity = None
     if method in ("rigl", "set"):
-        sparsity = bsmm.torch.DynamicSparsity(model, optimizer, criterion=method, drop_fraction=0.3, every=args.every,
-                                              end=max(1, 3 * args.steps // 4), seed=seed)
+        sparsity = bsmm.torch.DynamicSparsity(model, optimizer, criterion=method, drop_fraction=args.drop_fraction,
+                                              every=args.every, end=max(1, 3 * args.steps // 4), init=args.init,
+                                              seed=seed)
     windows = stream_chunks(corpus.train, args.batch, args.bptt)
     state, curve, began = None, [], time.perf_counter()
     for step in range(1, args.steps + 1):
@@ -161,6 +185,7 @@ def run(method: str, seed: int, corpus, args) -> dict:
     return {"method": method, "seed": seed, "steps": args.steps, "train_seconds": seconds, "curve": curve,
             "valid_bpc": bits_per_char(model, corpus.valid[:args.eval_chars], evaluation),
             "density": float(layout.mean()), "blocks": int(layout.sum()), "degree_spread": degree_spread(layout),
+            "gradient_share": gradient_share(model, corpus.valid[:args.eval_chars], args),
             "layout_updates": len(sparsity.history) if sparsity else 0, **graph_measures(layout, seed)}
 
 
@@ -174,14 +199,16 @@ def _mean_sd(values) -> str:
 def markdown(results: list[dict], args) -> str:
     lines = [f"Character-level LSTM, hidden {args.hidden}, blocks {args.block_size}, density {args.density:.0%} "
              f"(input and recurrent layouts shared); {args.steps} steps of {args.batch} × {args.bptt} characters; "
-             f"seeds {args.seeds}.", "",
-             "| method | held-out bits/char | final density | block-column degree spread | clustering | "
-             "path length | sigma | seconds a run |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+             f"seeds {args.seeds}; RigL/SET drop fraction {args.drop_fraction} every {args.every} steps, grown blocks "
+             f"at {args.init}.", "",
+             "| method | held-out bits/char | final density | block-column degree spread | dense-gradient share | "
+             "clustering | path length | sigma | seconds a run |", "|" + " --- |" * 9]
     for method in args.methods:
         runs = [r for r in results if r["method"] == method]
         lines.append(f"| {method} | {_mean_sd([r['valid_bpc'] for r in runs])} | "
                      f"{statistics.mean(r['density'] for r in runs):.4f} | "
-                     f"{_mean_sd([r['degree_spread'] for r in runs])} | {_mean_sd([r['clustering'] for r in runs])} | "
+                     f"{_mean_sd([r['degree_spread'] for r in runs])} | "
+                     f"{_mean_sd([r['gradient_share'] for r in runs])} | {_mean_sd([r['clustering'] for r in runs])} | "
                      f"{_mean_sd([r['path_length'] for r in runs])} | {_mean_sd([r['sigma'] for r in runs])} | "
                      f"{statistics.mean(r['train_seconds'] for r in runs):.1f} |")
     return "\n".join(lines) + "\n"

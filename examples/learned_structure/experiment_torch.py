@@ -7,7 +7,8 @@ Its MLP projections keep ``--density`` of their blocks, chosen in one of these w
 
 - ``random``: a random layout, fixed (``sparsify(layout="random")``);
 - ``rigl``: that random layout, then drop and regrow by dense-gradient norm every ``--every`` steps until
-  3/4 of the run (``bsmm.torch.DynamicSparsity(criterion="rigl")``, cosine drop fraction from 0.3);
+  3/4 of the run (``bsmm.torch.DynamicSparsity(criterion="rigl")``, cosine drop fraction from
+  ``--drop-fraction``, 0.3, grown blocks at ``--init``, zero);
 - ``set``: the same, regrowing at random (``criterion="set"``);
 - ``l0``: the projections start at ``--l0-start`` × density with hard-concrete gates (``bsmm.torch.gate_layer``).
   A penalty holds the expected fraction of open gates at the target. Before the last quarter of the run,
@@ -117,8 +118,9 @@ def run(method: str, seed: int, corpus, args) -> dict:
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     sparsity, gates = None, {}
     if method in ("rigl", "set"):
-        sparsity = bsmm.torch.DynamicSparsity(model, optimizer, criterion=method, drop_fraction=0.3,
-                                              every=args.every, end=max(1, 3 * args.steps // 4), seed=seed)
+        sparsity = bsmm.torch.DynamicSparsity(model, optimizer, criterion=method, drop_fraction=args.drop_fraction,
+                                              every=args.every, end=max(1, 3 * args.steps // 4), init=args.init,
+                                              seed=seed)
     if method == "l0":
         gates = {name: bsmm.torch.gate_layer(layer) for name, layer in sparse_layers(model).items()}
         optimizer.add_param_group({"params": [g.log_alpha for g in gates.values()], "lr": args.lr * 10})
@@ -197,6 +199,10 @@ def common_arguments(parser: argparse.ArgumentParser, methods: tuple) -> None:
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--steps", type=int, default=1000, help="optimizer steps a run")
     parser.add_argument("--every", type=int, default=100, help="steps between RigL/SET updates")
+    parser.add_argument("--drop-fraction", type=float, default=0.3,
+                        help="RigL/SET: fraction of blocks replaced at the first update (cosine decay to 0)")
+    parser.add_argument("--init", choices=bsmm.torch.dynamic.INITS, default="zero",
+                        help="RigL/SET: values of a grown block")
     parser.add_argument("--density", type=float, default=0.1)
     parser.add_argument("--block-size", type=int, default=32)
     parser.add_argument("--batch", type=int, default=32)
