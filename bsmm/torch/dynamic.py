@@ -20,7 +20,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import math
-import sys
 import zlib
 
 import numpy as np
@@ -105,8 +104,10 @@ def gradient_block_norms(x: torch.Tensor, dy: torch.Tensor, block_size: int, ord
     for N rows. ``"gram"`` (L2 only, one process): the squared norm of block (c, k) is the sum of
     ``(X_c·X_cᵀ) ∘ (dY_k·dY_kᵀ)``, the N × N Gram matrices of the block's columns of ``x`` and ``dy``:
     ``2·N²·(C + K + C·K/bs²)`` operations, fewer where N is small beside ``bs²``, and no block of ``dW``
-    is ever formed. Its float32 sums cancel more: expect relative errors near ``N · 1e-7``. "auto" takes
-    "gram" where it needs under half the operations and its Gram matrices fit in ``GRADIENT_CHUNK_BYTES``.
+    is ever formed. Its sum of products of signed Gram entries cancels (the more so the more alike the rows
+    are), so it runs in float64, where TF32 never applies and the cancellation costs digits float32 does not
+    have. "auto" takes "gram" where it needs under half the operations and its float64 Gram matrices fit in
+    ``GRADIENT_CHUNK_BYTES``.
 
     Examples
     --------
@@ -150,21 +151,22 @@ def _gram_is_cheaper(n: int, c: int, k: int, block_size: int, ord: str, group) -
     """Whether the Gram route needs under half the dense route's operations, and fits its memory."""
     if ord != "l2" or group is not None or n == 0:
         return False
-    gram_bytes = 4 * n * n * (c + k) // block_size
+    gram_bytes = 8 * n * n * (c + k) // block_size
     gram_operations = 2 * n * n * (c + k + c * k // block_size ** 2)
     return gram_bytes <= GRADIENT_CHUNK_BYTES and 2 * gram_operations < 2 * n * c * k
 
 
 def _gram_block_norms(x: torch.Tensor, dy: torch.Tensor, block_size: int) -> torch.Tensor:
-    """The Gram route of :func:`gradient_block_norms` on (N, C) and (N, K) float32 rows."""
+    """The Gram route of :func:`gradient_block_norms` on (N, C) and (N, K) rows, in float64 (see its Notes)."""
     n = x.shape[0]
+    x, dy = x.double(), dy.double()
 
     def grams(rows):  # (features / bs, N·N): each block column's N × N Gram matrix, flattened
         blocks = rows.reshape(n, -1, block_size).transpose(0, 1)  # (blocks, N, bs)
         return (blocks @ blocks.transpose(1, 2)).reshape(blocks.shape[0], n * n)
 
     squares = grams(x) @ grams(dy).T
-    return squares.clamp_(min=0).sqrt_()
+    return squares.clamp_(min=0).sqrt_().float()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -225,7 +227,8 @@ def change_layout(layer: BlockSparseLinear, layout, optimizer: torch.optim.Optim
     re-sharded: every rank must call this alike. From its first change on, the layer computes under a
     moving layout key (:func:`bsmm.torch.registry.moving`): a model compiled after that needs no
     recompilation for later changes (see :class:`DynamicSparsity` for CUDA graphs). Change layouts between
-    training steps: under a moving key, a backward pending across a change raises.
+    training steps: under a moving key, an eager backward pending across a change raises (a compiled one,
+    where the weight was saved for it, meets PyTorch's own check of in-place changes).
 
     Examples
     --------
@@ -285,9 +288,7 @@ def change_layout(layer: BlockSparseLinear, layout, optimizer: torch.optim.Optim
         for value in per_slot:
             on = value.device
             _write(value, _moved(_whole(value), gather.to(on), grown.to(on)))
-    # Under CUDA graphs that torch.compile recorded (mode="reduce-overhead"), a replay would launch with the
-    # old layout's tables: a new key then makes the compiled model compile and record again.
-    layer._adopt_layout(new_layout.astype(np.uint8), fresh_key=_cuda_graphs_recorded())
+    layer._adopt_layout(new_layout.astype(np.uint8), moving=True)
     return change
 
 
@@ -308,20 +309,6 @@ def _slot_change(old: BlockIndex, new_layout: np.ndarray) -> tuple[LayoutChange,
     change = LayoutChange(dropped=np.stack([old.rows[gone], old.indices[gone]], axis=1).astype(np.int64),
                           grown=np.stack([rows[grown], cols[grown]], axis=1), source=source)
     return change, cols
-
-
-def _cuda_graphs_recorded() -> bool:
-    """Whether ``torch.compile`` has recorded CUDA graphs (its CUDA-graph trees) in this thread."""
-    trees = sys.modules.get("torch._inductor.cudagraph_trees")
-    if trees is None:
-        return False
-    try:  # (PyTorch's private state: where it is not as expected, assume graphs were recorded)
-        if not torch._C._is_key_in_tls("tree_manager_containers"):
-            return False
-        containers = trees.get_obj(trees.local, "tree_manager_containers")
-        return any(getattr(container, "tree_manager", None) is not None for container in containers.values())
-    except (AttributeError, RuntimeError, TypeError):
-        return True
 
 
 def _smallest(scores: np.ndarray, count: int) -> np.ndarray:
@@ -376,14 +363,19 @@ class DynamicSparsity:
     a step on every rank alike). With pipeline parallelism, pass each stage's data-parallel group as
     ``process_group``.
 
-    Under ``torch.compile``, the layers compute under moving layout keys, which this constructor gives them
-    (:func:`bsmm.torch.registry.moving`; a model compiled before compiles once more): the compiled code
-    holds the key and computes with each new layout, with no recompilation. Under CUDA graphs that
-    ``torch.compile`` recorded (``mode="reduce-overhead"``) a change gives the layer a new key instead,
-    so that no replay launches with the old layout: the model then compiles again after every update, and
-    after ``torch._dynamo.config.recompile_limit`` updates (8 by default) Dynamo runs it eagerly, or raises
-    under ``fullgraph=True``. Graphs a caller captured itself (``torch.cuda.graph``) must be captured
-    again after an update. RigL's capture breaks the graph in the step before an update. Optimizer state
+    Under ``torch.compile``, the linear layers compute under moving layout keys, which this constructor
+    gives them (:func:`bsmm.torch.registry.moving`; a model compiled before compiles once more;
+    :meth:`remove` gives the content keys back): the compiled code holds the key and computes with each new
+    layout, with no recompilation. Under CUDA graphs that ``torch.compile`` recorded in this thread
+    (``mode="reduce-overhead"``; :func:`bsmm.torch.registry.cuda_graphs_recorded`) a change gives the
+    layer a new key instead, so that no replay launches with the old layout: the model then compiles again
+    after every update, and after ``torch._dynamo.config.recompile_limit`` updates (8 by default) Dynamo
+    runs it eagerly, or raises under ``fullgraph=True``. Graphs recorded in another thread, by the older
+    ``cudagraph_trees=False`` path, or captured by the caller (``torch.cuda.graph``) are not seen: capture
+    them again after an update. A ``BlockSparseLSTM`` keeps content keys (a compiled LSTM compiles again
+    after each change), refuses to change under recorded CUDA graphs, and takes RigL eagerly only (its
+    capture raises under ``torch.compile``: use ``criterion="set"`` there). RigL's capture breaks the graph
+    in the step before an update. Optimizer state
     moves with its blocks (:func:`change_layout`); a grown block starts with zero moments while Adam's
     step count goes on, so its first steps are about ``lr`` in size. Each change builds the layer's block
     index on the host, and its passes are planned again on first use.
@@ -511,12 +503,18 @@ class DynamicSparsity:
         self._arm()
 
     def remove(self) -> None:
-        """Detach from the optimizer and the layers (captured activations freed): the layouts stay as they are."""
+        """Detach from the optimizer and the layers (captured activations freed): the layouts stay as they are,
+        and the layers go back to their layouts' content keys (a compiled model compiles once more; caches and
+        exported programs then name layouts any process can resolve)."""
         for handle in self._handles:
             handle.remove()
         self._handles = []
         self._captured.clear()
         self._capturing = False
+        for layer in self.layers.values():
+            if isinstance(layer, BlockSparseLinear) and "/moving-" in layer._key:
+                layer._registration.retired = True
+                layer._use(layer.op)
 
     def _distributed(self) -> bool:
         """Whether several ranks change alike (``torch.distributed`` initialised, more than one in the group)."""

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from bsmm.torch import dynamic
-from bsmm.torch.lstm import BlockSparseLSTM, _gate_layout, gate_column_bounds
+from bsmm.torch.lstm import BlockSparseLSTM, _gate_layout, _refuse_under_recorded_graphs, gate_column_bounds
 
 __all__ = ["change_lstm_layout", "gradient_capture", "growth_scores", "slot_norms"]
 
@@ -81,6 +81,8 @@ def change_lstm_layout(lstm: BlockSparseLSTM, layout, optimizer: torch.optim.Opt
         raise ValueError(f"layout must hold {old.nnzb} blocks, as the layer's recurrent layout does; "
                          f"got {int(new_layout.sum())}")
     change, cols = dynamic._slot_change(old, new_layout)
+    if len(change.dropped):
+        _refuse_under_recorded_graphs()  # (before anything moves)
     if not len(change.dropped):
         return change
     weights = _moving_weights(lstm)
@@ -96,10 +98,11 @@ def change_lstm_layout(lstm: BlockSparseLSTM, layout, optimizer: torch.optim.Opt
     source = change.source
     grown_slots = np.flatnonzero(source < 0)
     bounds = gate_column_bounds(new_layout, lstm.block_size, lstm.hidden_size)[cols[grown_slots]]
+    tables = [torch.as_tensor(t) for t in (np.maximum(source, 0), grown_slots)]
     with torch.no_grad():
         for weight in weights:
             whole = dynamic._whole(weight)
-            gather, grown = (torch.as_tensor(t, device=whole.device) for t in (np.maximum(source, 0), grown_slots))
+            gather, grown = (t.to(whole.device) for t in tables)
             fresh = None
             if init == "fan_in":  # drawn for the grown blocks only
                 fresh = torch.empty((len(grown_slots), *whole.shape[1:]), dtype=whole.dtype, device=whole.device)
@@ -109,8 +112,7 @@ def change_lstm_layout(lstm: BlockSparseLSTM, layout, optimizer: torch.optim.Opt
             if weight.grad is not None:
                 dynamic._write(weight.grad, dynamic._moved(dynamic._whole(weight.grad), gather, grown))
         for value in per_slot:
-            on = value.device
-            dynamic._write(value, dynamic._moved(dynamic._whole(value), gather.to(on), grown.to(on)))
+            dynamic._write(value, dynamic._moved(dynamic._whole(value), *(t.to(value.device) for t in tables)))
     lstm._adopt_layout(new_layout.astype(np.uint8))
     return change
 

@@ -67,7 +67,7 @@ def _check_registration(ctx, key: str) -> None:
     (:func:`bsmm.torch.registry.move`, a layer's layout changed by :mod:`bsmm.torch.dynamic`) moved
     between them, so the backward would compute with blocks the forward never used."""
     held = getattr(ctx, "registration", None)
-    if held is not None and live_registration(key) is not held:
+    if held is not None and (held.retired or live_registration(key) is not held):
         raise RuntimeError(f"the layout of {key!r} changed between this forward and its backward "
                            f"(bsmm.torch.dynamic.change_layout): change layouts only between training steps")
 

@@ -21,7 +21,8 @@ from bsmm.torch.checks import check_dtype
 from bsmm.torch.conv_ops import conv_spec
 from bsmm.torch.conversions import weight_bsr
 from bsmm.torch.functional import conv_by_key, gated_weight, matmul_by_key
-from bsmm.torch.registry import Registration, move, moving, register
+from bsmm.torch.registry import Registration, cuda_graphs_recorded, move, register
+from bsmm.torch.registry import moving as moving_registration
 
 __all__ = ["BlockSparseConv1d", "BlockSparseConv2d", "BlockSparseConv3d", "BlockSparseLinear", "load_layouts"]
 
@@ -295,15 +296,29 @@ class BlockSparseLinear(_BlockSparseLayer):
         # layout (copy.deepcopy in one process), which moves with the original, not with this copy.
         self._key = self._registration.key
 
-    def _adopt_layout(self, layout: np.ndarray, fresh_key: bool = False) -> None:
+    def _adopt_layout(self, layout: np.ndarray, moving: bool = False) -> None:
         """Compute with ``layout`` from now on, a layout of as many blocks (the weight's slots are
-        reordered by the caller: :func:`bsmm.torch.dynamic.change_layout`), under the layer's moving key
-        (a compiled graph holding it needs no recompilation), or a new one where ``fresh_key``."""
+        reordered by the caller: :func:`bsmm.torch.dynamic.change_layout`, ``load_state_dict``).
+
+        A layer under a moving key (or any layer, with ``moving``: a change of :mod:`bsmm.torch.dynamic`)
+        moves its key to the layout, so a compiled graph holding it needs no recompilation; another
+        layer takes the layout's content key. Under CUDA graphs that ``torch.compile`` recorded, whose
+        replays would launch the old layout's tables, the layer takes a new key either way (the model
+        compiles and records again)."""
         op = BlocksparseMatMul(layout, self.op.block_size, self.feature_axis, self.tf32)
         if op.w_shape != self.op.w_shape:
             raise ValueError(f"layout must hold {self.op.blocks} blocks, as the layer's does (its weight's slots); "
                              f"got {op.blocks}")
-        self._use(op, moving(op.index) if fresh_key else move(self._moving_registration(), op.index))
+        old = self._registration
+        moving_now = "/moving-" in self._key
+        if not (moving or moving_now):
+            registration = register(op.index)
+        elif cuda_graphs_recorded():
+            registration = moving_registration(op.index)
+            old.retired = moving_now  # (a content key's registration may be another layer's too)
+        else:
+            registration = move(self._moving_registration(), op.index)
+        self._use(op, registration)
         with torch.no_grad():
             self.layout.copy_(torch.from_numpy(np.array(op.layout)))
 
@@ -311,7 +326,7 @@ class BlockSparseLinear(_BlockSparseLayer):
         """The layer's registration, moved to a moving key of its own on the first call (a model compiled
         before that compiles once more; :class:`bsmm.torch.DynamicSparsity` calls this when it is built)."""
         if "/moving-" not in self._key:
-            self._use(self.op, moving(self.op.index))
+            self._use(self.op, moving_registration(self.op.index))
         return self._registration
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

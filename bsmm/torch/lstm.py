@@ -26,7 +26,7 @@ from bsmm.nn.lstm_gates import GATES
 from bsmm.torch import lstm_steps
 from bsmm.torch.checks import check_dtype, check_like
 from bsmm.torch.lstm_sequence import CompiledSequence, Sequence, plan_of
-from bsmm.torch.registry import Registration, register
+from bsmm.torch.registry import Registration, cuda_graphs_recorded, register
 
 __all__ = ["BlockSparseLSTM"]
 
@@ -61,6 +61,15 @@ def _describe(layout) -> str:
     if layout is None:
         return "none (a dense Wx)"
     return f"a layout of shape {layout.shape} with {int(np.count_nonzero(layout))} blocks"
+
+
+def _refuse_under_recorded_graphs() -> None:
+    """Raise where ``torch.compile`` recorded CUDA graphs in this thread: their replays would launch an old
+    layout's tables (the LSTM keeps content keys, and a layout it returns to would replay a graph whose
+    tables may be gone), so a BlockSparseLSTM's layout does not change there."""
+    if cuda_graphs_recorded():
+        raise RuntimeError("BlockSparseLSTM: its layout cannot change under CUDA graphs that torch.compile "
+                           "recorded in this thread (mode='reduce-overhead'): compile without CUDA graphs")
 
 
 class BlockSparseLSTM(torch.nn.Module):
@@ -300,10 +309,17 @@ class BlockSparseLSTM(torch.nn.Module):
             return ()
         return tuple(call for call in (hook() for hook in self._gradient_captures.values()) if call is not None)
 
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        if "_gradient_captures" not in self.__dict__:  # pickled before layouts could change
+            self._gradient_captures = collections.OrderedDict()
+            self.shared_layout = self._input is not None and self._input.key == self._recurrent.key
+
     def _adopt_layout(self, layout: np.ndarray) -> None:
         """Compute ``Wh`` (and ``Wx`` where it shares the layout) with ``layout`` (H/bs, 4H/bs) from now on,
         a layout of as many blocks; the caller reorders the weights' slots
         (:func:`bsmm.torch.dynamic.change_layout`). The CUDA graphs of the old layout are forgotten."""
+        _refuse_under_recorded_graphs()
         index = BlocksparseMatMul(layout, self.block_size).index
         old = self._recurrent.index
         if index.layout.shape != old.layout.shape or index.nnzb != old.nnzb:
@@ -382,9 +398,20 @@ class BlockSparseLSTM(torch.nn.Module):
         saved = saved.detach().cpu().numpy() != 0
         own = self._recurrent.index.layout != 0
         saved_input = state_dict.get(prefix + "input_layout")
-        follows = not self.shared_layout or (saved_input is not None and tuple(saved_input.shape) == saved.shape
-                                             and np.array_equal(saved_input.detach().cpu().numpy() != 0, saved))
-        if saved.shape == own.shape and saved.sum() == own.sum() and not np.array_equal(saved, own) and follows:
+        saved_input = None if saved_input is None else saved_input.detach().cpu().numpy() != 0
+        if self.shared_layout:  # the input layout moves with it, and so do both weights
+            follows = saved_input is not None and saved_input.shape == saved.shape and np.array_equal(saved_input,
+                                                                                                     saved)
+            weights = (prefix + "weight_hh", prefix + "weight_ih")
+        else:  # the input layout must load as it is: else the load fails, and nothing may change before
+            own_input = None if self._input is None else self._input.index.layout != 0
+            follows = (own_input is None and saved_input is None) or (
+                own_input is not None and saved_input is not None and own_input.shape == saved_input.shape
+                and np.array_equal(own_input, saved_input))
+            weights = (prefix + "weight_hh",)
+        # (without the weights, their slots would mean the old layout's blocks under the new one)
+        if saved.shape == own.shape and saved.sum() == own.sum() and not np.array_equal(saved, own) and follows \
+                and all(name in state_dict for name in weights):
             self._adopt_layout(saved.astype(np.uint8))
 
     def extra_repr(self) -> str:

@@ -11,7 +11,7 @@ with its key. Nothing about the registry is pickled: the layout itself is, and u
 registers it again.
 
 A layer whose layout changes while it trains (:mod:`bsmm.torch.dynamic`) holds a *moving* key
-instead (:func:`moving`): ``"{CB}x{KB}/{block_size}/moving-{n}-{random hex}"``, unique to the
+instead (:func:`moving`): ``"{CB}x{KB}/{block_size}/moving-{pid}-{n}-{random hex}"``, unique to the
 process, which :func:`move` points at each new layout. A compiled graph that holds the key then
 computes with the layer's current layout, with no recompilation; a key of one process never
 names a layout in another, so cached graphs never confuse the two.
@@ -21,15 +21,19 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import os
 import secrets
+import sys
 import threading
 import weakref
 
 import numpy as np
+import torch
 
 from bsmm.block_index import BlockIndex, block_index
 
-__all__ = ["Registration", "layout_key", "live_registration", "lookup", "move", "moving", "register", "registration"]
+__all__ = ["Registration", "cuda_graphs_recorded", "layout_key", "live_registration", "lookup", "move", "moving",
+           "register", "registration"]
 
 
 class Registration:
@@ -42,10 +46,12 @@ class Registration:
     index : BlockIndex
     """
 
-    __slots__ = ("key", "index", "_operators", "__weakref__")
+    __slots__ = ("key", "index", "retired", "_operators", "__weakref__")
 
     def __init__(self, key: str, index: BlockIndex):
         self.key, self.index = key, index
+        #: True once the layer that held this moving registration computes with another layout.
+        self.retired = False
         self._operators = {}
 
     def operator(self, signature: tuple, build):
@@ -111,12 +117,12 @@ def moving(index: BlockIndex) -> Registration:
     --------
     >>> import numpy as np, bsmm
     >>> first = moving(bsmm.block_index(np.eye(2), block_size=8))
-    >>> second = move(first, bsmm.block_index(np.ones((2, 2)), block_size=8))
-    >>> second.key == first.key, int(lookup(first.key).nnzb)
-    (True, 4)
+    >>> second = move(first, bsmm.block_index(np.array([[0, 1], [1, 0]]), block_size=8))
+    >>> second.key == first.key, lookup(first.key).indices.tolist(), first.retired
+    (True, [1, 0], True)
     """
     key = (f"{index.n_block_rows}x{index.n_block_cols}/{index.block_size}/"
-           f"moving-{next(_MOVING_NUMBERS)}-{_PROCESS_TAG}")
+           f"moving-{os.getpid()}-{next(_MOVING_NUMBERS)}-{_PROCESS_TAG}")  # (a forked worker: its own pid)
     registration = Registration(key, index)
     with _LOCK:
         _REGISTRY[key] = registration
@@ -124,23 +130,50 @@ def moving(index: BlockIndex) -> Registration:
 
 
 def move(registration: Registration, index: BlockIndex) -> Registration:
-    """Point ``registration``'s moving key at ``index`` (a layout of the same shape and block size)
-    and return the new registration to hold in its place; ``registration`` keeps the old layout for
-    whatever still holds it (a pending eager backward, which then refuses to run rather than compute
-    with the new layout)."""
+    """Point ``registration``'s moving key at ``index`` (a layout of the same shape, block size and
+    number of blocks: compiled graphs hold the weight's shape) and return the new registration to hold
+    in its place; ``registration`` is retired and keeps the old layout for whatever still holds it (a
+    pending eager backward, which then refuses to run rather than compute with the new layout)."""
     old = registration.index
     if "/moving-" not in registration.key:
         raise ValueError(f"registration {registration.key!r} has a layout's content key, not a moving one: "
                          f"make one with bsmm.torch.registry.moving")
-    if (index.n_block_rows, index.n_block_cols, index.block_size) != (old.n_block_rows, old.n_block_cols,
-                                                                       old.block_size):
-        raise ValueError(f"index must have the layout shape {(old.n_block_rows, old.n_block_cols)} and block size "
-                         f"{old.block_size} of {registration.key!r}; got {(index.n_block_rows, index.n_block_cols)} "
-                         f"and {index.block_size}")
+    if (index.n_block_rows, index.n_block_cols, index.block_size, index.nnzb) != (
+            old.n_block_rows, old.n_block_cols, old.block_size, old.nnzb):
+        raise ValueError(f"index must have the layout shape {(old.n_block_rows, old.n_block_cols)}, block size "
+                         f"{old.block_size} and {old.nnzb} blocks of {registration.key!r}; got "
+                         f"{(index.n_block_rows, index.n_block_cols)}, {index.block_size} and {index.nnzb}")
     moved = Registration(registration.key, index)
+    registration.retired = True
     with _LOCK:
         _REGISTRY[registration.key] = moved
     return moved
+
+
+def cuda_graphs_recorded() -> bool:
+    """Whether ``torch.compile`` has recorded CUDA graphs (its CUDA-graph trees, ``mode="reduce-overhead"``)
+    in this thread: their replays launch with the tables of the layouts they recorded, so a layer that
+    changes layout then takes a new key (see :mod:`bsmm.torch.dynamic`).
+
+    Thread-wide, not per model: one model compiled with CUDA graphs gives every layer changed in the thread
+    a new key. Graphs recorded in another thread, or by the older ``cudagraph_trees=False`` path, are not
+    seen.
+
+    Examples
+    --------
+    >>> cuda_graphs_recorded()   # nothing compiled here
+    False
+    """
+    trees = sys.modules.get("torch._inductor.cudagraph_trees")
+    if trees is None:
+        return False
+    try:  # (PyTorch's private state: where it is not as expected, assume graphs were recorded)
+        if not torch._C._is_key_in_tls("tree_manager_containers"):
+            return False
+        containers = trees.get_obj(trees.local, "tree_manager_containers")
+        return any(getattr(container, "tree_manager", None) is not None for container in containers.values())
+    except (AttributeError, RuntimeError, TypeError):
+        return True
 
 
 def _register_layout(layout: np.ndarray, block_size: int) -> Registration:

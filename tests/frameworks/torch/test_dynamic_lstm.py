@@ -250,6 +250,49 @@ def test_a_changed_layout_loads_into_a_layer_of_the_old_one_and_graphs_are_forgo
     assert torch.equal(lstm(x, (h0, c0))[0], other(x, (h0, c0))[0])
 
 
+def test_a_layout_loads_only_with_its_weights_and_a_refused_load_changes_nothing():
+    """A saved layout without its weights is not adopted (the weights' slots would mean the old blocks); a
+    load refused for its input layout leaves the recurrent layout as it was."""
+    source = make_lstm("shared")
+    dynamic.change_layout(source, another_layout(source))
+    saved = {name: value.clone() for name, value in source.state_dict().items()}
+    target = make_lstm("shared")
+    before = target.recurrent_layout.clone()
+    with pytest.raises(RuntimeError, match="in other places"):
+        target.load_state_dict({k: v for k, v in saved.items() if not k.startswith("weight_")}, strict=False)
+    assert torch.equal(target.recurrent_layout, before)
+    own = make_lstm("own")
+    dynamic.change_layout(own, another_layout(own))
+    saved = {name: value.clone() for name, value in own.state_dict().items()}
+    saved["input_layout"] = torch.ones_like(saved["input_layout"])
+    target = make_lstm("own")
+    before = target.recurrent_layout.clone()
+    with pytest.raises(RuntimeError, match="input_layout"):
+        target.load_state_dict(saved)
+    assert torch.equal(target.recurrent_layout, before)
+
+
+def test_a_layer_pickled_before_layouts_could_change_still_runs():
+    lstm = make_lstm("shared")
+    state = lstm.__dict__.copy()
+    del state["_gradient_captures"], state["shared_layout"]
+    old = bt.BlockSparseLSTM.__new__(bt.BlockSparseLSTM)
+    old.__setstate__(state)
+    assert old.shared_layout and len(old._gradient_captures) == 0
+    x, h0, c0 = problem()
+    assert torch.equal(old(x, (h0, c0))[0], lstm(x, (h0, c0))[0])
+    dynamic.change_layout(old, another_layout(old))
+
+
+def test_no_change_under_recorded_cuda_graphs(monkeypatch):
+    lstm = make_lstm("shared")
+    weight, layout = lstm.weight_hh.detach().clone(), lstm.recurrent_layout.clone()
+    monkeypatch.setattr(bt.lstm, "cuda_graphs_recorded", lambda: True)
+    with pytest.raises(RuntimeError, match="cannot change under CUDA graphs"):
+        dynamic.change_layout(lstm, another_layout(lstm))
+    assert torch.equal(lstm.weight_hh, weight) and torch.equal(lstm.recurrent_layout, layout)
+
+
 def test_invalidate_forgets_free_sets_and_held_ones_on_release():
     graphs = lstm_steps.SequenceGraphs()
     key = lstm_steps.SetKey(2, 1, torch.float32, torch.device("cpu"), 0, False, 0)
