@@ -42,6 +42,8 @@ INITS = ("zero", "fan_in")
 HISTORY = 100
 #: Bytes of one block row chunk of the dense gradient in :func:`gradient_block_norms`.
 GRADIENT_CHUNK_BYTES = 256 * 2**20
+#: Bytes of the float64 Gram matrices above which ``route="auto"`` takes the dense route.
+GRAM_BYTES = 2**30
 
 
 def _check_choice(value, choices, argument: str) -> None:
@@ -107,7 +109,7 @@ def gradient_block_norms(x: torch.Tensor, dy: torch.Tensor, block_size: int, ord
     is ever formed. Its sum of products of signed Gram entries cancels (the more so the more alike the rows
     are), so it runs in float64, where TF32 never applies and the cancellation costs digits float32 does not
     have. "auto" takes "gram" where it needs under half the operations and its float64 Gram matrices fit in
-    ``GRADIENT_CHUNK_BYTES``.
+    ``GRAM_BYTES``.
 
     Examples
     --------
@@ -153,7 +155,7 @@ def _gram_is_cheaper(n: int, c: int, k: int, block_size: int, ord: str, group) -
         return False
     gram_bytes = 8 * n * n * (c + k) // block_size
     gram_operations = 2 * n * n * (c + k + c * k // block_size ** 2)
-    return gram_bytes <= GRADIENT_CHUNK_BYTES and 2 * gram_operations < 2 * n * c * k
+    return gram_bytes <= GRAM_BYTES and 2 * gram_operations < 2 * n * c * k
 
 
 def _gram_block_norms(x: torch.Tensor, dy: torch.Tensor, block_size: int) -> torch.Tensor:

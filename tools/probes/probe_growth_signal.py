@@ -44,7 +44,7 @@ def main(argv=None) -> int:
         dy = torch.randn(n, k, device="cuda", generator=generator).to(torch.bfloat16)
         dense_ms = gpu_ms(lambda: dynamic.gradient_block_norms(x, dy, bs, route="dense"))
         auto = "gram" if dynamic._gram_is_cheaper(n, c, k, bs, "l2", None) else "dense"
-        gram_gib = 4 * n * n * (c + k) / bs / 2**30
+        gram_gib = 8 * n * n * (c + k) / bs / 2**30  # (float64 Gram matrices)
         if gram_gib > args.gram_max_gib:
             print(f"| {what} | {bs} | {n} | {dense_ms:.3f} | (needs {gram_gib:.0f} GiB) | dense | {auto} | |",
                   flush=True)
