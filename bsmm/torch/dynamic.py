@@ -243,9 +243,7 @@ def change_layout(layer: BlockSparseLinear, layout, optimizer: torch.optim.Optim
     0.0
     """
     if isinstance(layer, BlockSparseLSTM):  # its recurrent layout (bsmm.torch.dynamic_lstm)
-        from bsmm.torch.dynamic_lstm import change_lstm_layout
-
-        return change_lstm_layout(layer, layout, optimizer, init, generator)
+        return _lstm().change_lstm_layout(layer, layout, optimizer, init, generator)
     if not isinstance(layer, BlockSparseLinear):
         raise TypeError(f"layer must be a bsmm.torch.BlockSparseLinear or BlockSparseLSTM; got {type(layer).__name__}")
     _check_choice(init, INITS, "init")
@@ -350,6 +348,11 @@ class DynamicSparsity:
         The block norm of both choices.
     seed : int
         SET's generator, and the fan-in draws of grown blocks.
+    grace : int
+        Updates after its growth during which a block is not dropped. 0 (RigL's and SET's rule): any present
+        block may go. Then the drop by weight norm takes the blocks the last update grew, which start small
+        (at zero with ``init="zero"``), before any block of the starting layout: after the first update, the
+        updates only trade the grown slots among themselves (``results/v27/learned_structure_cpu_study.md``).
     process_group : torch.distributed process group, optional
         The ranks that change alike (default: every rank, where ``torch.distributed`` is initialised).
 
@@ -398,7 +401,7 @@ class DynamicSparsity:
 
     def __init__(self, model_or_layers, optimizer: torch.optim.Optimizer, *, criterion: str = "rigl",
                  drop_fraction: float = 0.3, every: int = 100, end: int | None = None, schedule: str = "cosine",
-                 init: str = "zero", ord: str = "l2", seed: int = 0, process_group=None):
+                 init: str = "zero", ord: str = "l2", seed: int = 0, grace: int = 0, process_group=None):
         _check_choice(criterion, CRITERIA, "criterion")
         _check_choice(schedule, SCHEDULES, "schedule")
         _check_choice(init, INITS, "init")
@@ -433,12 +436,17 @@ class DynamicSparsity:
                                  "two ways of choosing blocks; prune the layer by its gates first")
         if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
             raise ValueError(f"seed must be a non-negative int; got {seed!r}")
+        if isinstance(grace, bool) or not isinstance(grace, int) or grace < 0:
+            raise ValueError(f"grace must be a non-negative int; got {grace!r}")
         self.optimizer, self.criterion, self.drop_fraction, self.every, self.end = (
             optimizer, criterion, float(drop_fraction), every, end)
         self.schedule, self.init, self.ord = schedule, init, ord
         self.seed, self.generator = seed, np.random.default_rng(seed)
         self.process_group = process_group
-        self.steps = 0
+        self.steps, self.grace, self.updates = 0, grace, 0
+        #: Per layer, the update (1, 2, ...) that last grew each block of its layout grid; 0 where none did.
+        self.grown_at = {name: np.zeros(_index_of(layer).layout.shape, dtype=np.int64)
+                         for name, layer in self.layers.items()}
         #: The last :data:`HISTORY` updates' changes, by layer name.
         self.history: collections.deque[dict[str, LayoutChange]] = collections.deque(maxlen=HISTORY)
         self._captured: dict[str, list] = {}
@@ -497,11 +505,16 @@ class DynamicSparsity:
     def state_dict(self) -> dict:
         """The steps taken and SET's generator, to resume with :meth:`load_state_dict` (the layouts
         themselves travel in the model's ``state_dict``: rebuild with :func:`bsmm.torch.load_layouts`)."""
-        return {"steps": self.steps, "seed": self.seed, "generator": self.generator.bit_generator.state}
+        return {"steps": self.steps, "seed": self.seed, "generator": self.generator.bit_generator.state,
+                "updates": self.updates, "grown_at": {name: a.copy() for name, a in self.grown_at.items()}}
 
     def load_state_dict(self, state: dict) -> None:
         self.steps, self.seed = int(state["steps"]), int(state["seed"])
         self.generator.bit_generator.state = state["generator"]
+        self.updates = int(state.get("updates", 0))  # (saved before grace existed: no block is protected)
+        for name, grown in state.get("grown_at", {}).items():
+            if name in self.grown_at:
+                self.grown_at[name] = np.array(grown, dtype=np.int64)
         self._arm()
 
     def remove(self) -> None:
@@ -577,7 +590,12 @@ class DynamicSparsity:
         count = min(round(fraction * index.nnzb), len(absent))
         if count == 0:
             return present.astype(np.uint8)
-        dropped = _smallest(_slot_norms(layer, self.ord).cpu().numpy(), count)  # by slot
+        norms = _slot_norms(layer, self.ord).cpu().numpy()
+        if self.grace:  # blocks grown in the last `grace` updates stay
+            kept = self.grown_at[name][index.rows, index.indices] > self.updates - self.grace
+            count = min(count, int((~kept).sum()))
+            norms = np.where(kept, np.inf, norms)
+        dropped = _smallest(norms, count)  # by slot
         scores = self._growth_scores(name, layer)
         grown = absent[_smallest(-scores[absent[:, 0], absent[:, 1]], count)]
         layout = present.copy()
@@ -604,6 +622,9 @@ class DynamicSparsity:
             seed = np.random.SeedSequence([self.seed, self.steps, number]).generate_state(1, np.uint64)[0]
             generator = torch.Generator(_weight_of(layer).device).manual_seed(int(seed) % 2**63)
             changes[name] = change_layout(layer, layouts[name], self.optimizer, self.init, generator)
+        self.updates += 1
+        for name, change in changes.items():
+            self.grown_at[name][change.grown[:, 0], change.grown[:, 1]] = self.updates
         self.history.append(changes)
         return changes
 
@@ -611,7 +632,7 @@ class DynamicSparsity:
 # -- a linear layer or an LSTM (bsmm.torch.dynamic_lstm): what an update reads of each ---------------------------
 def _lstm():
     """:mod:`bsmm.torch.dynamic_lstm`, imported on first use (it imports this module)."""
-    from bsmm.torch import dynamic_lstm
+    from bsmm.torch import dynamic_lstm  # (lazily: it imports this module)
 
     return dynamic_lstm
 

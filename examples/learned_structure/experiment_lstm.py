@@ -155,7 +155,7 @@ def run(method: str, seed: int, corpus, args) -> dict:
     if method in ("rigl", "set"):
         sparsity = bsmm.torch.DynamicSparsity(model, optimizer, criterion=method, drop_fraction=args.drop_fraction,
                                               every=args.every, end=max(1, 3 * args.steps // 4), init=args.init,
-                                              seed=seed)
+                                              grace=args.grace, seed=seed)
     windows = stream_chunks(corpus.train, args.batch, args.bptt)
     state, curve, began = None, [], time.perf_counter()
     for step in range(1, args.steps + 1):
@@ -200,7 +200,7 @@ def markdown(results: list[dict], args) -> str:
     lines = [f"Character-level LSTM, hidden {args.hidden}, blocks {args.block_size}, density {args.density:.0%} "
              f"(input and recurrent layouts shared); {args.steps} steps of {args.batch} × {args.bptt} characters; "
              f"seeds {args.seeds}; RigL/SET drop fraction {args.drop_fraction} every {args.every} steps, grown blocks "
-             f"at {args.init}.", "",
+             f"at {args.init}, grace {args.grace}.", "",
              "| method | held-out bits/char | final density | block-column degree spread | dense-gradient share | "
              "clustering | path length | sigma | seconds a run |", "|" + " --- |" * 9]
     for method in args.methods:

@@ -120,7 +120,7 @@ def run(method: str, seed: int, corpus, args) -> dict:
     if method in ("rigl", "set"):
         sparsity = bsmm.torch.DynamicSparsity(model, optimizer, criterion=method, drop_fraction=args.drop_fraction,
                                               every=args.every, end=max(1, 3 * args.steps // 4), init=args.init,
-                                              seed=seed)
+                                              grace=args.grace, seed=seed)
     if method == "l0":
         gates = {name: bsmm.torch.gate_layer(layer) for name, layer in sparse_layers(model).items()}
         optimizer.add_param_group({"params": [g.log_alpha for g in gates.values()], "lr": args.lr * 10})
@@ -203,6 +203,8 @@ def common_arguments(parser: argparse.ArgumentParser, methods: tuple) -> None:
                         help="RigL/SET: fraction of blocks replaced at the first update (cosine decay to 0)")
     parser.add_argument("--init", choices=bsmm.torch.dynamic.INITS, default="zero",
                         help="RigL/SET: values of a grown block")
+    parser.add_argument("--grace", type=int, default=0,
+                        help="RigL/SET: updates after its growth during which a block is not dropped")
     parser.add_argument("--density", type=float, default=0.1)
     parser.add_argument("--block-size", type=int, default=32)
     parser.add_argument("--batch", type=int, default=32)

@@ -490,6 +490,45 @@ def test_reduce_overhead_replays_the_changed_layout():
     assert len(sparsity.history) == 3
 
 
+@pytest.mark.parametrize("criterion", ["rigl", "set"])
+def test_grace_keeps_the_blocks_the_last_updates_grew(criterion):
+    """With grace=0 an update drops what the update before grew (zero-started, smallest); with grace=1 it never
+    does, and the protection ends after one update. grown_at travels in the state_dict."""
+    def run(grace):
+        torch.manual_seed(0)
+        model = _sparse_model()
+        optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+        sparsity = bt.DynamicSparsity(model, optimizer, criterion=criterion, drop_fraction=0.3, every=1,
+                                      schedule="constant", grace=grace, seed=3)
+        for _ in range(4):
+            optimizer.zero_grad()
+            model(torch.randn(8, 64)).square().sum().backward()
+            optimizer.step()
+        redropped = []
+        for before, after in zip(list(sparsity.history)[:-1], list(sparsity.history)[1:]):
+            for name in after:
+                grown = {tuple(c) for c in before[name].grown.tolist()}
+                redropped.append(len(grown & {tuple(c) for c in after[name].dropped.tolist()}))
+        return sparsity, redropped
+
+    _, unprotected = run(0)
+    assert sum(unprotected) > 0, unprotected
+    sparsity, protected = run(1)
+    assert sum(protected) == 0 and len(sparsity.history) == 4
+    assert sparsity.updates == 4
+    for name, layer in sparsity.layers.items():
+        grown_last = sparsity.history[-1][name].grown
+        assert (sparsity.grown_at[name][grown_last[:, 0], grown_last[:, 1]] == 4).all()
+    state = sparsity.state_dict()
+    model = _sparse_model()
+    other = bt.DynamicSparsity(model, torch.optim.SGD(model.parameters(), lr=0.1), criterion="set", grace=1, every=1,
+                               schedule="constant")
+    other.load_state_dict(state)
+    assert other.updates == 4 and all(np.array_equal(other.grown_at[n], sparsity.grown_at[n]) for n in state["grown_at"])
+    with pytest.raises(ValueError, match="grace must be a non-negative int; got -1"):
+        bt.DynamicSparsity(model, torch.optim.SGD(model.parameters(), lr=0.1), criterion="set", grace=-1, end=9)
+
+
 def test_rigl_on_features_first_with_accumulated_gradients(device):
     """feature_axis=0 and two forward-backward passes before the step: the growth signal is the norm of the
     summed dW, Σ xᵢ·dyᵢᵀ, over both micro-batches."""
