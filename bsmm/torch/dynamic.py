@@ -352,7 +352,8 @@ class DynamicSparsity:
         Updates after its growth during which a block is not dropped. 0 (RigL's and SET's rule): any present
         block may go. Then the drop by weight norm takes the blocks the last update grew, which start small
         (at zero with ``init="zero"``), before any block of the starting layout: after the first update, the
-        updates only trade the grown slots among themselves (``results/v27/learned_structure_cpu_study.md``).
+        updates only trade the grown slots among themselves (``results/v27/learned_structure_cpu_study.md``,
+        where ``grace=1`` held more of the dense gradient and trained to a worse loss).
     process_group : torch.distributed process group, optional
         The ranks that change alike (default: every rank, where ``torch.distributed`` is initialised).
 
