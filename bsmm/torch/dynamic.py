@@ -59,8 +59,10 @@ def _reduce_blocks(blocks: torch.Tensor, ord: str) -> torch.Tensor:
     return blocks.abs().amax(dim=(-2, -1))
 
 
-def block_norms(layer: BlockSparseLinear, ord: str = "l2") -> torch.Tensor:
-    """(CB, KB) float32: the norm of each block of ``layer``'s weight in place, zero where a block is absent.
+def block_norms(layer: BlockSparseLinear | BlockSparseLSTM, ord: str = "l2") -> torch.Tensor:
+    """(CB, KB) float32: the norm of each block of ``layer``'s weight in place, zero where a block is absent
+    (a ``BlockSparseLSTM``: over its (H/bs, 4H/bs) recurrent layout, with ``Wx``'s blocks where it shares it,
+    as :class:`DynamicSparsity` drops them).
 
     Examples
     --------
@@ -72,11 +74,13 @@ def block_norms(layer: BlockSparseLinear, ord: str = "l2") -> torch.Tensor:
     [[0.5, 0.0], [0.0, 0.5]]
     """
     _check_choice(ord, NORMS, "ord")
-    index = layer.op.index
-    norms = torch.zeros(index.layout.shape, dtype=torch.float32, device=layer.weight.device)
+    if not isinstance(layer, (BlockSparseLinear, BlockSparseLSTM)):
+        raise TypeError(f"layer must be a bsmm.torch.BlockSparseLinear or BlockSparseLSTM; got {type(layer).__name__}")
+    index = _index_of(layer)
+    norms = torch.zeros(index.layout.shape, dtype=torch.float32, device=_weight_of(layer).device)
     rows = torch.tensor(index.rows, dtype=torch.long, device=norms.device)
     cols = torch.tensor(index.indices, dtype=torch.long, device=norms.device)
-    norms[rows, cols] = _reduce_blocks(_whole(layer.weight.detach()), ord)
+    norms[rows, cols] = _slot_norms(layer, ord).to(norms.device)
     return norms
 
 

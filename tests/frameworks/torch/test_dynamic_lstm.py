@@ -293,6 +293,22 @@ def test_no_change_under_recorded_cuda_graphs(monkeypatch):
     assert torch.equal(lstm.weight_hh, weight) and torch.equal(lstm.recurrent_layout, layout)
 
 
+@pytest.mark.parametrize("input_kind", ["shared", "dense"])
+def test_block_norms_of_an_lstm(input_kind):
+    """Over the recurrent layout: Wh's block norms, combined with Wx's where the layout is shared (L2 of the two)."""
+    lstm = make_lstm(input_kind)
+    norms = dynamic.block_norms(lstm).numpy()
+    layout = lstm.recurrent_layout.numpy() != 0
+    squares = dense(lstm.weight_hh.detach(), lstm._recurrent.index).numpy() ** 2
+    if input_kind == "shared":
+        squares = squares + dense(lstm.weight_ih.detach(), lstm._recurrent.index).numpy() ** 2
+    expected = np.sqrt(squares.reshape(HB, BS, 4 * HB, BS).sum(axis=(1, 3)))
+    np.testing.assert_allclose(norms, expected, rtol=1e-6)
+    assert (norms[~layout] == 0).all() and (norms[layout] > 0).all()
+    with pytest.raises(TypeError, match="layer must be a bsmm.torch.BlockSparseLinear or BlockSparseLSTM"):
+        dynamic.block_norms(torch.nn.Linear(4, 4))
+
+
 def test_invalidate_forgets_free_sets_and_held_ones_on_release():
     graphs = lstm_steps.SequenceGraphs()
     key = lstm_steps.SetKey(2, 1, torch.float32, torch.device("cpu"), 0, False, 0)
