@@ -111,7 +111,7 @@ _PROCESS_TAG = secrets.token_hex(6)  # (a moving key of this process never equal
 
 def moving(index: BlockIndex) -> Registration:
     """A registration of ``index`` under a moving key of its own, which :func:`move` points at
-    other layouts of the same shape and block size (see the module docstring).
+    other layouts of the same shape, block size and number of blocks (see the module docstring).
 
     Examples
     --------
