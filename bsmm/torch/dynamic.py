@@ -28,6 +28,7 @@ import torch
 from bsmm.block_index import BlockIndex, present_blocks
 from bsmm.torch.layers import BlockSparseLinear, fan_in_bounds
 from bsmm.torch.lstm import BlockSparseLSTM
+from bsmm.torch.registry import register
 
 __all__ = ["DynamicSparsity", "LayoutChange", "block_norms", "change_layout", "gradient_block_norms"]
 
@@ -373,7 +374,7 @@ class DynamicSparsity:
     a step on every rank alike). With pipeline parallelism, pass each stage's data-parallel group as
     ``process_group``.
 
-    Under ``torch.compile``, the linear layers compute under moving layout keys, which this constructor
+    Under ``torch.compile``, the layers compute under moving layout keys, which this constructor
     gives them (:func:`bsmm.torch.registry.moving`; a model compiled before compiles once more;
     :meth:`remove` gives the content keys back): the compiled code holds the key and computes with each new
     layout, with no recompilation. Under CUDA graphs that ``torch.compile`` recorded in this thread
@@ -382,9 +383,8 @@ class DynamicSparsity:
     after every update, and after ``torch._dynamo.config.recompile_limit`` updates (8 by default) Dynamo
     runs it eagerly, or raises under ``fullgraph=True``. Graphs recorded in another thread, by the older
     ``cudagraph_trees=False`` path, or captured by the caller (``torch.cuda.graph``) are not seen: capture
-    them again after an update. A ``BlockSparseLSTM`` keeps content keys (a compiled LSTM compiles again
-    after each change), refuses to change under recorded CUDA graphs, and takes RigL eagerly only (its
-    capture raises under ``torch.compile``: use ``criterion="set"`` there). RigL's capture breaks the graph
+    them again after an update. A ``BlockSparseLSTM`` refuses to change under recorded CUDA graphs, and
+    takes RigL eagerly only (its capture raises under ``torch.compile``: use ``criterion="set"`` there). RigL's capture breaks the graph
     in the step before an update. Optimizer state
     moves with its blocks (:func:`change_layout`); a grown block starts with zero moments while Adam's
     step count goes on, so its first steps are about ``lr`` in size. Each change builds the layer's block
@@ -532,7 +532,10 @@ class DynamicSparsity:
         self._captured.clear()
         self._capturing = False
         for layer in self.layers.values():
-            if isinstance(layer, BlockSparseLinear) and "/moving-" in layer._key:
+            if isinstance(layer, BlockSparseLSTM) and "/moving-" in layer._recurrent.key:
+                layer._recurrent.retired = True
+                layer._use_recurrent(register(layer._recurrent.index))
+            elif isinstance(layer, BlockSparseLinear) and "/moving-" in layer._key:
                 layer._registration.retired = True
                 layer._use(layer.op)
 

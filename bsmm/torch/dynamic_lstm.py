@@ -113,7 +113,7 @@ def change_lstm_layout(lstm: BlockSparseLSTM, layout, optimizer: torch.optim.Opt
                 dynamic._write(weight.grad, dynamic._moved(dynamic._whole(weight.grad), gather, grown))
         for value in per_slot:
             dynamic._write(value, dynamic._moved(dynamic._whole(value), *(t.to(value.device) for t in tables)))
-    lstm._adopt_layout(new_layout.astype(np.uint8))
+    lstm._adopt_layout(new_layout.astype(np.uint8), moving=True)
     return change
 
 

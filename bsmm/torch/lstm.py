@@ -26,7 +26,8 @@ from bsmm.nn.lstm_gates import GATES
 from bsmm.torch import lstm_steps
 from bsmm.torch.checks import check_dtype, check_like
 from bsmm.torch.lstm_sequence import CompiledSequence, Sequence, plan_of
-from bsmm.torch.registry import Registration, cuda_graphs_recorded, register
+from bsmm.torch.registry import Registration, cuda_graphs_recorded, move, register
+from bsmm.torch.registry import moving as moving_registration
 
 __all__ = ["BlockSparseLSTM"]
 
@@ -65,8 +66,7 @@ def _describe(layout) -> str:
 
 def _refuse_under_recorded_graphs() -> None:
     """Raise where ``torch.compile`` recorded CUDA graphs in this thread: their replays would launch an old
-    layout's tables (the LSTM keeps content keys, and a layout it returns to would replay a graph whose
-    tables may be gone), so a BlockSparseLSTM's layout does not change there."""
+    layout's tables, so a BlockSparseLSTM's layout does not change there."""
     if cuda_graphs_recorded():
         raise RuntimeError("BlockSparseLSTM: its layout cannot change under CUDA graphs that torch.compile "
                            "recorded in this thread (mode='reduce-overhead'): compile without CUDA graphs")
@@ -315,19 +315,20 @@ class BlockSparseLSTM(torch.nn.Module):
             self._gradient_captures = collections.OrderedDict()
             self.shared_layout = self._input is not None and self._input.key == self._recurrent.key
 
-    def _adopt_layout(self, layout: np.ndarray) -> None:
+    def _adopt_layout(self, layout: np.ndarray, moving: bool = False) -> None:
         """Compute ``Wh`` (and ``Wx`` where it shares the layout) with ``layout`` (H/bs, 4H/bs) from now on,
         a layout of as many blocks; the caller reorders the weights' slots
-        (:func:`bsmm.torch.dynamic.change_layout`). The CUDA graphs of the old layout are forgotten."""
+        (:func:`bsmm.torch.dynamic.change_layout`). The CUDA graphs of the old layout are forgotten. Under a
+        moving key (or with ``moving``: a change of :mod:`bsmm.torch.dynamic`) the key follows the layout, so
+        a compiled model needs no recompilation; else the layer takes the layout's content key."""
         _refuse_under_recorded_graphs()
         index = BlocksparseMatMul(layout, self.block_size).index
         old = self._recurrent.index
         if index.layout.shape != old.layout.shape or index.nnzb != old.nnzb:
             raise ValueError(f"layout must have shape {old.layout.shape} and hold {old.nnzb} blocks, as the layer's "
                              f"recurrent layout; got shape {index.layout.shape} with {index.nnzb} blocks")
-        self._recurrent = register(index)
-        if self.shared_layout:
-            self._input = self._recurrent
+        self._use_recurrent(move(self._moving_registration(), index)
+                            if moving or "/moving-" in self._recurrent.key else register(index))
         # The graphs launch the old layout's passes, and a new operator may reuse the id they are keyed by.
         self._graphs.invalidate()
         with torch.no_grad():
@@ -335,10 +336,18 @@ class BlockSparseLSTM(torch.nn.Module):
                 getattr(self, name).copy_(torch.from_numpy(np.array(index.layout)))
 
     def _moving_registration(self) -> Registration:
-        """The recurrent layout's registration (:class:`bsmm.torch.DynamicSparsity` asks every layer). Unlike
-        :class:`~bsmm.torch.BlockSparseLinear`, the LSTM keeps its layouts' content keys: a compiled model
-        compiles again after each change of its layout."""
+        """The recurrent layout's registration, moved to a moving key of its own on the first call (a model
+        compiled before that compiles once more; :class:`bsmm.torch.DynamicSparsity` calls this when it is
+        built). A shared input layout follows it."""
+        if "/moving-" not in self._recurrent.key:
+            self._use_recurrent(moving_registration(self._recurrent.index))
         return self._recurrent
+
+    def _use_recurrent(self, registration: Registration) -> None:
+        """Compute ``Wh`` (and ``Wx`` where it shares the layout) under ``registration``."""
+        self._recurrent = registration
+        if self.shared_layout:
+            self._input = registration
 
     def _state(self, state, name: str, input: torch.Tensor, batched: bool, n: int) -> torch.Tensor:
         """``h0`` or ``c0`` as (N, H), contiguous, or raise naming it."""

@@ -309,6 +309,37 @@ def test_block_norms_of_an_lstm(input_kind):
         dynamic.block_norms(torch.nn.Linear(4, 4))
 
 
+def test_a_compiled_lstm_follows_layout_changes_with_no_recompilation():
+    """SET on a compiled LSTM (shared layout): one set of frames over three updates, and after each the compiled
+    layer equals a fresh one built with the new layout and the moved weights; remove() gives content keys back,
+    and a plain layer's load keeps content keys."""
+    from torch._dynamo.testing import CompileCounter
+
+    lstm = make_lstm("shared", dtype=torch.float32)
+    optimizer = torch.optim.SGD(lstm.parameters(), lr=0.05)
+    sparsity = bt.DynamicSparsity(lstm, optimizer, criterion="set", drop_fraction=0.2, every=1, schedule="constant")
+    assert "/moving-" in lstm._recurrent.key and lstm._input is lstm._recurrent
+    torch._dynamo.reset()
+    counter = CompileCounter()
+    compiled = torch.compile(lstm, backend=counter)
+    x, h0, c0 = (t.float() for t in problem())
+    frames = None
+    for _ in range(3):
+        compiled(x, (h0, c0))[0].square().sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        fresh = bt.BlockSparseLSTM(HIDDEN, HIDDEN, lstm.recurrent_layout.numpy(), block_size=BS,
+                                   input_layout="recurrent")
+        fresh.load_state_dict(lstm.state_dict())
+        torch.testing.assert_close(compiled(x, (h0, c0))[0].detach(), fresh(x, (h0, c0))[0].detach())
+        frames = counter.frame_count if frames is None else frames
+        assert counter.frame_count == frames
+        assert "/moving-" not in fresh._recurrent.key  # (built with the layout: a content key)
+    assert len(sparsity.history) == 3
+    sparsity.remove()
+    assert lstm._recurrent.key == bt.registry.layout_key(lstm._recurrent.index) and lstm._input is lstm._recurrent
+
+
 def test_invalidate_forgets_free_sets_and_held_ones_on_release():
     graphs = lstm_steps.SequenceGraphs()
     key = lstm_steps.SetKey(2, 1, torch.float32, torch.device("cpu"), 0, False, 0)
