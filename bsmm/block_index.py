@@ -25,7 +25,8 @@ import numpy as np
 from bsmm.arrays import check_plain_ndarray
 from bsmm.config import settings
 
-__all__ = ["BlockIndex", "block_index", "check_layout", "check_block_size", "present_blocks", "stable_order", "MAX_BLOCKS"]
+__all__ = ["BlockIndex", "block_index", "check_layout", "check_block_size", "present_blocks", "stable_order",
+           "MAX_BLOCKS"]
 
 
 def check_block_size(block_size) -> int:

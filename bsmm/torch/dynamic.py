@@ -28,7 +28,6 @@ import torch
 from bsmm.block_index import BlockIndex, present_blocks
 from bsmm.torch.layers import BlockSparseLinear, fan_in_bounds
 from bsmm.torch.lstm import BlockSparseLSTM
-from bsmm.torch.registry import register
 
 __all__ = ["DynamicSparsity", "LayoutChange", "block_norms", "change_layout", "gradient_block_norms"]
 
@@ -75,7 +74,7 @@ def block_norms(layer: BlockSparseLinear | BlockSparseLSTM, ord: str = "l2") -> 
     [[0.5, 0.0], [0.0, 0.5]]
     """
     _check_choice(ord, NORMS, "ord")
-    if not isinstance(layer, (BlockSparseLinear, BlockSparseLSTM)):
+    if not isinstance(layer, DYNAMIC_LAYERS):
         raise TypeError(f"layer must be a bsmm.torch.BlockSparseLinear or BlockSparseLSTM; got {type(layer).__name__}")
     index = _index_of(layer)
     norms = torch.zeros(index.layout.shape, dtype=torch.float32, device=_weight_of(layer).device)
@@ -262,39 +261,56 @@ def change_layout(layer: BlockSparseLinear, layout, optimizer: torch.optim.Optim
     if int(new_layout.sum()) != old.nnzb:
         raise ValueError(f"layout must hold {old.nnzb} blocks, as the layer's does; got {int(new_layout.sum())}")
     change, cols = _slot_change(old, new_layout)
-    weight = layer.weight
     if not len(change.dropped):  # the same layout: nothing moves, nothing is planned again
         return change
-    # The optimizer's per-block state (the weight's shape, or per-slot factors such as Adafactor's) moves with
-    # the blocks; state of any other shape cannot be followed, so it is refused before anything changes.
-    per_slot = []
-    for key, value in (optimizer.state.get(weight, {}).items() if optimizer is not None else ()):
-        if isinstance(value, torch.Tensor) and value.dim() >= 1:
-            if value.shape[0] != old.nnzb:
-                raise ValueError(f"the optimizer's state {key!r} of the weight has shape {tuple(value.shape)}, not one "
-                                 f"entry a block ({old.nnzb}, ...): change_layout cannot move it with the blocks")
-            per_slot.append(value)
-    source = change.source
-    grown_slots = np.flatnonzero(source < 0)
-    with torch.no_grad():
-        whole = _whole(weight)
-        # (one upload: the gather, then the grown slots)
-        tables = torch.as_tensor(np.concatenate([np.maximum(source, 0), grown_slots]), device=whole.device)
-        gather, grown = tables[:len(source)], tables[len(source):]
-        fresh = None
-        if init == "fan_in":  # drawn for the grown blocks only
-            bounds = fan_in_bounds(new_layout.astype(np.uint8), layer.op.block_size)[cols[grown_slots]]
-            fresh = torch.empty((len(grown_slots), *whole.shape[1:]), dtype=whole.dtype, device=whole.device)
-            fresh.uniform_(-1.0, 1.0, generator=generator).mul_(
-                torch.as_tensor(bounds, dtype=whole.dtype).to(whole.device).view(-1, 1, 1))
-        _write(weight, _moved(whole, gather, grown, fresh))
-        if weight.grad is not None:
-            _write(weight.grad, _moved(_whole(weight.grad), gather, grown))
-        for value in per_slot:
-            on = value.device
-            _write(value, _moved(_whole(value), gather.to(on), grown.to(on)))
+    slot_bounds = fan_in_bounds(new_layout.astype(np.uint8), layer.op.block_size)[cols] if init == "fan_in" else None
+    _move_slots({"the weight": layer.weight}, optimizer, change, slot_bounds, generator)
     layer._adopt_layout(new_layout.astype(np.uint8), moving=True)
     return change
+
+
+def _move_slots(weights: dict, optimizer, change: LayoutChange, slot_bounds: np.ndarray | None,
+                generator) -> None:
+    """Move each of ``weights`` (name -> the Parameter), its gradient and its per-slot optimizer state to the
+    new slots ``change.source`` gives; a grown slot gets zeros, or, given each new slot's bound
+    ``slot_bounds`` (``init="fan_in"``), a weight's grown slot is drawn from U(±bound) with ``generator``.
+    The optimizer's per-block state (the weight's shape, or per-slot factors such as Adafactor's) moves
+    with the blocks; state of any other shape cannot be followed, so it is refused before anything
+    changes."""
+    nnzb = len(change.source)
+    per_slot = []
+    for name, weight in weights.items():
+        for key, value in (optimizer.state.get(weight, {}).items() if optimizer is not None else ()):
+            if isinstance(value, torch.Tensor) and value.dim() >= 1:
+                if value.shape[0] != nnzb:
+                    raise ValueError(f"the optimizer's state {key!r} of {name} has shape {tuple(value.shape)}, not "
+                                     f"one entry a block ({nnzb}, ...): change_layout cannot move it with the blocks")
+                per_slot.append(value)
+    grown_slots = np.flatnonzero(change.source < 0)
+    host = torch.as_tensor(np.concatenate([np.maximum(change.source, 0), grown_slots]))
+    uploaded = {}
+
+    def tables(device):  # (gather, grown) on ``device``: one upload a device
+        if device not in uploaded:
+            on = host.to(device)
+            uploaded[device] = (on[:nnzb], on[nnzb:])
+        return uploaded[device]
+
+    with torch.no_grad():
+        for weight in weights.values():
+            whole = _whole(weight)
+            fresh = None
+            if slot_bounds is not None:  # drawn for the grown blocks only
+                fresh = torch.empty((len(grown_slots), *whole.shape[1:]), dtype=whole.dtype, device=whole.device)
+                fresh.uniform_(-1.0, 1.0, generator=generator).mul_(
+                    torch.as_tensor(slot_bounds[grown_slots], dtype=whole.dtype).to(whole.device).view(-1, 1, 1))
+            _write(weight, _moved(whole, *tables(whole.device), fresh))
+            if weight.grad is not None:
+                gradient = _whole(weight.grad)
+                _write(weight.grad, _moved(gradient, *tables(gradient.device)))
+        for value in per_slot:
+            value_whole = _whole(value)
+            _write(value, _moved(value_whole, *tables(value_whole.device)))
 
 
 def _coordinates(mask: np.ndarray) -> np.ndarray:
@@ -384,11 +400,11 @@ class DynamicSparsity:
     runs it eagerly, or raises under ``fullgraph=True``. Graphs recorded in another thread, by the older
     ``cudagraph_trees=False`` path, or captured by the caller (``torch.cuda.graph``) are not seen: capture
     them again after an update. A ``BlockSparseLSTM`` refuses to change under recorded CUDA graphs, and
-    takes RigL eagerly only (its capture raises under ``torch.compile``: use ``criterion="set"`` there). RigL's capture breaks the graph
-    in the step before an update. Optimizer state
-    moves with its blocks (:func:`change_layout`); a grown block starts with zero moments while Adam's
-    step count goes on, so its first steps are about ``lr`` in size. Each change builds the layer's block
-    index on the host, and its passes are planned again on first use.
+    takes RigL eagerly only (its capture raises under ``torch.compile``: use ``criterion="set"`` there).
+    RigL's capture breaks the graph in the step before an update. Optimizer state moves with its blocks
+    (:func:`change_layout`); a grown block starts with zero moments while Adam's step count goes on, so
+    its first steps are about ``lr`` in size. Each change builds the layer's block index on the host, and
+    its passes are planned again on first use.
 
     Examples
     --------
@@ -464,7 +480,8 @@ class DynamicSparsity:
         self._handles = [optimizer.register_step_post_hook(self._after_step)]
         if criterion == "rigl":
             self._handles += [layer.register_gradient_capture(_lstm().gradient_capture(self, name))
-                              if isinstance(layer, BlockSparseLSTM) else layer.register_forward_hook(self._capture_hook(name))
+                              if isinstance(layer, BlockSparseLSTM)
+                              else layer.register_forward_hook(self._capture_hook(name))
                               for name, layer in self.layers.items()]
 
     def fraction(self, step: int) -> float:
@@ -532,12 +549,7 @@ class DynamicSparsity:
         self._captured.clear()
         self._capturing = False
         for layer in self.layers.values():
-            if isinstance(layer, BlockSparseLSTM) and "/moving-" in layer._recurrent.key:
-                layer._recurrent.retired = True
-                layer._use_recurrent(register(layer._recurrent.index))
-            elif isinstance(layer, BlockSparseLinear) and "/moving-" in layer._key:
-                layer._registration.retired = True
-                layer._use(layer.op)
+            layer._content_registration()
 
     def _distributed(self) -> bool:
         """Whether several ranks change alike (``torch.distributed`` initialised, more than one in the group)."""

@@ -81,38 +81,13 @@ def change_lstm_layout(lstm: BlockSparseLSTM, layout, optimizer: torch.optim.Opt
         raise ValueError(f"layout must hold {old.nnzb} blocks, as the layer's recurrent layout does; "
                          f"got {int(new_layout.sum())}")
     change, cols = dynamic._slot_change(old, new_layout)
-    if len(change.dropped):
-        _refuse_under_recorded_graphs()  # (before anything moves)
     if not len(change.dropped):
         return change
-    weights = _moving_weights(lstm)
-    per_slot = []  # (checked for every weight before anything changes)
-    for weight, name in zip(weights, ("weight_hh", "weight_ih")):
-        state = {} if optimizer is None else optimizer.state.get(weight, {})
-        tensors = {key: value for key, value in state.items() if isinstance(value, torch.Tensor) and value.dim()}
-        odd = [(key, tuple(value.shape)) for key, value in tensors.items() if value.shape[0] != old.nnzb]
-        if odd:
-            raise ValueError(f"the optimizer's state {odd[0][0]!r} of {name} has shape {odd[0][1]}, not one entry a "
-                             f"block ({old.nnzb}, ...): change_layout cannot move it")
-        per_slot += tensors.values()
-    source = change.source
-    grown_slots = np.flatnonzero(source < 0)
-    bounds = gate_column_bounds(new_layout, lstm.block_size, lstm.hidden_size)[cols[grown_slots]]
-    tables = [torch.as_tensor(t) for t in (np.maximum(source, 0), grown_slots)]
-    with torch.no_grad():
-        for weight in weights:
-            whole = dynamic._whole(weight)
-            gather, grown = (t.to(whole.device) for t in tables)
-            fresh = None
-            if init == "fan_in":  # drawn for the grown blocks only
-                fresh = torch.empty((len(grown_slots), *whole.shape[1:]), dtype=whole.dtype, device=whole.device)
-                fresh.uniform_(-1.0, 1.0, generator=generator).mul_(
-                    torch.as_tensor(bounds, dtype=whole.dtype).to(whole.device).view(-1, 1, 1))
-            dynamic._write(weight, dynamic._moved(whole, gather, grown, fresh))
-            if weight.grad is not None:
-                dynamic._write(weight.grad, dynamic._moved(dynamic._whole(weight.grad), gather, grown))
-        for value in per_slot:
-            dynamic._write(value, dynamic._moved(dynamic._whole(value), *(t.to(value.device) for t in tables)))
+    _refuse_under_recorded_graphs()  # (before anything moves)
+    weights = dict(zip(("weight_hh", "weight_ih"), _moving_weights(lstm)))
+    slot_bounds = (gate_column_bounds(new_layout, lstm.block_size, lstm.hidden_size)[cols] if init == "fan_in"
+                   else None)
+    dynamic._move_slots(weights, optimizer, change, slot_bounds, generator)
     lstm._adopt_layout(new_layout.astype(np.uint8), moving=True)
     return change
 

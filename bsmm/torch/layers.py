@@ -21,7 +21,7 @@ from bsmm.torch.checks import check_dtype
 from bsmm.torch.conv_ops import conv_spec
 from bsmm.torch.conversions import weight_bsr
 from bsmm.torch.functional import conv_by_key, gated_weight, matmul_by_key
-from bsmm.torch.registry import Registration, cuda_graphs_recorded, move, register
+from bsmm.torch.registry import Registration, cuda_graphs_recorded, is_moving, move, register
 from bsmm.torch.registry import moving as moving_registration
 
 __all__ = ["BlockSparseConv1d", "BlockSparseConv2d", "BlockSparseConv3d", "BlockSparseLinear", "load_layouts"]
@@ -310,7 +310,7 @@ class BlockSparseLinear(_BlockSparseLayer):
             raise ValueError(f"layout must hold {self.op.blocks} blocks, as the layer's does (its weight's slots); "
                              f"got {op.blocks}")
         old = self._registration
-        moving_now = "/moving-" in self._key
+        moving_now = is_moving(self._key)
         if not (moving or moving_now):
             registration = register(op.index)
         elif cuda_graphs_recorded():
@@ -325,9 +325,16 @@ class BlockSparseLinear(_BlockSparseLayer):
     def _moving_registration(self) -> Registration:
         """The layer's registration, moved to a moving key of its own on the first call (a model compiled
         before that compiles once more; :class:`bsmm.torch.DynamicSparsity` calls this when it is built)."""
-        if "/moving-" not in self._key:
+        if not is_moving(self._key):
             self._use(self.op, moving_registration(self.op.index))
         return self._registration
+
+    def _content_registration(self) -> None:
+        """Back to the layout's content key (:meth:`bsmm.torch.DynamicSparsity.remove`), the moving
+        registration retired."""
+        if is_moving(self._key):
+            self._registration.retired = True
+            self._use(self.op)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x (..., C) -> (..., K), or (C, ...) -> (K, ...) with feature_axis=0."""

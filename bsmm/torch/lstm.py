@@ -26,7 +26,7 @@ from bsmm.nn.lstm_gates import GATES
 from bsmm.torch import lstm_steps
 from bsmm.torch.checks import check_dtype, check_like
 from bsmm.torch.lstm_sequence import CompiledSequence, Sequence, plan_of
-from bsmm.torch.registry import Registration, cuda_graphs_recorded, move, register
+from bsmm.torch.registry import Registration, cuda_graphs_recorded, is_moving, move, register
 from bsmm.torch.registry import moving as moving_registration
 
 __all__ = ["BlockSparseLSTM"]
@@ -328,7 +328,7 @@ class BlockSparseLSTM(torch.nn.Module):
             raise ValueError(f"layout must have shape {old.layout.shape} and hold {old.nnzb} blocks, as the layer's "
                              f"recurrent layout; got shape {index.layout.shape} with {index.nnzb} blocks")
         self._use_recurrent(move(self._moving_registration(), index)
-                            if moving or "/moving-" in self._recurrent.key else register(index))
+                            if moving or is_moving(self._recurrent.key) else register(index))
         # The graphs launch the old layout's passes, and a new operator may reuse the id they are keyed by.
         self._graphs.invalidate()
         with torch.no_grad():
@@ -339,9 +339,16 @@ class BlockSparseLSTM(torch.nn.Module):
         """The recurrent layout's registration, moved to a moving key of its own on the first call (a model
         compiled before that compiles once more; :class:`bsmm.torch.DynamicSparsity` calls this when it is
         built). A shared input layout follows it."""
-        if "/moving-" not in self._recurrent.key:
+        if not is_moving(self._recurrent.key):
             self._use_recurrent(moving_registration(self._recurrent.index))
         return self._recurrent
+
+    def _content_registration(self) -> None:
+        """Back to the layout's content key (:meth:`bsmm.torch.DynamicSparsity.remove`), the moving
+        registration retired."""
+        if is_moving(self._recurrent.key):
+            self._recurrent.retired = True
+            self._use_recurrent(register(self._recurrent.index))
 
     def _use_recurrent(self, registration: Registration) -> None:
         """Compute ``Wh`` (and ``Wx`` where it shares the layout) under ``registration``."""

@@ -32,8 +32,8 @@ import torch
 
 from bsmm.block_index import BlockIndex, block_index
 
-__all__ = ["Registration", "cuda_graphs_recorded", "layout_key", "live_registration", "lookup", "move", "moving",
-           "register", "registration"]
+__all__ = ["Registration", "cuda_graphs_recorded", "is_moving", "layout_key", "live_registration", "lookup", "move",
+           "moving", "register", "registration"]
 
 
 class Registration:
@@ -129,13 +129,26 @@ def moving(index: BlockIndex) -> Registration:
     return registration
 
 
+def is_moving(key: str) -> bool:
+    """Whether ``key`` is a moving key (:func:`moving`) rather than a layout's content key.
+
+    Examples
+    --------
+    >>> import numpy as np, bsmm
+    >>> index = bsmm.block_index(np.eye(2), block_size=8)
+    >>> is_moving(moving(index).key), is_moving(register(index).key)
+    (True, False)
+    """
+    return "/moving-" in key
+
+
 def move(registration: Registration, index: BlockIndex) -> Registration:
     """Point ``registration``'s moving key at ``index`` (a layout of the same shape, block size and
     number of blocks: compiled graphs hold the weight's shape) and return the new registration to hold
     in its place; ``registration`` is retired and keeps the old layout for whatever still holds it (a
     pending eager backward, which then refuses to run rather than compute with the new layout)."""
     old = registration.index
-    if "/moving-" not in registration.key:
+    if not is_moving(registration.key):
         raise ValueError(f"registration {registration.key!r} has a layout's content key, not a moving one: "
                          f"make one with bsmm.torch.registry.moving")
     if (index.n_block_rows, index.n_block_cols, index.block_size, index.nnzb) != (
