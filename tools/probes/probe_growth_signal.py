@@ -6,7 +6,7 @@ weights over a sequence's rows.
 
     python3 tools/probes/probe_growth_signal.py [--gram-max-gib 8]
 
-Each route is timed by CUDA events (median of 20 after 3 warm-ups) on bf16 rows (the product runs in
+Each route is timed by CUDA events (median of 20 after a warm-up) on bf16 rows (the product runs in
 float32, as RigL's capture holds them). The table gives both times, the faster, what ``route="auto"`` picks
 and the largest relative difference between the two routes' norms.
 """
@@ -14,15 +14,11 @@ and the largest relative difference between the two routes' norms.
 from __future__ import annotations
 
 import argparse
-import pathlib
-import sys
 
 import torch
 
 from bsmm.torch import dynamic
-
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from probe_layout_change import gpu_ms  # noqa: E402  (CUDA events, median after warm-up)
+from probe_layout_change import gpu_ms  # (this directory: run as a script)
 
 # (what, C, K, block size, rows)
 SHAPES = [("wide layer 12288²", 12288, 12288, 32, n) for n in (32, 256, 1024, 4096)]
@@ -56,7 +52,6 @@ def main(argv=None) -> int:
         faster = "gram" if gram_ms < dense_ms else "dense"
         print(f"| {what} | {bs} | {n} | {dense_ms:.3f} | {gram_ms:.3f} | {faster} | {auto} | {difference:.1e} |",
               flush=True)
-        del x, dy
         torch.cuda.empty_cache()
     return 0
 

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 import bsmm.torch
+from bsmm.cli.framework_bench import gpu_time
 from bsmm.layouts import random_layout
 from bsmm.torch import dynamic
 
@@ -47,18 +48,11 @@ def step_function(layer, optimizer, x):
     return step
 
 
-def gpu_ms(run, repeats: int = 20) -> float:
-    for _ in range(3):
-        run()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        run()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+def gpu_ms(run) -> float:
+    """Median milliseconds of one ``run()`` (:func:`bsmm.cli.framework_bench.gpu_time`: CUDA events, warm-up
+    first)."""
+    return 1e3 * gpu_time(run, torch.cuda.synchronize, lambda: torch.cuda.Event(enable_timing=True),
+                          lambda begin, end: begin.elapsed_time(end), calls=1, batches=20)
 
 
 def wall_ms(run) -> float:
