@@ -39,7 +39,6 @@ class RecordingSparsity(bsmm.torch.DynamicSparsity):
         super().__init__(*args, **kwargs)
         (self._lstm_layer,) = self.layers.values()
         self._start = self._present()
-        self._last_grown = np.zeros_like(self._start)
         self._share = None
         self.record = {"updates": [], "start_kept": 1.0}
         RECORDS.append(self.record)
@@ -56,6 +55,8 @@ class RecordingSparsity(bsmm.torch.DynamicSparsity):
 
     def update(self):
         self._share = None
+        (grown_at,) = self.grown_at.values()
+        last_grown = (grown_at == self.updates) & (self.updates > 0)  # (what the update before grew)
         changes = super().update()
         (change,) = changes.values()
         dropped = np.zeros_like(self._start)
@@ -63,9 +64,7 @@ class RecordingSparsity(bsmm.torch.DynamicSparsity):
         count = len(change.dropped)
         self.record["updates"].append({
             "step": self.steps, "replaced": count, "present_share": self._share,
-            "dropped_last_grown": float((dropped & self._last_grown).sum() / count) if count else None})
-        self._last_grown = np.zeros_like(self._start)
-        self._last_grown[change.grown[:, 0], change.grown[:, 1]] = True
+            "dropped_last_grown": float((dropped & last_grown).sum() / count) if count else None})
         self.record["start_kept"] = float((self._present() & self._start).sum() / self._start.sum())
         return changes
 
