@@ -219,9 +219,10 @@ if [[ $stage == learned ]]; then
     if [[ $half == transformer ]]; then script=experiment_torch.py name=learned args=${LEARNED_ARGS:-}
     else script=experiment_lstm.py name=learned_lstm args=${LEARNED_LSTM_ARGS:-}; fi
     t0=$(date +%s)
+    # (its log ends with the table printed below: only a failed run's tail is shown)
     python3 examples/learned_structure/$script $args --json "$OUT/$name.json" --markdown "$OUT/$name.md" \
-      --plot "$OUT/$name.png" >"$OUT/$name.log" 2>&1 || status=1
-    echo "learned-structure experiment, $half [$(( $(date +%s) - t0 ))s]:"; cat "$OUT/$name.md"; tail -3 "$OUT/$name.log"
+      --plot "$OUT/$name.png" >"$OUT/$name.log" 2>&1 || { status=1; tail -5 "$OUT/$name.log"; }
+    echo "learned-structure experiment, $half [$(( $(date +%s) - t0 ))s]:"; cat "$OUT/$name.md"
   done
 fi
 if [[ $stage == transformer ]]; then
