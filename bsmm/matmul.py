@@ -70,6 +70,11 @@ _CONTIGUOUS_COPY = {"numpy": "numpy.ascontiguousarray({0})", "cupy": "cupy.ascon
                     "torch": "{0}.contiguous()"}
 
 
+def _pointer(gate) -> int:
+    """The device address of a CuPy gate array, 0 for None (no gates)."""
+    return 0 if gate is None else gate.data.ptr
+
+
 def _not_contiguous(operand: Operand, argument: str) -> ValueError:
     """The refusal of a strided input: the passes read dense memory and copy nothing behind the caller's back."""
     fix = _CONTIGUOUS_COPY.get(operand.library, "a C-contiguous copy of {0}").format(argument)
@@ -214,7 +219,7 @@ class BlocksparseMatMul:
                           gate=gate)
 
     def fprop(self, x, w, out=None, accumulate: bool = False, *, bias=None, activation: str | None = None,
-              pre=None, gate=None):
+              pre=None, gate=None, _skip=None):
         """y = x·W, or with a fused epilogue y = A(x·W + bias).
 
         Parameters
@@ -237,6 +242,10 @@ class BlocksparseMatMul:
         gate : (nnzb,) array of w's dtype and library, optional
             One scale a block: y = x·(g ⊙ W) (:meth:`gated_weights`; NumPy and CuPy arrays).
 
+        _skip : (nnzb,) array, private
+            Gates that ``w`` is already scaled by (:mod:`bsmm.torch`; checked by the caller): the
+            GPU kernels leave out the blocks where they are 0, with the same result.
+
         Returns
         -------
         y : (N, K) or (K, N), x's dtype and library
@@ -252,19 +261,21 @@ class BlocksparseMatMul:
         >>> bool(np.allclose(y, np.maximum(x @ op.to_dense(w) + b, 0), atol=1e-5))
         True
         """
+        skip = _skip
         if gate is not None:
-            w = self.gated_weights(w, gate)
+            w, skip = self._gated_and_skipped(w, gate, "w")
         if x.__class__ is _gpu_array_type and (out is not None or not accumulate) and (
                 activation is None or activation.__class__ is str):  # a repeat: see FastCall
             # (only checked names are kept: any other string finds no call and takes the checked path)
             call = self._gpu_calls.get(("fprop", x.shape, x.dtype, self.feature_axis, self.tf32,
                                         epilogue_name(bias, activation)))
-            result = call(x, w, out, accumulate, bias, pre) if call is not None else None
+            result = call(x, w, out, accumulate, bias, pre, _pointer(skip)) if call is not None else None
             if result is not None:
                 return result
-        return self._activation_pass("fprop", x, "x", w, out, accumulate, self.C, self.K, bias, activation, pre)
+        return self._activation_pass("fprop", x, "x", w, out, accumulate, self.C, self.K, bias, activation, pre,
+                                     skip)
 
-    def bprop(self, dy, w, out=None, accumulate: bool = False, *, gate=None):
+    def bprop(self, dy, w, out=None, accumulate: bool = False, *, gate=None, _skip=None):
         """dx = dy·Wᵀ.
 
         Parameters
@@ -276,24 +287,27 @@ class BlocksparseMatMul:
             Add dy·Wᵀ to ``out`` (needs ``out``).
         gate : (nnzb,) array, optional
             As :meth:`fprop`'s: dx = dy·(g ⊙ W)ᵀ.
+        _skip : as :meth:`fprop`'s
 
         Returns
         -------
         dx : (N, C) or (C, N), dy's dtype and library
         """
+        skip = _skip
         if gate is not None:
-            w = self.gated_weights(w, gate)
+            w, skip = self._gated_and_skipped(w, gate, "w")
         if dy.__class__ is _gpu_array_type and (out is not None or not accumulate):
             call = self._gpu_calls.get(("bprop", dy.shape, dy.dtype, self.feature_axis, self.tf32, "store"))
-            result = call(dy, w, out, accumulate) if call is not None else None
+            result = call(dy, w, out, accumulate, gate_ptr=_pointer(skip)) if call is not None else None
             if result is not None:
                 return result
-        return self._activation_pass("bprop", dy, "dy", w, out, accumulate, self.K, self.C)
+        return self._activation_pass("bprop", dy, "dy", w, out, accumulate, self.K, self.C, skip=skip)
 
     def _activation_pass(self, pass_name: str, act, act_name: str, w, out, accumulate: bool,
-                         features_in: int, features_out: int, bias=None, activation=None, pre=None):
+                         features_in: int, features_out: int, bias=None, activation=None, pre=None, skip=None):
         """fprop and bprop through the checked path: ``act`` (features_in wide) times W or Wᵀ into
-        features_out, through the epilogue that ``bias``, ``activation`` and ``pre`` ask for."""
+        features_out, through the epilogue that ``bias``, ``activation`` and ``pre`` ask for; ``skip``:
+        the checked gates ``w`` was scaled by, whose closed blocks the kernels may leave out."""
         act_op, w_op = as_operand(act, act_name), as_operand(w, "w")
         n = self._check_activation(act_op, act_name, features_in)
         dtype = canonical_dtype(act_op.array.dtype, act_name, act_op.backend)
@@ -322,6 +336,8 @@ class BlocksparseMatMul:
         options = {"accumulate": bool(accumulate)}
         if epilogue is not None:
             options["epilogue"] = epilogue
+        if skip is not None:
+            options["gate"] = skip
         call = getattr(backend, pass_name)(self.index, act_op.array, w_op.array, result, self.feature_axis, self.tf32,
                                            **options)
         self._remember(pass_name, act_op, call, name)
@@ -349,7 +365,7 @@ class BlocksparseMatMul:
             raise ValueError(f"{argument} must be C-contiguous; got strides {array.strides}; pass a C-contiguous "
                              f"array to be written")
 
-    def updat(self, x, dy, out=None, accumulate: bool = False, *, gate=None):
+    def updat(self, x, dy, out=None, accumulate: bool = False, *, gate=None, _skip=None):
         """dW = xᵀ·dy on the present blocks only.
 
         Parameters
@@ -364,6 +380,9 @@ class BlocksparseMatMul:
         gate : (nnzb,) array of x's dtype and library, optional
             As :meth:`fprop`'s: dW = g ⊙ (xᵀ·dy), each block scaled by its gate
             (the gate's own gradient: :meth:`gate_grad`).
+        _skip : (nnzb,) array, private
+            Gates (checked by the caller, :mod:`bsmm.torch`) whose closed (0) blocks the GPU kernels may
+            leave out: their gradient is then 0, or what the pass computes where it cannot skip them.
 
         Returns
         -------
@@ -372,7 +391,9 @@ class BlocksparseMatMul:
         if gate is not None:
             if accumulate and out is None:
                 raise ValueError("accumulate=True needs out=, the buffer to add the gradient to")
-            scaled = self._gated(self.updat(x, dy), gate, "x")
+            # The kernels may leave the closed blocks out (zeros); the scale then sets every block.
+            skip = self._skipped(as_operand(x, "x"), gate, "x")
+            scaled = self._gated(self._updat(x, dy, None, False, skip), gate, "x")
             if out is None:
                 return scaled
             out_op = as_operand(out, "out")
@@ -382,9 +403,13 @@ class BlocksparseMatMul:
             else:
                 out_op.array[...] = scaled
             return out
+        return self._updat(x, dy, out, accumulate, _skip)
+
+    def _updat(self, x, dy, out, accumulate: bool, skip):
+        """:meth:`updat` without gates; ``skip``: checked gates whose closed blocks the kernels may leave out."""
         if x.__class__ is _gpu_array_type and (out is not None or not accumulate):
             call = self._gpu_calls.get(("updat", x.shape, x.dtype, self.feature_axis, self.tf32, "store"))
-            result = call(x, dy, out, accumulate) if call is not None else None
+            result = call(x, dy, out, accumulate, gate_ptr=_pointer(skip)) if call is not None else None
             if result is not None:
                 return result
         x_op, dy_op = as_operand(x, "x"), as_operand(dy, "dy")
@@ -399,9 +424,10 @@ class BlocksparseMatMul:
         if accumulate and out is None:
             raise ValueError("accumulate=True needs out=, the buffer to add the gradient to")
         result = output_array(out, x_op, self.w_shape, dtype, (x_op, dy_op))
+        options = {} if skip is None else {"gate": skip}
         call = for_operand(x_op).updat(
-            self.index, x_op.array, dy_op.array, result, self.feature_axis, self.tf32, accumulate=bool(accumulate)
-        )
+            self.index, x_op.array, dy_op.array, result, self.feature_axis, self.tf32, accumulate=bool(accumulate),
+            **options)
         self._remember("updat", x_op, call, "store")
         return out if out is not None else x_op.wrap(result)
 
@@ -442,19 +468,31 @@ class BlocksparseMatMul:
 
     def _gated(self, blocks, gate, argument: str):
         """``blocks`` (nnzb, bs, bs) scaled by ``gate``; ``argument`` names the array whose dtype ``gate`` must have."""
-        w_op, gate_op = as_operand(blocks, argument), as_operand(gate, "gate")
-        if w_op.library not in ("numpy", "cupy"):
-            raise TypeError(f"gate= takes NumPy or CuPy arrays here; {argument} is a {w_op.library} array: in PyTorch "
-                            f"or JAX pass gate= to bsmm.torch.blocksparse_matmul or bsmm.jax.blocksparse_matmul")
+        return self._gated_and_skipped(blocks, gate, argument)[0]
+
+    def _gated_and_skipped(self, blocks, gate, argument: str) -> tuple:
+        """(:meth:`_gated`, :meth:`_skipped`) of ``blocks`` and ``gate``."""
+        w_op = as_operand(blocks, argument)
+        skip = self._skipped(w_op, gate, argument)
         self._check_weights(w_op, argument, None)
-        check_same_place({argument: w_op, "gate": gate_op})
+        return w_op.array * as_operand(gate, "gate").array.reshape(-1, 1, 1), skip
+
+    def _skipped(self, like: Operand, gate, argument: str):
+        """``gate`` checked against ``like`` (the array named ``argument``: library, place, dtype) and
+        its shape against the layout; the array the kernels may skip closed blocks by (C-contiguous),
+        else None (the product is the same: the weights are scaled by the gate first)."""
+        gate_op = as_operand(gate, "gate")
+        if like.library not in ("numpy", "cupy"):
+            raise TypeError(f"gate= takes NumPy or CuPy arrays here; {argument} is a {like.library} array: in PyTorch "
+                            f"or JAX pass gate= to bsmm.torch.blocksparse_matmul or bsmm.jax.blocksparse_matmul")
+        check_same_place({argument: like, "gate": gate_op})
         if tuple(gate_op.array.shape) != (self.blocks,):
             raise ValueError(f"gate must have shape ({self.blocks},), one value a block; "
                              f"got {tuple(gate_op.array.shape)}")
-        if gate_op.array.dtype != w_op.array.dtype:
-            raise TypeError(f"gate has dtype {gate_op.array.dtype} but {argument} has {w_op.array.dtype}; "
+        if gate_op.array.dtype != like.array.dtype:
+            raise TypeError(f"gate has dtype {gate_op.array.dtype} but {argument} has {like.array.dtype}; "
                             f"pass one dtype")
-        return w_op.array * gate_op.array.reshape(-1, 1, 1)
+        return gate_op.array if gate_op.array.flags.c_contiguous else None
 
     def gate_grad(self, x, dy, w):
         """The gates' gradient of a gated product: ``dg_j = ⟨W_j, (xᵀ·dy)_j⟩``, summed in float32 (float64

@@ -92,8 +92,9 @@ __device__ __forceinline__ void store_block_tile_staged(T* block_out, const floa
 // The tile of a transposed wgmma row group (K::ROWS_T): accumulator (m, n) is element (n, m % BS)
 // of the group's block m / BS. Parked transposed in `staging` as floats (rows BS + 4 apart: the
 // fragment writes of a warp then hit 32 different banks), then written as 16-byte runs of the
-// blocks' rows; absent blocks of the group are not written. Called by the K::NT consumer threads
-// once the stages are free.
+// blocks' rows; absent blocks of the group are not written, gated-off ones (bsmm_gates.cuh: copy
+// entry -1, storage index kept) are written as zeros. Called by the K::NT consumer threads once the
+// stages are free.
 template <class K, typename T, int BS>
 __device__ __forceinline__ void store_row_group_transposed(T* __restrict__ out, const float (&acc)[K::ACC],
                                                            const int* group, int accumulate, float* staging) {
@@ -107,8 +108,12 @@ __device__ __forceinline__ void store_row_group_transposed(T* __restrict__ out, 
     for (int c = threadIdx.x; c < CHUNKS; c += K::NT) {
         const int j = c / BLOCK_CHUNKS, row = (c % BLOCK_CHUNKS) / (BS / K::VEC), col = (c % (BS / K::VEC)) * K::VEC;
         const int id = group[1 + K::COLS + j];
-        if (id >= 0) store_chunk<K, T>(out + (long long)id * BS * BS + row * BS + col, staging + (j * BS + row) * PITCH + col,
-                                       accumulate);
+        if (id < 0) continue;
+        T* dst = out + (long long)id * BS * BS + row * BS + col;
+        if (group[1 + j] >= 0)
+            store_chunk<K, T>(dst, staging + (j * BS + row) * PITCH + col, accumulate);
+        else if (!accumulate)  // gated off (bsmm_gates.cuh): nothing was copied for it, its gradient is 0
+            *reinterpret_cast<uint4*>(dst) = make_uint4(0, 0, 0, 0);
     }
 }
 

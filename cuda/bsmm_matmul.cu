@@ -24,6 +24,7 @@
 #include "bsmm_loads.cuh"
 #include "bsmm_math.cuh"
 #include "bsmm_epilogue.cuh"
+#include "bsmm_gates.cuh"
 #include "bsmm_params.cuh"
 
 namespace bsmm {
@@ -55,6 +56,7 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N * 32) bsmm_matmul(const __gri
     // dependent global load before every copy they issue.
     __shared__ int2 part_table[(PASS == Pass::Updat && !GROUPED) || COLS > 1 ? 1 : BSMM_MAX_PART];
     __shared__ int group_steps[COLS > 1 ? (PASS == Pass::Updat ? 2 * COLS + 1 : BSMM_MAX_PART * (COLS + 1)) : 1];
+    __shared__ int warp_counts[K::NT / 32];  // (stage_open_entries)
 
     // updat: y and z index sub-tiles of one weight block, nothing to reorder.
     const int2 tile = PASS == Pass::Updat ? make_int2(blockIdx.x, blockIdx.y) : banded_tile((int)p.band_rows);
@@ -115,21 +117,38 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N * 32) bsmm_matmul(const __gri
         __syncthreads();
         ops.block = make_int2(group_steps[0], 0);
         n_steps = (seg.z - seg.y + BK - 1) / BK;
+        bool open = p.gate == nullptr;  // a group whose blocks are all closed copies nothing
+        for (int j = 0; j < COLS && !open; ++j) open = group_steps[1 + COLS + j] >= 0 && !gate_closed<T>(p.gate, group_steps[1 + COLS + j]);
+        if (!open) n_steps = 0;
     } else if constexpr (PASS == Pass::Updat) {
         ops.block = table[unit];
-        n_steps = (seg.z - seg.y + BK - 1) / BK;
+        n_steps = gate_closed<T>(p.gate, unit) ? 0 : (seg.z - seg.y + BK - 1) / BK;
     } else if constexpr (COLS > 1) {
         // The table holds COLS + 1 ints a step (see GroupLoader).
         ops.block = make_int2(0, 0);
         n_steps = seg.z - seg.y;
         const int* steps = reinterpret_cast<const int*>(table) + (long long)seg.y * (COLS + 1);
-        for (int i = threadIdx.x; i < n_steps * (COLS + 1); i += K::NT) group_steps[i] = steps[i];
-        __syncthreads();
+        if (p.gate != nullptr) {
+            n_steps = stage_open_entries<T, COLS + 1, 1, COLS, K::NT>(group_steps, steps, n_steps, p.gate, warp_counts);
+        } else {
+            for (int i = threadIdx.x; i < n_steps * (COLS + 1); i += K::NT) group_steps[i] = steps[i];
+            __syncthreads();
+        }
     } else {
         ops.block = make_int2(0, 0);
-        n_steps = ((seg.z - seg.y) * BS + BK - 1) / BK;
-        for (int i = threadIdx.x; i < seg.z - seg.y; i += K::NT) part_table[i] = table[seg.y + i];
-        __syncthreads();
+        int entries = seg.z - seg.y;
+        if (p.gate != nullptr) {
+            // The open entries only; the loaders read part_table[0, entries).
+            entries = stage_open_entries<T, 2, 0, 1, K::NT>(reinterpret_cast<int*>(part_table),
+                                                            reinterpret_cast<const int*>(table + seg.y), entries,
+                                                            p.gate, warp_counts);
+            ops.seg_begin = 0;
+            ops.seg_end = entries;
+        } else {
+            for (int i = threadIdx.x; i < entries; i += K::NT) part_table[i] = table[seg.y + i];
+            __syncthreads();
+        }
+        n_steps = (entries * BS + BK - 1) / BK;
     }
 
     float acc[K::ACC];
@@ -137,7 +156,9 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N * 32) bsmm_matmul(const __gri
         FastLoader<K, T, BS> loader;
         loader.init(ops, threadIdx.x, group_steps);
         // Warps of an absent block (a row's last group may be short) only keep the pipeline going.
-        const bool absent = group_steps[1 + (threadIdx.x / 32) / K::WARPS_M] < 0;
+        // (A closed block's warps skip their math too: their accumulators stay 0, the block's gradient.)
+        const int warp_col = (threadIdx.x / 32) / K::WARPS_M;
+        const bool absent = group_steps[1 + warp_col] < 0 || gate_closed<T>(p.gate, group_steps[1 + COLS + warp_col]);
         main_loop<K, T>(loader, n_steps, smem, acc, [](int, float (&)[K::ACC]) {}, [&](int) { return absent; });
     } else if constexpr (COLS > 1) {
         GroupLoader<K, T, BS> loader;
@@ -243,6 +264,7 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N * 32 + 32)
     // Column groups: the part's entries, (activation feature block, weight block of each column or
     // -1), padded with absent ones (-1) to whole steps of K::R.
     __shared__ int group_steps[K::COLS_W ? (BSMM_MAX_PART + K::R) * (COLS + 1) : 1];
+    __shared__ int warp_counts[(K::NT + 32) / 32];  // (stage_open_entries)
 
     // updat: y and z index sub-tiles of one weight block, nothing to reorder.
     const int2 tile = PASS == Pass::Updat ? make_int2(blockIdx.x, blockIdx.y) : banded_tile((int)p.band_rows);
@@ -251,18 +273,38 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N * 32 + 32)
     const int m0 = tile.y * BM, n0 = blockIdx.z * BN;
     // fprop/bprop: the part's (weight block, activation feature block) entries, BS / BK steps
     // each; updat: the part's batch rows [seg.y, seg.z), BK a step, of block (row, column).
-    const int n_steps = PASS == Pass::Updat ? (seg.z - seg.y + BK - 1) / BK
-                        : K::COLS_W ? (seg.z - seg.y + K::R - 1) / K::R : (seg.z - seg.y) * (BS / BK);
+    int n_steps = PASS == Pass::Updat ? (seg.z - seg.y + BK - 1) / BK
+                  : K::COLS_W ? (seg.z - seg.y + K::R - 1) / K::R : (seg.z - seg.y) * (BS / BK);
     if constexpr (K::ROWS_T) {
+        // A closed block of the group is left out of the copies (-1) but keeps its storage index:
+        // store_row_group_transposed writes its zeros.
         const int* entry = reinterpret_cast<const int*>(table) + (long long)unit * (2 * COLS + 1);
-        for (int i = threadIdx.x; i < 2 * COLS + 1; i += K::NT + 32) group[i] = entry[i];
+        for (int i = threadIdx.x; i < 2 * COLS + 1; i += K::NT + 32)
+            group[i] = i >= 1 && i <= COLS && gate_closed<T>(p.gate, entry[i + COLS]) ? -1 : entry[i];
     } else if constexpr (K::COLS_W) {
         const int* steps = reinterpret_cast<const int*>(table) + (long long)seg.y * (COLS + 1);
-        const int present = (seg.z - seg.y) * (COLS + 1);
-        for (int i = threadIdx.x; i < n_steps * K::R * (COLS + 1); i += K::NT + 32)
-            group_steps[i] = i < present ? steps[i] : -1;
+        int rows = seg.z - seg.y;
+        if (p.gate != nullptr) {
+            rows = stage_open_entries<T, COLS + 1, 1, COLS, K::NT + 32>(group_steps, steps, rows, p.gate, warp_counts);
+            n_steps = (rows + K::R - 1) / K::R;
+            for (int i = rows * (COLS + 1) + threadIdx.x; i < n_steps * K::R * (COLS + 1); i += K::NT + 32)
+                group_steps[i] = -1;
+        } else {
+            const int present = rows * (COLS + 1);
+            for (int i = threadIdx.x; i < n_steps * K::R * (COLS + 1); i += K::NT + 32)
+                group_steps[i] = i < present ? steps[i] : -1;
+        }
     } else if constexpr (PASS != Pass::Updat) {
-        for (int i = threadIdx.x; i < seg.z - seg.y; i += K::NT + 32) part_table[i] = table[seg.y + i];
+        if (p.gate != nullptr) {
+            const int open = stage_open_entries<T, 2, 0, 1, K::NT + 32>(
+                reinterpret_cast<int*>(part_table), reinterpret_cast<const int*>(table + seg.y), seg.z - seg.y, p.gate,
+                warp_counts);
+            n_steps = open * (BS / BK);
+        } else {
+            for (int i = threadIdx.x; i < seg.z - seg.y; i += K::NT + 32) part_table[i] = table[seg.y + i];
+        }
+    } else if (gate_closed<T>(p.gate, unit)) {
+        n_steps = 0;
     }
     if (threadIdx.x == K::NT) {
 #pragma unroll
@@ -273,6 +315,12 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N * 32 + 32)
         mbarrier_init_fence();
     }
     __syncthreads();
+    if constexpr (K::ROWS_T) {
+        // A group whose blocks are all closed copies and multiplies nothing.
+        bool open = false;
+        for (int j = 0; j < COLS; ++j) open |= group[1 + j] >= 0;
+        if (!open) n_steps = 0;
+    }
 
     if (threadIdx.x >= K::NT) {  // the copy warp
         if (threadIdx.x == K::NT) {

@@ -25,6 +25,8 @@ struct MatmulParams {
     long long out_blocks;    // fprop/bprop: output features / BS (column groups stop there); updat: unused
     long long accumulate;    // 1: add the result to what out holds (rounded once)
     long long band_rows;     // fprop/bprop: row tiles per band of the visiting order (banded_tile)
+    const void* gate;        // per-block gates, nnzb elements of the weights' type: closed (0) blocks are skipped
+                             // (bsmm_gates.cuh); null: none
 };
 
 }  // namespace bsmm

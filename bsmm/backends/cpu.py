@@ -137,17 +137,19 @@ def _segmented_pass(
 
 
 def fprop(index: BlockIndex, x: np.ndarray, w: np.ndarray, out: np.ndarray, feature_axis: int,
-          tf32: bool = False, accumulate: bool = False, epilogue=None) -> np.ndarray:
+          tf32: bool = False, accumulate: bool = False, epilogue=None, gate=None) -> np.ndarray:
     """y = x·W into ``out``: (N, K) for ``feature_axis=1`` ((K, N) for 0). Inputs are validated by the caller.
 
     ``tf32`` is accepted for a uniform backend interface; the CPU always computes exact float32 (float64
     for float64 inputs). ``epilogue``: a :class:`bsmm.epilogues.EpilogueCall`, or None (stored).
+    ``gate`` (and bprop's, updat's) is accepted for the same reason: the caller passes weights already
+    scaled by the gates, and the reference multiplies every block, closed ones too (the GPU skips them).
     """
     return _through_epilogue(index, x, w, out, feature_axis, True, accumulate, epilogue)
 
 
 def bprop(index: BlockIndex, dy: np.ndarray, w: np.ndarray, out: np.ndarray, feature_axis: int,
-          tf32: bool = False, accumulate: bool = False, epilogue=None) -> np.ndarray:
+          tf32: bool = False, accumulate: bool = False, epilogue=None, gate=None) -> np.ndarray:
     """dx = dy·Wᵀ into ``out``: (N, C) for ``feature_axis=1`` ((C, N) for 0), added to it if ``accumulate``."""
     return _through_epilogue(index, dy, w, out, feature_axis, False, accumulate, epilogue)
 
@@ -163,7 +165,7 @@ def _through_epilogue(index, act, w, out, feature_axis, by_column, accumulate, e
 
 
 def updat(index: BlockIndex, x: np.ndarray, dy: np.ndarray, out: np.ndarray, feature_axis: int,
-          tf32: bool = False, accumulate: bool = False) -> np.ndarray:
+          tf32: bool = False, accumulate: bool = False, gate=None) -> np.ndarray:
     """dW = xᵀ·dy on the present blocks into ``out`` (nnzb, bs, bs), added to it if ``accumulate``."""
     bs = index.block_size
     n = x.shape[1 - feature_axis]

@@ -41,12 +41,12 @@ def _eager(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def _run(pass_name: str, a, b, key: str, feature_axis: int, tf32: bool, out_shape=None,
-         eager: bool | None = None) -> torch.Tensor:
+         eager: bool | None = None, gate: torch.Tensor | None = None) -> torch.Tensor:
     """One pass, undifferentiated: the kernels, or the operator where :func:`_eager` says so
-    (``eager``: what the caller already knows of it)."""
+    (``eager``: what the caller already knows of it); ``gate``: as :func:`bsmm.torch.passes.run_pass`'s."""
     if _eager(a, b) if eager is None else eager:
-        return run_pass(pass_name, a, b, key, feature_axis, tf32, out_shape)
-    y = PASS_OPS[pass_name](a, b, key, feature_axis, tf32)
+        return run_pass(pass_name, a, b, key, feature_axis, tf32, out_shape, gate)
+    y = PASS_OPS[pass_name](a, b, key, feature_axis, tf32, gate)
     return y if out_shape is None else y.reshape(out_shape)
 
 
@@ -72,8 +72,10 @@ def _check_registration(ctx, key: str) -> None:
                            f"(bsmm.torch.dynamic.change_layout): change layouts only between training steps")
 
 
-def _cotangents(ctx, pass_name: str, grad: torch.Tensor, operands: tuple) -> list:
-    """The gradients of a pass's two operands from its output's gradient (:attr:`BlockPass.cotangents`)."""
+def _cotangents(ctx, pass_name: str, grad: torch.Tensor, operands: tuple, gate: torch.Tensor | None = None) -> list:
+    """The gradients of a pass's two operands from its output's gradient (:attr:`BlockPass.cotangents`).
+    ``gate``: the gates of the forward's weights (fprop, bprop), which the passes over those weights skip
+    by, and updat too where ``ctx.updat_gate`` (the closed blocks' gradients are not read)."""
     _check_registration(ctx, ctx.options[0])
     differentiable = torch.is_grad_enabled()
     found = []
@@ -83,33 +85,44 @@ def _cotangents(ctx, pass_name: str, grad: torch.Tensor, operands: tuple) -> lis
             continue
         first, second = cotangent_operands(rule, operands, grad)
         if differentiable:  # create_graph: through the functions, so that this gradient has one too
-            found.append(_apply(rule[0], first, second, *ctx.options, None))
+            found.append(_apply(rule[0], first, second, *ctx.options, None, None, False))
         else:  # as the forward ran: the kernels in eager mode, the operators in a traced graph
-            found.append(_run(rule[0], first, second, *ctx.options, None, ctx.eager))
+            skip = gate if not PASSES[rule[0]].updates_weights or ctx.updat_gate else None
+            found.append(_run(rule[0], first, second, *ctx.options, None, ctx.eager, skip))
     return found
 
 
-def _pass_function(pass_name: str) -> type:
-    """The autograd function of one pass: ``apply(a, b, key, feature_axis, tf32, out_shape, eager)``
-    (``eager``: :func:`_eager` of the operands, decided once by :func:`_apply`)."""
+def _weight_gate(pass_name: str, gate: torch.Tensor | None) -> torch.Tensor | None:
+    """The gate a pass function keeps for its backward: fprop's and bprop's, whose second operand is
+    the gated weight (an updat's operands are activations and gradients, which it does not describe)."""
+    return None if PASSES[pass_name].updates_weights else gate
 
-    def forward(a, b, key, feature_axis, tf32, out_shape, eager):
-        return _run(pass_name, a, b, key, feature_axis, tf32, out_shape, eager)
+
+def _pass_function(pass_name: str) -> type:
+    """The autograd function of one pass: ``apply(a, b, key, feature_axis, tf32, out_shape, gate,
+    updat_gate, eager)`` (``gate``: the gates the weights are scaled by, a hint the kernels skip closed
+    blocks by, or None; ``updat_gate``: the backward's updat may skip them too; ``eager``: :func:`_eager`
+    of the operands, decided once by :func:`_apply`)."""
+
+    def forward(a, b, key, feature_axis, tf32, out_shape, gate, updat_gate, eager):
+        return _run(pass_name, a, b, key, feature_axis, tf32, out_shape, eager,
+                    gate if not PASSES[pass_name].updates_weights or updat_gate else None)
 
     def setup_context(ctx, inputs, output):
-        a, b, key, feature_axis, tf32, out_shape, eager = inputs
-        ctx.options, ctx.eager = (key, feature_axis, tf32), eager
+        a, b, key, feature_axis, tf32, out_shape, gate, updat_gate, eager = inputs
+        ctx.options, ctx.eager, ctx.updat_gate = (key, feature_axis, tf32), eager, updat_gate
         _keep_registration(ctx, key)
         # Each operand's gradient is a pass with the other operand only (a bilinear map).
         needs_a, needs_b = ctx.needs_input_grad[:2]
-        ctx.save_for_backward(a if needs_b else None, b if needs_a else None)
+        ctx.save_for_backward(a if needs_b else None, b if needs_a else None, _weight_gate(pass_name, gate))
         # The output as the pass saw it (2-D), where the caller asked for leading dimensions.
         ctx.rows_shape = _rows_shape(out_shape, feature_axis)
 
     def backward(ctx, grad):
         # (an expanded or transposed view, from sum() or .T; of y's leading dimensions where it had some)
         grad = (grad if ctx.rows_shape is None else grad.reshape(ctx.rows_shape)).contiguous()
-        return (*_cotangents(ctx, pass_name, grad, ctx.saved_tensors), None, None, None, None, None)
+        a, b, gate = ctx.saved_tensors
+        return (*_cotangents(ctx, pass_name, grad, (a, b), gate), None, None, None, None, None, None, None)
 
     methods = {"forward": staticmethod(forward), "setup_context": staticmethod(setup_context),
                "backward": staticmethod(backward), "__doc__": f"The {pass_name} pass, differentiable in both operands."}
@@ -178,7 +191,7 @@ def _differentiable_activation_grad(ctx, grad, x, w, bias) -> torch.Tensor:
     """dz = grad · A'(z) as a function of x, W and the bias, for a backward that builds a graph: z
     is recomputed through the differentiable product, so that dz carries A''(z) to the next order."""
     key, feature_axis, tf32 = ctx.options
-    z = _apply("fprop", x, w, key, feature_axis, tf32, None)
+    z = _apply("fprop", x, w, key, feature_axis, tf32, None, None, False)
     if bias is not None:
         z = z + (bias if feature_axis == 1 else bias.view(-1, 1))
     with torch.enable_grad():
@@ -189,7 +202,8 @@ def _differentiable_activation_grad(ctx, grad, x, w, bias) -> torch.Tensor:
 class BiasAct(torch.autograd.Function):
     """y = A(x·W + bias) in one kernel (:mod:`bsmm.epilogues`), differentiable in x, W and bias.
 
-    ``apply(x, w, bias or None, key, feature_axis, tf32, activation, keep_pre, out_shape) -> (y, pre)``:
+    ``apply(x, w, bias or None, key, feature_axis, tf32, activation, keep_pre, out_shape, gate, updat_gate,
+    eager) -> (y, pre)`` (``gate``, ``updat_gate``: as the pass functions'):
     ``pre`` is the pre-activation z where ``keep_pre`` (the backward of GELU and SiLU reads it:
     :func:`biased_product` asks for it), else an empty tensor. The backward turns the output's gradient into dz with PyTorch's own
     activation backward, then the bias gradient is dz summed over the batch and dx, dW the
@@ -197,13 +211,14 @@ class BiasAct(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(x, w, bias, key, feature_axis, tf32, activation, keep_pre, out_shape, eager):
+    def forward(x, w, bias, key, feature_axis, tf32, activation, keep_pre, out_shape, gate, updat_gate, eager):
         # (grad mode is off in here: whether a gradient will be taken is the caller's to say)
-        return _run_epilogue(x, w, bias, key, feature_axis, tf32, activation, keep_pre, out_shape, eager)
+        return _run_epilogue(x, w, bias, key, feature_axis, tf32, activation, keep_pre, out_shape, eager, gate)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        x, w, bias, key, feature_axis, tf32, activation, keep_pre, out_shape, eager = inputs
+        x, w, bias, key, feature_axis, tf32, activation, keep_pre, out_shape, gate, updat_gate, eager = inputs
+        ctx.updat_gate = updat_gate
         y, pre = output
         ctx.mark_non_differentiable(pre)
         # No zeros for pre's gradient: a tensor of y's size filled every step (80 µs at workload F).
@@ -215,30 +230,30 @@ class BiasAct(torch.autograd.Function):
         # What A' reads: nothing for "none" (A' = 1: keeping y would hold an output-sized tensor through backward).
         saved = None if activation == "none" else y if ACTIVATIONS[activation].reads == "output" else pre
         # x and w both: a backward that builds a graph (create_graph) recomputes z from them.
-        ctx.save_for_backward(x, w, bias, saved)
+        ctx.save_for_backward(x, w, bias, saved, gate)
 
     @staticmethod
     def backward(ctx, grad, _):
         if grad is None:  # (y was not used in the loss)
-            return (None,) * 10
-        x, w, bias, saved = ctx.saved_tensors
+            return (None,) * 12
+        x, w, bias, saved, gate = ctx.saved_tensors
         grad = grad.reshape(ctx.rows_shape).contiguous()
         if torch.is_grad_enabled() and ctx.activation != "none":
             dz = _differentiable_activation_grad(ctx, grad, x, w, bias)
         else:  # the kept z (or y) is a constant here: the first derivative needs no more
             dz = grad if saved is None else \
                 _activation_grad(ctx.activation, grad, saved.reshape(ctx.rows_shape)).contiguous()
-        dx, dw = _cotangents(ctx, "fprop", dz, (x, w))
+        dx, dw = _cotangents(ctx, "fprop", dz, (x, w), gate)
         dbias = None
         if ctx.needs_input_grad[2]:
             dbias = dz.sum(0 if ctx.feature_axis == 1 else 1)
-        return dx, dw, dbias, None, None, None, None, None, None, None
+        return dx, dw, dbias, None, None, None, None, None, None, None, None, None
 
 
-def _run_epilogue(x, w, bias, key, feature_axis, tf32, activation, keep_pre, out_shape, eager=None):
+def _run_epilogue(x, w, bias, key, feature_axis, tf32, activation, keep_pre, out_shape, eager=None, gate=None):
     if _eager_with_bias(x, w, bias) if eager is None else eager:
-        return run_epilogue(x, w, bias, key, feature_axis, tf32, activation, keep_pre, out_shape)
-    y, pre = fprop_epilogue(x, w, bias, key, feature_axis, tf32, activation, keep_pre)
+        return run_epilogue(x, w, bias, key, feature_axis, tf32, activation, keep_pre, out_shape, gate)
+    y, pre = fprop_epilogue(x, w, bias, key, feature_axis, tf32, activation, keep_pre, gate)
     if out_shape is not None:
         y = y.reshape(out_shape)
         pre = pre.reshape(out_shape) if keep_pre else pre
@@ -250,31 +265,33 @@ _DIRECT = {name: _direct_apply(function) for name, function in _FUNCTION_OF.item
 
 
 def product(x: torch.Tensor, w: torch.Tensor, key: str, feature_axis: int, tf32: bool,
-            out_shape: tuple | None = None) -> torch.Tensor:
+            out_shape: tuple | None = None, gate: torch.Tensor | None = None, updat_gate: bool = False) -> torch.Tensor:
     """y = x·W, differentiable in both: ``x`` is 2-D; ``out_shape``, where given, is y's shape with
     the leading dimensions the caller flattened out of ``x`` (in eager mode y is then a tensor of
-    that shape, not a view). Without a gradient to record, the pass runs as it is."""
+    that shape, not a view). Without a gradient to record, the pass runs as it is. ``gate``: the
+    gates ``w`` is already scaled by (checked: :func:`bsmm.torch.functional.matmul_by_key`), whose
+    closed blocks the kernels skip; ``updat_gate``: the weight gradient's pass may skip them too."""
     if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad):
-        return _apply("fprop", x, w, key, feature_axis, tf32, out_shape)
-    return _run("fprop", x, w, key, feature_axis, tf32, out_shape)
+        return _apply("fprop", x, w, key, feature_axis, tf32, out_shape, gate, updat_gate)
+    return _run("fprop", x, w, key, feature_axis, tf32, out_shape, None, gate)
 
 
 def biased_product(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, key: str, feature_axis: int,
                    tf32: bool, activation: str, out_shape: tuple | None = None,
-                   features_out: int = 0) -> torch.Tensor:
+                   features_out: int = 0, gate: torch.Tensor | None = None, updat_gate: bool = False) -> torch.Tensor:
     """y = A(x·W + bias) through :class:`BiasAct` (``activation`` a name of
     :data:`bsmm.epilogues.ACTIVATIONS`, ``"none"`` for the bias alone; ``features_out``: the
-    layer's K); as :func:`product` otherwise."""
+    layer's K); as :func:`product` otherwise (``gate``, ``updat_gate`` too)."""
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, w, bias)):
         keep_pre = ACTIVATIONS[activation].reads == "pre"
         rows = x.shape[0] if feature_axis == 1 else x.shape[1]
         if keep_pre and not keeps_pre_fused(rows, features_out, x.element_size()):
             # z from the kernel (with the bias), A by PyTorch: see keeps_pre_fused.
-            z = biased_product(x, w, bias, key, feature_axis, tf32, "none", out_shape)
+            z = biased_product(x, w, bias, key, feature_axis, tf32, "none", out_shape, features_out, gate, updat_gate)
             return _TORCH_ACTIVATIONS[activation](z)
-        return _apply("bias_act", x, w, bias, key, feature_axis, tf32, activation, keep_pre, out_shape,
-                      eager=_eager_with_bias(x, w, bias))[0]
-    return _run_epilogue(x, w, bias, key, feature_axis, tf32, activation, False, out_shape)[0]
+        return _apply("bias_act", x, w, bias, key, feature_axis, tf32, activation, keep_pre, out_shape, gate,
+                      updat_gate, eager=_eager_with_bias(x, w, bias))[0]
+    return _run_epilogue(x, w, bias, key, feature_axis, tf32, activation, False, out_shape, None, gate)[0]
 
 
 #: Output bytes up to which a training forward keeps z from the fused kernel (see keeps_pre_fused).
@@ -300,4 +317,4 @@ for _name, _public in (("fprop", "matmul"), ("bprop", "matmul_bprop"), ("updat",
     _first, _second = PASSES[_name].operands
     _PUBLIC.define(f"{_public}(Tensor {_first}, Tensor {_second}, str key, int feature_axis, bool tf32) -> Tensor")
     _PUBLIC.impl(_public, lambda a, b, key, feature_axis, tf32, _pass=_name:
-                 _apply(_pass, a, b, key, feature_axis, tf32, None), "CompositeImplicitAutograd")
+                 _apply(_pass, a, b, key, feature_axis, tf32, None, None, False), "CompositeImplicitAutograd")

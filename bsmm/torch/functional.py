@@ -50,10 +50,17 @@ def gated_weight(w: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
 
 
 def matmul_by_key(x, w, key: str, features_in: int, features_out: int, feature_axis: int, tf32: bool,
-                  bias: torch.Tensor | None = None, activation: str | None = None) -> torch.Tensor:
+                  bias: torch.Tensor | None = None, activation: str | None = None,
+                  gate: torch.Tensor | None = None, updat_gate: bool = False) -> torch.Tensor:
     """``A(x·W + bias)`` over any leading (feature_axis=1) or trailing (feature_axis=0) batch
     dimensions; without ``bias`` and ``activation``, ``x·W``. The bias is cast to the product's
-    dtype (under autocast: the autocast dtype, as ``nn.Linear``'s)."""
+    dtype (under autocast: the autocast dtype, as ``nn.Linear``'s).
+
+    ``gate`` (nnzb,): the gates ``w`` is already scaled by (:func:`gated_weight`, on w's device); the
+    CUDA kernels skip the blocks they close, in the forward and in dx. ``updat_gate``: dW's pass may
+    skip them too, which leaves the gradient of ``w ⊙ g`` there unspecified: right where no gradient
+    reads it (a gate that takes none, or one whose derivative is 0 where it is closed, as
+    :class:`bsmm.torch.BlockGates`'s)."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x must be a torch.Tensor; got {type(x).__name__}")
     if not isinstance(w, torch.Tensor):
@@ -69,6 +76,8 @@ def matmul_by_key(x, w, key: str, features_in: int, features_out: int, feature_a
         x = x.contiguous()
     if not w.is_contiguous():
         w = w.contiguous()
+    if gate is not None:  # (a hint the kernels read as w's dtype, detached: its gradient flows through w)
+        gate = gate.detach().to(w.dtype).contiguous()
     out_shape = None
     if x.dim() != 2:  # on a contiguous tensor these reshapes are views; y is made in its final shape
         if feature_axis == 1:
@@ -76,13 +85,13 @@ def matmul_by_key(x, w, key: str, features_in: int, features_out: int, feature_a
         else:
             x, out_shape = x.reshape(features_in, -1), (features_out, *x.shape[1:])
     if bias is None and activation is None:
-        return product(x, w, key, feature_axis, tf32, out_shape)
+        return product(x, w, key, feature_axis, tf32, out_shape, gate, updat_gate)
     if bias is not None:
         if not isinstance(bias, torch.Tensor):
             raise TypeError(f"bias must be a torch.Tensor or None; got {type(bias).__name__}")
         bias = bias.to(x.dtype)
     return biased_product(x, w, bias, key, feature_axis, tf32, check_activation(activation) or "none", out_shape,
-                          features_out)
+                          features_out, gate, updat_gate)
 
 
 def _registration_for(op: BlocksparseMatMul) -> Registration:
@@ -167,6 +176,9 @@ def blocksparse_matmul(x: torch.Tensor, w: torch.Tensor, op: BlocksparseMatMul, 
             raise ValueError(f"gate must be a tensor of shape ({op.blocks},), one value a block; got "
                              f"{tuple(gate.shape)}")
         w = gated_weight(w, gate)
+        # The gradient of w ⊙ g at a closed block is the gate's there (⟨W, xᵀ·dy⟩): kept exact where g takes one.
+        return matmul_by_key(x, w, key, features_in, features_out, feature_axis, tf32, bias, activation, gate,
+                             not (gate.requires_grad and torch.is_grad_enabled()))
     return matmul_by_key(x, w, key, features_in, features_out, feature_axis, tf32, bias, activation)
 
 

@@ -4,9 +4,10 @@ Sparse Neural Networks through L0 Regularization": hard-concrete gates).
 
 The gated layer computes ``y = x·(g ⊙ W) + b``, where ``g`` holds one gate per present block. Its
 gradients are ``dx = dy·(g ⊙ W)ᵀ``, ``dW = g ⊙ (xᵀ·dy)`` and ``dg_j = ⟨W_j, (xᵀ·dy)_j⟩``: the seed's
-semantics. Here the gate scales the weight's blocks before the product, so a block whose gate is 0 is
-still multiplied. :func:`prune_by_gates` then builds a layer of only the blocks whose gates are not
-zero.
+semantics. The gate scales the weight's blocks before the product, and on CUDA the kernels then skip
+the blocks whose gate is 0: in the forward, in dx and, as a closed hard-concrete gate's derivative is
+0, in dW (``cuda/bsmm_gates.cuh``), with the same plan. :func:`prune_by_gates` builds a layer of only
+the blocks whose gates are not zero.
 
 - :class:`BlockGates`: the gates of one layer. Training samples them, evaluation takes their
   deterministic value, and :meth:`~BlockGates.penalty` gives the expected number of non-zero gates or
@@ -53,6 +54,10 @@ class BlockGates(torch.nn.Module):
     >>> gates().shape, round(gates.expected_density().item(), 2)
     (torch.Size([4]), 0.9)
     """
+
+    #: A closed gate (0) is clamped there, so its derivative is 0: a gated layer's weight-gradient
+    #: pass may skip the closed blocks too (:func:`bsmm.torch.functional.matmul_by_key`).
+    closed_gradient_is_zero = True
 
     def __init__(self, blocks: int, density: float = 0.9, *, beta: float = 2 / 3, gamma: float = -0.1,
                  zeta: float = 1.1, device=None, dtype=None):

@@ -342,7 +342,11 @@ class BlockSparseLinear(_BlockSparseLayer):
         # tensor of its own, never a view (FSDP2 warns about module outputs that are views).
         weight = self.weight
         if self.gates is not None:  # y = x·(g ⊙ W) + b, a gate a block (bsmm.torch.gates)
-            weight = gated_weight(weight, self.gates())
+            gates = self.gates()
+            # The kernels skip the closed blocks; dW's pass too where the gates' derivative is 0 there.
+            return matmul_by_key(x, gated_weight(weight, gates), self._key, self.in_features, self.out_features,
+                                 self.feature_axis, self.tf32, self.bias, self.activation, gates,
+                                 getattr(self.gates, "closed_gradient_is_zero", False))
         return matmul_by_key(x, weight, self._key, self.in_features, self.out_features, self.feature_axis,
                              self.tf32, self.bias, self.activation)
 

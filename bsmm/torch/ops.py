@@ -46,26 +46,35 @@ def _define(name: str, schema: str, kernel, fake) -> object:
     return getattr(torch.ops.bsmm, name).default
 
 
-def _pass_fake(pass_name: str, a, b, key, feature_axis, tf32):
+def _pass_fake(pass_name: str, a, b, key, feature_axis, tf32, gate=None):
     return a.new_empty(pass_shape(pass_name, a, b, key, feature_axis))
 
 
-#: Pass name -> its operator (the OpOverload), e.g. ``PASS_OPS["fprop"](x, w, key, 1, False)``.
+def _pass_kernel(pass_name: str, a, b, key, feature_axis, tf32, gate=None):
+    return run_pass(pass_name, a, b, key, feature_axis, tf32, None, gate)
+
+
+#: Pass name -> its operator (the OpOverload), e.g. ``PASS_OPS["fprop"](x, w, key, 1, False)``; ``gate``:
+#: the per-block gates the weights are scaled by, whose closed blocks the kernels skip (:func:`run_pass`).
 PASS_OPS = {
     name: _define(name, f"(Tensor {spec.operands[0]}, Tensor {spec.operands[1]}, str key, int feature_axis, "
-                        "bool tf32) -> Tensor",
-                  functools.partial(run_pass, name), functools.partial(_pass_fake, name))
+                        "bool tf32, Tensor? gate=None) -> Tensor",
+                  functools.partial(_pass_kernel, name), functools.partial(_pass_fake, name))
     for name, spec in PASSES.items()
 }
 
 
-def _epilogue_fake(x, w, bias, key, feature_axis, tf32, activation, keep_pre):
+def _epilogue_fake(x, w, bias, key, feature_axis, tf32, activation, keep_pre, gate=None):
     y_shape, pre_shape = epilogue_shapes(x, w, bias, key, feature_axis, activation, keep_pre)
     return x.new_empty(y_shape), x.new_empty(pre_shape)
 
 
+def _epilogue_kernel(x, w, bias, key, feature_axis, tf32, activation, keep_pre, gate=None):
+    return run_epilogue(x, w, bias, key, feature_axis, tf32, activation, keep_pre, None, gate)
+
+
 #: y = A(x·W + bias) and, where ``keep_pre``, z = x·W + bias (else an empty tensor):
-#: ``fprop_epilogue(x, w, bias or None, key, feature_axis, tf32, activation, keep_pre) -> (y, pre)``.
+#: ``fprop_epilogue(x, w, bias or None, key, feature_axis, tf32, activation, keep_pre, gate=None) -> (y, pre)``.
 fprop_epilogue = _define(
     "fprop_epilogue", "(Tensor x, Tensor w, Tensor? bias, str key, int feature_axis, bool tf32, str activation, "
-                      "bool keep_pre) -> (Tensor, Tensor)", run_epilogue, _epilogue_fake)
+                      "bool keep_pre, Tensor? gate=None) -> (Tensor, Tensor)", _epilogue_kernel, _epilogue_fake)

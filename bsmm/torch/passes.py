@@ -58,19 +58,22 @@ def matmul_operator(key: str, feature_axis: int, tf32: bool) -> BlocksparseMatMu
 
 
 def run_pass(pass_name: str, a: torch.Tensor, b: torch.Tensor, key: str, feature_axis: int, tf32: bool,
-             out_shape: tuple | None = None) -> torch.Tensor:
+             out_shape: tuple | None = None, gate: torch.Tensor | None = None) -> torch.Tensor:
     """One pass (``fprop``: a = x, b = w; ``bprop``: dy, w; ``updat``: x, dy) into a new tensor,
     of ``out_shape`` where given (the leading dimensions of an activation the caller flattened).
+    ``gate``: per-block gates (nnzb,), of the operands' dtype and device, contiguous, that the
+    weights are already scaled by; the CUDA kernels leave out the blocks where they are 0 (updat:
+    those blocks' gradients are then 0 or as computed, for callers that do not read them).
 
     A CUDA pass the operator has run before for this shape, dtype and device is repeated on raw
     pointers (:func:`_repeat_on_cuda`): no DLPack exchange, no re-validation beyond what could
     differ, the output from ``torch.empty``, one launch. Anything else takes the checked path.
     """
-    return run_on(matmul_operator(key, feature_axis, tf32), pass_name, a, b, key, out_shape)
+    return run_on(matmul_operator(key, feature_axis, tf32), pass_name, a, b, key, out_shape, gate)
 
 
 def run_on(op: BlocksparseMatMul, pass_name: str, a: torch.Tensor, b: torch.Tensor, key: str,
-           out_shape: tuple | None = None) -> torch.Tensor:
+           out_shape: tuple | None = None, gate: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`run_pass` with the operator of ``key`` already looked up.
 
     ``out_shape`` (same element count as the pass's 2-D result) shapes the new tensor itself, so a
@@ -78,26 +81,30 @@ def run_on(op: BlocksparseMatMul, pass_name: str, a: torch.Tensor, b: torch.Tens
     FSDP2 warns about module outputs that are views (an in-place op on one would skip its hooks).
     """
     if a.is_cuda:
-        out = _repeat_on_cuda(op, pass_name, a, b, out_shape, "store")
+        out = _repeat_on_cuda(op, pass_name, a, b, out_shape, "store", gate=gate)
         if out is not None:
             return out
     shape = pass_shape(pass_name, a, b, key, op.feature_axis)
-    return into_new(getattr(op, pass_name), a, b, shape, out_shape=out_shape)
+    options = {} if gate is None else {"_skip": gate}
+    return into_new(getattr(op, pass_name), a, b, shape, out_shape=out_shape, **options)
 
 
 def run_epilogue(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, key: str, feature_axis: int,
-                 tf32: bool, activation: str, keep_pre: bool, out_shape: tuple | None = None) -> tuple:
+                 tf32: bool, activation: str, keep_pre: bool, out_shape: tuple | None = None,
+                 gate: torch.Tensor | None = None) -> tuple:
     """``bsmm::fprop_epilogue``: (y = A(x·W + bias), and z = x·W + bias where ``keep_pre``, else an
-    empty tensor), new tensors of ``out_shape`` where given; repeated on raw pointers as :func:`run_pass`."""
+    empty tensor), new tensors of ``out_shape`` where given; repeated on raw pointers as :func:`run_pass`,
+    ``gate`` as there."""
     op = matmul_operator(key, feature_axis, tf32)
     if x.is_cuda:
-        found = _repeat_on_cuda(op, "fprop", x, w, out_shape, activation, bias, keep_pre)
+        found = _repeat_on_cuda(op, "fprop", x, w, out_shape, activation, bias, keep_pre, gate)
         if found is not None:
             return found
     y_shape, pre_shape = epilogue_shapes(x, w, bias, key, feature_axis, activation, keep_pre)
     pre = torch.empty(pre_shape if out_shape is None or not keep_pre else out_shape, dtype=x.dtype, device=x.device)
+    options = {} if gate is None else {"_skip": gate}
     y = into_new(op.fprop, x, w, y_shape, out_shape=out_shape, bias=bias, activation=activation,
-                 pre=pre.view(y_shape) if keep_pre else None)
+                 pre=pre.view(y_shape) if keep_pre else None, **options)
     return y, pre
 
 
@@ -118,7 +125,8 @@ def _kept_call(op: BlocksparseMatMul, pass_name: str, a: torch.Tensor, b: torch.
 
 
 def _repeat_on_cuda(op: BlocksparseMatMul, pass_name: str, a: torch.Tensor, b: torch.Tensor, out_shape: tuple | None,
-                    epilogue: str, bias: torch.Tensor | None = None, keep_pre: bool = False):
+                    epilogue: str, bias: torch.Tensor | None = None, keep_pre: bool = False,
+                    gate: torch.Tensor | None = None):
     """The pass through the call ``op`` kept from an earlier checked call of this shape and epilogue
     (``bsmm.backends.cuda.backend.FastCall.launch``, the repeat path every caller takes), or None where
     there is none or anything differs from it. A store call gives the output, an epilogue's (y, pre)."""
@@ -133,8 +141,9 @@ def _repeat_on_cuda(op: BlocksparseMatMul, pass_name: str, a: torch.Tensor, b: t
     if call.aligned and (a_ptr | b_ptr | out_ptr) & 15:
         return None
     stream = _raw_stream(device) if _raw_stream is not None else torch.cuda.current_stream(device).cuda_stream
+    gate_ptr = 0 if gate is None else gate.data_ptr()  # (the caller checked it: bsmm.torch.functional)
     if epilogue == "store":
-        call.launch(stream, a_ptr, b_ptr, out_ptr)
+        call.launch(stream, a_ptr, b_ptr, out_ptr, gate_ptr=gate_ptr)
         return out
     bias_ptr = 0
     if bias is not None:
@@ -146,7 +155,7 @@ def _repeat_on_cuda(op: BlocksparseMatMul, pass_name: str, a: torch.Tensor, b: t
     pre_ptr = pre.data_ptr() if keep_pre else 0
     if call.aligned and (bias_ptr | pre_ptr) & 15:
         return None
-    call.launch(stream, a_ptr, b_ptr, out_ptr, False, bias_ptr, pre_ptr)
+    call.launch(stream, a_ptr, b_ptr, out_ptr, False, bias_ptr, pre_ptr, gate_ptr)
     return out, pre
 
 

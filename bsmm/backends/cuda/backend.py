@@ -93,9 +93,10 @@ class FastCall:
         self.blocks: dict = {}  # (stream, act, other, out, accumulate) -> Parameters (plans.py)
         self.seen: set = set()  # keys launched once
 
-    def __call__(self, act, other, out=None, accumulate: bool = False, bias=None, pre=None):
+    def __call__(self, act, other, out=None, accumulate: bool = False, bias=None, pre=None, gate_ptr: int = 0):
         """The pass on CuPy arrays laid out as the first call's, with this call's epilogue arrays
-        (a BiasAct call's ``bias`` and ``pre``, or None), or None where anything differs."""
+        (a BiasAct call's ``bias`` and ``pre``, or None), or None where anything differs.
+        ``gate_ptr``: the gates the caller checked and scaled the weights by (:meth:`launch`)."""
         device = _get_device()
         act_data, other_data = act.data, other.data
         if (device != self.device or act_data.device_id != device or other.__class__ is not act.__class__
@@ -120,13 +121,13 @@ class FastCall:
                     or (out_ptr < other_ptr + self.other_bytes and other_ptr < out_ptr + self.out_bytes)):
                 return None
         if bias is None and pre is None:
-            self.launch(_current_stream().ptr, act_ptr, other_ptr, out_ptr, accumulate)
+            self.launch(_current_stream().ptr, act_ptr, other_ptr, out_ptr, accumulate, gate_ptr=gate_ptr)
             return out
         pointers = self._epilogue_pointers(act, device, bias, pre, (act_ptr, self.act_bytes),
                                            (other_ptr, self.other_bytes), (out_ptr, self.out_bytes))
         if pointers is None:
             return None
-        self.launch(_current_stream().ptr, act_ptr, other_ptr, out_ptr, accumulate, *pointers)
+        self.launch(_current_stream().ptr, act_ptr, other_ptr, out_ptr, accumulate, *pointers, gate_ptr)
         return out
 
     def _epilogue_pointers(self, act, device: int, bias, pre, *spans) -> tuple | None:
@@ -156,13 +157,15 @@ class FastCall:
         return bias_ptr, pre_ptr
 
     def launch(self, stream_ptr: int, act_ptr: int, other_ptr: int, out_ptr: int, accumulate: bool = False,
-               bias_ptr: int = 0, pre_ptr: int = 0) -> None:
+               bias_ptr: int = 0, pre_ptr: int = 0, gate_ptr: int = 0) -> None:
         """The pass on raw device pointers of operands laid out as the first call's (the caller
         has checked shapes, strides, dtype, device, alignment and overlap): the one repeat path
         of every caller (CuPy arrays through :meth:`__call__` and :meth:`bsmm.BlocksparseMatMul.fprop`,
         :mod:`bsmm.torch.passes`, :mod:`bsmm.jax.passes`). ``bias_ptr`` and ``pre_ptr``: the bias
-        and the pre-activation of a BiasAct epilogue (0: none)."""
-        key = (stream_ptr, act_ptr, other_ptr, out_ptr, accumulate, bias_ptr, pre_ptr)
+        and the pre-activation of a BiasAct epilogue (0: none); ``gate_ptr``: per-block gates, nnzb
+        elements of the operands' type, whose closed (0) blocks the kernel skips (0: none; the caller
+        passes weights already scaled by them: ``cuda/bsmm_gates.cuh``)."""
+        key = (stream_ptr, act_ptr, other_ptr, out_ptr, accumulate, bias_ptr, pre_ptr, gate_ptr)
         block = self.blocks.get(key)
         if block is None:
             block = self._keep(key)
@@ -179,18 +182,19 @@ class FastCall:
         """The block to launch for a key seen before, kept from now on; a key seen the first time
         (or any key of a plan that copies first, as TransposedUpdat) launches through the plan
         instead, and gives None."""
-        stream_ptr, act_ptr, other_ptr, out_ptr, accumulate, bias_ptr, pre_ptr = key
+        stream_ptr, act_ptr, other_ptr, out_ptr, accumulate, bias_ptr, pre_ptr, gate_ptr = key
         if self.head is None or key not in self.seen:
             if self.head is not None:
                 if len(self.seen) >= _MAX_KEPT_LAUNCHES:
                     self.seen.clear()
                 self.seen.add(key)
-            self.plan.launch(stream_ptr, act_ptr, other_ptr, out_ptr, self.sizes, int(accumulate), bias_ptr, pre_ptr)
+            self.plan.launch(stream_ptr, act_ptr, other_ptr, out_ptr, self.sizes, int(accumulate), bias_ptr, pre_ptr,
+                             gate_ptr)
             return None
         if len(self.blocks) >= _MAX_KEPT_LAUNCHES:
             self.blocks.clear()  # e.g. outputs at new addresses every call: keep the dict small
         block = self.blocks[key] = self.plan.parameters(stream_ptr, act_ptr, other_ptr, out_ptr, self.sizes,
-                                                        int(accumulate), bias_ptr, pre_ptr)
+                                                        int(accumulate), bias_ptr, pre_ptr, gate_ptr)
         return block
 
 
@@ -198,7 +202,7 @@ _MAX_KEPT_LAUNCHES = 64
 
 
 def _sparse_pass(pass_name: str, index: BlockIndex, act, w, out, feature_axis: int, tf32: bool,
-                 features_in: int, features_out: int, accumulate: bool, epilogue) -> FastCall | None:
+                 features_in: int, features_out: int, accumulate: bool, epilogue, gate=None) -> FastCall | None:
     n = act.shape[1 - feature_axis]
     name = "store" if epilogue is None else epilogue.name
     if n == 0 or out.size == 0:
@@ -213,26 +217,31 @@ def _sparse_pass(pass_name: str, index: BlockIndex, act, w, out, feature_axis: i
     sizes = Sizes(n, ld_act, 0, ld_out, features_out // index.block_size)
     bias_ptr, pre_ptr = (0, 0) if epilogue is None else epilogue.pointers()
     plan.launch(_current_stream().ptr, act.data.ptr, w.data.ptr, out.data.ptr, sizes, int(accumulate), bias_ptr,
-                pre_ptr)
+                pre_ptr, 0 if gate is None else gate.data.ptr)
     return FastCall(plan, act, w, out, sizes, name)
 
 
 def fprop(index: BlockIndex, x, w, out, feature_axis: int, tf32: bool = False,
-          accumulate: bool = False, epilogue=None) -> FastCall | None:
+          accumulate: bool = False, epilogue=None, gate=None) -> FastCall | None:
     """y = x·W into ``out`` (CuPy arrays, validated by the caller), added if ``accumulate``, through
-    ``epilogue`` (a :class:`bsmm.epilogues.EpilogueCall`, None: stored); returns the call."""
-    return _sparse_pass("fprop", index, x, w, out, feature_axis, tf32, index.C, index.K, accumulate, epilogue)
+    ``epilogue`` (a :class:`bsmm.epilogues.EpilogueCall`, None: stored); returns the call. ``gate``:
+    a contiguous (nnzb,) array of the operands' dtype whose closed (0) blocks the kernel skips; ``w``
+    is then already scaled by it (``cuda/bsmm_gates.cuh``)."""
+    return _sparse_pass("fprop", index, x, w, out, feature_axis, tf32, index.C, index.K, accumulate, epilogue, gate)
 
 
 def bprop(index: BlockIndex, dy, w, out, feature_axis: int, tf32: bool = False,
-          accumulate: bool = False, epilogue=None) -> FastCall | None:
-    """dx = dy·Wᵀ into ``out``, added if ``accumulate``, through ``epilogue``; returns the call to repeat it."""
-    return _sparse_pass("bprop", index, dy, w, out, feature_axis, tf32, index.K, index.C, accumulate, epilogue)
+          accumulate: bool = False, epilogue=None, gate=None) -> FastCall | None:
+    """dx = dy·Wᵀ into ``out``, added if ``accumulate``, through ``epilogue``, skipping ``gate``'s closed
+    blocks as :func:`fprop`; returns the call to repeat it."""
+    return _sparse_pass("bprop", index, dy, w, out, feature_axis, tf32, index.K, index.C, accumulate, epilogue, gate)
 
 
 def updat(index: BlockIndex, x, dy, out, feature_axis: int, tf32: bool = False,
-          accumulate: bool = False) -> FastCall | None:
-    """dW = xᵀ·dy on the present blocks into ``out``, added to it if ``accumulate``; returns the call to repeat it."""
+          accumulate: bool = False, gate=None) -> FastCall | None:
+    """dW = xᵀ·dy on the present blocks into ``out``, added to it if ``accumulate``; returns the call to repeat it.
+    ``gate`` (as :func:`fprop`'s): the blocks it closes may be skipped, their ``out`` then 0 (left as it
+    is where ``accumulate``); the caller scales the others."""
     if out.size == 0:
         return None
     n = x.shape[1 - feature_axis]
@@ -243,7 +252,8 @@ def updat(index: BlockIndex, x, dy, out, feature_axis: int, tf32: bool = False,
         _paths.append(plan.path)
     ld_x, ld_dy = (index.C, index.K) if feature_axis == 1 else (n, n)
     sizes = Sizes(n, ld_x, ld_dy, 0, 0)
-    plan.launch(_current_stream().ptr, x.data.ptr, dy.data.ptr, out.data.ptr, sizes, int(accumulate))
+    plan.launch(_current_stream().ptr, x.data.ptr, dy.data.ptr, out.data.ptr, sizes, int(accumulate),
+                gate_ptr=0 if gate is None else gate.data.ptr)
     return FastCall(plan, x, dy, out, sizes)
 
 

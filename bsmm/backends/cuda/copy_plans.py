@@ -66,12 +66,12 @@ class TransposedActivations:
         self.workspaces: dict = {}  # stream -> the activations transposed
 
     def launch(self, stream_ptr: int, act_ptr: int, w_ptr: int, out_ptr: int, sizes: Sizes, accumulate: int,
-               bias_ptr: int = 0, pre_ptr: int = 0) -> None:
+               bias_ptr: int = 0, pre_ptr: int = 0, gate_ptr: int = 0) -> None:
         act_t, _ = per_stream(self.workspaces, stream_ptr, lambda: allocate_workspace(self.features * self.ld * self.item))
         self.transpose.launch(stream_ptr, act_ptr, act_t, self.n, self.features, self.ld)
         # The copy's rows are ld long.
         self.plan.launch(stream_ptr, act_t, w_ptr, out_ptr, sizes._replace(ld_act=self.ld), accumulate, bias_ptr,
-                         pre_ptr)
+                         pre_ptr, gate_ptr)
 
 
 class TransposedUpdat:
@@ -102,12 +102,13 @@ class TransposedUpdat:
         self.workspaces: dict = {}  # stream -> (x transposed, dy transposed)
 
     def launch(self, stream_ptr: int, x_ptr: int, dy_ptr: int, out_ptr: int, sizes: Sizes, accumulate: int,
-               bias_ptr: int = 0, pre_ptr: int = 0) -> None:
+               bias_ptr: int = 0, pre_ptr: int = 0, gate_ptr: int = 0) -> None:
         (x_t, _), (dy_t, _) = per_stream(self.workspaces, stream_ptr, lambda: (
             allocate_workspace(self.C * self.ld * self.item), allocate_workspace(self.K * self.ld * self.item)))
         self.transpose_x.launch(stream_ptr, x_ptr, x_t, self.n, self.C, self.ld)
         self.transpose_dy.launch(stream_ptr, dy_ptr, dy_t, self.n, self.K, self.ld)
-        self.plan.launch(stream_ptr, x_t, dy_t, out_ptr, Sizes(self.n, self.ld, self.ld, 0, 0), accumulate)
+        self.plan.launch(stream_ptr, x_t, dy_t, out_ptr, Sizes(self.n, self.ld, self.ld, 0, 0), accumulate,
+                         gate_ptr=gate_ptr)
 
 
 class TransposedWeightsFprop:
@@ -133,8 +134,10 @@ class TransposedWeightsFprop:
         self.workspaces: dict = {}  # stream -> W'
 
     def launch(self, stream_ptr: int, x_ptr: int, w_ptr: int, out_ptr: int, sizes: Sizes, accumulate: int,
-               bias_ptr: int = 0, pre_ptr: int = 0) -> None:
-        # The fprop's sizes are those of the transposed bprop (its K' is C, its C' is K).
+               bias_ptr: int = 0, pre_ptr: int = 0, gate_ptr: int = 0) -> None:
+        # The fprop's sizes are those of the transposed bprop (its K' is C, its C' is K). Gates are
+        # not passed on: that plan's table holds W' positions, not the gates' blocks, and the
+        # gated weights it multiplies already hold the closed blocks' zeros.
         w_t, _ = per_stream(self.workspaces, stream_ptr, lambda: allocate_workspace(4 * self.weight_count))
         self.transpose.launch(stream_ptr, w_ptr, w_t, self.order.data.ptr)
         self.plan.launch(stream_ptr, x_ptr, w_t, out_ptr, sizes, accumulate, bias_ptr, pre_ptr)

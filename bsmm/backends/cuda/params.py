@@ -8,7 +8,7 @@ compares). A launch packs the values of :func:`values` straight into such a stru
 ``results/`` has the measurement), and the kernel's one parameter points at it.
 
 >>> [name for name, _ in MatmulParams._fields_][:3], ctypes.sizeof(MatmulParams)
-(['act', 'other', 'out'], 136)
+(['act', 'other', 'out'], 144)
 >>> Sizes(n_rows=32, ld_act=1024, ld_other=0, ld_out=2048, out_blocks=64).out_blocks
 64
 """
@@ -23,14 +23,15 @@ __all__ = ["FIELDS", "MatmulParams", "Sizes", "PACK", "values"]
 
 #: The fields of ``bsmm::MatmulParams`` in order: the pointers, then the sizes and flags.
 FIELDS = ("act", "other", "out", "segments", "units", "table", "workspace", "counters", "bias", "pre",
-          "n_rows", "ld_act", "ld_other", "ld_out", "out_blocks", "accumulate", "band_rows")
-_POINTERS = 10
+          "n_rows", "ld_act", "ld_other", "ld_out", "out_blocks", "accumulate", "band_rows", "gate")
+#: The fields that hold device pointers (unsigned on the host); the others are sizes and flags.
+_POINTER_FIELDS = frozenset(FIELDS[:10] + ("gate",))
 
 
 class MatmulParams(ctypes.Structure):
     """``bsmm::MatmulParams`` (``cuda/bsmm_params.cuh``): the fields' meanings are documented there."""
 
-    _fields_ = [(name, ctypes.c_uint64 if i < _POINTERS else ctypes.c_int64) for i, name in enumerate(FIELDS)]
+    _fields_ = [(name, ctypes.c_uint64 if name in _POINTER_FIELDS else ctypes.c_int64) for name in FIELDS]
 
 
 #: Packs :func:`values`' tuple into a :class:`MatmulParams` (or any buffer of its size).
@@ -50,6 +51,7 @@ class Sizes(NamedTuple):
 
 
 def values(act: int, other: int, out: int, scratch: tuple, bias: int, pre: int, sizes: Sizes, accumulate: int,
-           band_rows: int) -> tuple:
-    """The struct's values in field order; ``scratch`` = (segments, units, table, workspace, counters)."""
-    return (act, other, out, *scratch, bias, pre, *sizes, accumulate, band_rows)
+           band_rows: int, gate: int = 0) -> tuple:
+    """The struct's values in field order; ``scratch`` = (segments, units, table, workspace, counters);
+    ``gate``: the per-block gates' pointer (0: none)."""
+    return (act, other, out, *scratch, bias, pre, *sizes, accumulate, band_rows, gate)

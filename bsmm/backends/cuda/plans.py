@@ -144,22 +144,23 @@ class Plan:
     scratch: dict = dataclasses.field(default_factory=dict)
 
     def launch(self, stream_ptr: int, act_ptr: int, other_ptr: int, out_ptr: int, sizes: Sizes,
-               accumulate: int, bias_ptr: int = 0, pre_ptr: int = 0) -> None:
-        """One launch on ``stream_ptr``; ``bias_ptr`` and ``pre_ptr`` are read by a BiasAct epilogue (0: none)."""
+               accumulate: int, bias_ptr: int = 0, pre_ptr: int = 0, gate_ptr: int = 0) -> None:
+        """One launch on ``stream_ptr``; ``bias_ptr`` and ``pre_ptr`` are read by a BiasAct epilogue (0: none),
+        ``gate_ptr`` are per-block gates whose closed (0) blocks the kernel skips (``cuda/bsmm_gates.cuh``; 0: none)."""
         self.launcher.launch(stream_ptr, *self.values(stream_ptr, act_ptr, other_ptr, out_ptr, sizes, accumulate,
-                                                      bias_ptr, pre_ptr))
+                                                      bias_ptr, pre_ptr, gate_ptr))
 
     def values(self, stream_ptr: int, act_ptr: int, other_ptr: int, out_ptr: int, sizes: Sizes,
-               accumulate: int, bias_ptr: int = 0, pre_ptr: int = 0) -> tuple:
+               accumulate: int, bias_ptr: int = 0, pre_ptr: int = 0, gate_ptr: int = 0) -> tuple:
         """The kernel's :class:`~bsmm.backends.cuda.params.MatmulParams`, in order, for a launch on ``stream_ptr``."""
         return param_values(act_ptr, other_ptr, out_ptr, self.scratch_for(stream_ptr), bias_ptr, pre_ptr, sizes,
-                            int(accumulate), self.band_rows)
+                            int(accumulate), self.band_rows, gate_ptr)
 
     def parameters(self, stream_ptr: int, act_ptr: int, other_ptr: int, out_ptr: int, sizes: Sizes,
-                   accumulate: int, bias_ptr: int = 0, pre_ptr: int = 0):
+                   accumulate: int, bias_ptr: int = 0, pre_ptr: int = 0, gate_ptr: int = 0):
         """The parameters of :meth:`launch` as a block of their own, to launch again as they are."""
         return self.launcher.parameters(stream_ptr, self.values(stream_ptr, act_ptr, other_ptr, out_ptr, sizes,
-                                                                accumulate, bias_ptr, pre_ptr))
+                                                                accumulate, bias_ptr, pre_ptr, gate_ptr))
 
     def scratch_for(self, stream_ptr: int) -> tuple:
         """Pointers to the tables and to this stream's workspace and counters (allocated once)."""
@@ -193,19 +194,19 @@ class TmaPlan(Plan):
     feature_rows: tuple = (0, 0)  # (C, K): the rows of x and dy on feature axis 0
 
     def launch(self, stream_ptr: int, act_ptr: int, other_ptr: int, out_ptr: int, sizes: Sizes,
-               accumulate: int, bias_ptr: int = 0, pre_ptr: int = 0) -> None:
+               accumulate: int, bias_ptr: int = 0, pre_ptr: int = 0, gate_ptr: int = 0) -> None:
         # A new output array (each eager call's) changes no map the kernel reads where tiles
         # are not stored through TMA.
         out_key = out_ptr if self.out_box is not None else None
         self.launcher.launch(stream_ptr, *self.values(stream_ptr, act_ptr, other_ptr, out_ptr, sizes, accumulate,
-                                                      bias_ptr, pre_ptr),
+                                                      bias_ptr, pre_ptr, gate_ptr),
                              map_key=(act_ptr, other_ptr, out_key, sizes),
                              make_maps=lambda: self.maps(act_ptr, other_ptr, out_ptr, sizes))
 
     def parameters(self, stream_ptr: int, act_ptr: int, other_ptr: int, out_ptr: int, sizes: Sizes,
-                   accumulate: int, bias_ptr: int = 0, pre_ptr: int = 0):
+                   accumulate: int, bias_ptr: int = 0, pre_ptr: int = 0, gate_ptr: int = 0):
         return self.launcher.parameters(stream_ptr, self.values(stream_ptr, act_ptr, other_ptr, out_ptr, sizes,
-                                                                accumulate, bias_ptr, pre_ptr),
+                                                                accumulate, bias_ptr, pre_ptr, gate_ptr),
                                         self.maps(act_ptr, other_ptr, out_ptr, sizes))
 
     def maps(self, act_ptr: int, other_ptr: int, out_ptr: int, sizes: tuple) -> tuple[bytes, bytes, bytes]:

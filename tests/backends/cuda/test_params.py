@@ -37,12 +37,12 @@ def test_the_header_and_the_host_struct_have_the_same_fields_in_order():
 def test_values_fill_the_fields_that_name_them():
     sizes = params.Sizes(n_rows=33, ld_act=96, ld_other=0, ld_out=160, out_blocks=5)
     scratch = (0x10, 0x20, 0x30, 0x40, 0x50)
-    values = params.values(0x1000, 0x2000, 0x3000, scratch, 0x4000, 0x5000, sizes, 1, 8)
+    values = params.values(0x1000, 0x2000, 0x3000, scratch, 0x4000, 0x5000, sizes, 1, 8, 0x6000)
     block = params.MatmulParams()
     params.PACK(block, 0, *values)
     expected = {"act": 0x1000, "other": 0x2000, "out": 0x3000, "segments": 0x10, "units": 0x20, "table": 0x30,
                 "workspace": 0x40, "counters": 0x50, "bias": 0x4000, "pre": 0x5000, "n_rows": 33, "ld_act": 96,
-                "ld_other": 0, "ld_out": 160, "out_blocks": 5, "accumulate": 1, "band_rows": 8}
+                "ld_other": 0, "ld_out": 160, "out_blocks": 5, "accumulate": 1, "band_rows": 8, "gate": 0x6000}
     assert {name: getattr(block, name) for name in params.FIELDS} == expected
     assert struct.unpack(f"<{len(params.FIELDS)}Q", bytes(block)) == values
 
