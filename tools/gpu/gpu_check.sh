@@ -30,7 +30,7 @@
 # tools/probes/profile_transformer.py, the decode passes' probe (tools/probes/probe_streaming.py --decode) and
 # the eager decode step's host time (tools/probes/probe_decode_host.py); NO_TRANSFORMER_PROFILE=1 skips the three.
 # learned: the GPU tests of per-block gates and changing layouts, tools/probes/probe_layout_change.py,
-# tools/probes/probe_growth_signal.py, and the experiment's halves ($LEARNED_EXPERIMENTS, default
+# tools/probes/probe_growth_signal.py, tools/probes/probe_gates.py, and the experiment's halves ($LEARNED_EXPERIMENTS, default
 # transformer,lstm): examples/learned_structure/experiment_torch.py ($LEARNED_ARGS) and experiment_lstm.py
 # ($LEARNED_LSTM_ARGS).
 # tune: `python -m bsmm tune` with the remaining arguments (e.g. --workload T --block-size 64
@@ -212,6 +212,9 @@ if [[ $stage == learned ]]; then
     t0=$(date +%s)
     python3 tools/probes/probe_growth_signal.py >"$OUT/growth_signal.md" 2>&1 || status=1
     echo "growth signal, dense against Gram route [$(( $(date +%s) - t0 ))s]:"; cat "$OUT/growth_signal.md"
+    t0=$(date +%s)
+    python3 tools/probes/probe_gates.py >"$OUT/gates.md" 2>&1 || status=1
+    echo "gates in the kernels, closed blocks skipped [$(( $(date +%s) - t0 ))s]:"; cat "$OUT/gates.md"
   fi
   # LEARNED_EXPERIMENTS: which halves of the experiment run (default both; "none" skips them).
   for half in transformer lstm; do

@@ -210,12 +210,17 @@ def _error(cupy, got, expected) -> float:
     return float(cupy.linalg.norm(got - expected)) / max(norm, 1e-300) if norm else float(cupy.abs(got).max())
 
 
-def run_all_ways(cupy, op, x, dy, w, seed: int = 0) -> dict:
+def run_all_ways(cupy, op, x, dy, w, seed: int = 0, gate=None) -> dict:
     """Each pass plain, into a NaN-poisoned ``out=``, and accumulated onto random data: the worst
-    relative error of each pass against float64."""
-    refs = _references(cupy, op, x, dy, w)
-    calls = {"fprop": lambda **k: op.fprop(x, w, **k), "bprop": lambda **k: op.bprop(dy, w, **k),
-             "updat": lambda **k: op.updat(x, dy, **k)}
+    relative error of each pass against float64 (with ``gate``: the gated passes, against the
+    products of the gated weights, dW scaled by the gates)."""
+    if gate is None:
+        refs = _references(cupy, op, x, dy, w)
+    else:
+        refs = _references(cupy, op, x, dy, op.gated_weights(w, gate))
+        refs["updat"] = refs["updat"] * gate.astype(np.float64)[:, None, None]
+    calls = {"fprop": lambda **k: op.fprop(x, w, gate=gate, **k), "bprop": lambda **k: op.bprop(dy, w, gate=gate, **k),
+             "updat": lambda **k: op.updat(x, dy, gate=gate, **k)}
     rng = cupy.random.default_rng(seed)
     worst = {}
     for pass_name, call in calls.items():
@@ -262,6 +267,57 @@ def test_census_path_on_the_gpu(cupy, census_entry, monkeypatch):
     mine = [p for p in taken if p.pass_name == entry.path.pass_name]
     assert mine and all(p == entry.path for p in mine), (
         f"{entry.shape.describe()}: took {[p.describe() for p in mine]}, census says {entry.path.describe()}")
+
+
+def _gates(cupy, nnzb: int, dtype, seed: int):
+    """Gates of ``dtype``: about half of them 0, the others in [0.25, 1.5)."""
+    rng = np.random.default_rng(seed)
+    values = np.where(rng.random(nnzb) < 0.5, 0.0, rng.uniform(0.25, 1.5, nnzb))
+    return cupy.asarray(values.astype(dtype))
+
+
+@pytest.mark.gpu
+def test_census_path_with_gates_on_the_gpu(cupy, census_entry, monkeypatch):
+    """The census shape with half its blocks gated off takes the census's path, its gated passes are
+    right all three ways, and the kernels skip the closed blocks: NaN weights there change no product
+    (except where the path passes no gates on: TF32 fprop through transposed weights), and updat
+    leaves 0 there (except streamed updat, which computes them; bsmm_gates.cuh)."""
+    entry = census_entry
+    if cupy.cuda.Device().compute_capability != "90":
+        pytest.skip("the census models an sm_90 device")
+    from bsmm.backends.cuda import backend as cuda_backend
+    from bsmm.backends.cuda import plan_cache
+    from bsmm.backends.cuda import plans as cuda_plans
+
+    monkeypatch.setattr(cuda_plans, "occupancy", lambda kernel, variant: planner.estimated_occupancy(variant))
+    plan_cache.forget_plans()
+    seed = zlib.crc32(entry.shape.describe().encode())
+    op, x, dy, w = _device_case(cupy, entry.shape, seed=seed)
+    gate = _gates(cupy, op.blocks, w.dtype, seed + 1)
+    closed = gate == 0
+    poisoned = op.gated_weights(w, gate)
+    poisoned[closed] = np.nan
+    kind, pass_name = entry.shape.kind, entry.path.pass_name
+    with cuda_backend.recording_paths() as taken, planning(path_census.policy(entry.shape.mode)):
+        worst = run_all_ways(cupy, op, x, dy, w, gate=gate)
+        if pass_name == "updat":
+            skipped = op.updat(x, dy, out=cupy.full(op.w_shape, np.nan, dtype=x.dtype), _skip=gate)
+        else:
+            operand = x if pass_name == "fprop" else dy
+            skipped = getattr(op, pass_name)(operand, poisoned, _skip=gate)
+    bad = {p: e for p, e in worst.items() if not e <= TOLERANCE[kind]}
+    assert not bad, f"{entry.shape.describe()} gated: relative errors {bad} over {TOLERANCE[kind]}"
+    mine = [p for p in taken if p.pass_name == pass_name]
+    assert mine and all(p == entry.path for p in mine), (
+        f"{entry.shape.describe()} gated: took {[p.describe() for p in mine]}, census says {entry.path.describe()}")
+    if pass_name == "updat":
+        if not entry.path.streaming:
+            assert not bool(skipped[closed].any()), f"{entry.shape.describe()}: closed blocks' dW not left at 0"
+            assert bool(cupy.isfinite(skipped).all()), f"{entry.shape.describe()}: dW of open blocks not written"
+    elif entry.path.copies != "w":
+        ref = _references(cupy, op, x, dy, op.gated_weights(w, gate))[pass_name]
+        error = _error(cupy, skipped, ref)
+        assert error <= TOLERANCE[kind], f"{entry.shape.describe()}: NaN in closed blocks reached {pass_name} ({error})"
 
 
 #: The shapes of the half-precision updat that returned NaN or garbage (kind, block, C, K, N, axis,

@@ -72,6 +72,67 @@ def test_gated_layer_against_float64(device, feature_axis):
                                atol=1e-6 * np.abs(expected_dg).max())
 
 
+class ClampedGates(FixedGates):
+    """Gates clamped to [0, 1] from a raw tensor, as hard-concrete gates are: 0 where the raw value is
+    below 0, with derivative 0 there, so the weight gradient's pass may skip those blocks too."""
+
+    closed_gradient_is_zero = True
+
+    def forward(self):
+        return self.gate.clamp(0, 1)
+
+
+@pytest.mark.parametrize("activation, with_bias", [(None, True), ("relu", False), ("gelu", True)])
+def test_clamped_gates_skip_closed_blocks_with_exact_gradients(device, activation, with_bias):
+    """A layer whose closed gates take no gradient (dW's pass may skip them on CUDA): y, dx, dW and the
+    raw gates' gradient all as float64 says, through the fused epilogues too and under torch.compile."""
+    dtype = torch.float64 if device == "cpu" else torch.float32
+    tolerance = 1e-12 if dtype == torch.float64 else 3e-5
+    bs, rng = 16, np.random.default_rng(3)
+    layer = bt.BlockSparseLinear(96, 64, density=0.6, block_size=bs, seed=8, bias=with_bias, activation=activation,
+                                 device=device, dtype=dtype)
+    nnzb, grid = layer.op.blocks, layer.op.index
+    raw_values = np.where(rng.random(nnzb) < 0.5, -rng.uniform(0.1, 1.0, nnzb), rng.uniform(0.2, 0.9, nnzb))
+    raw_values = raw_values.astype(np.float32).astype(np.float64)  # (what the float32 gates hold)
+    raw = torch.tensor(raw_values, device=device, dtype=torch.float32, requires_grad=True)
+    layer.gates = ClampedGates(raw)
+
+    # float64 reference: z = x·(g ⊙ W) + b, y = A(z); dz from PyTorch; dx = dz·(g ⊙ W)ᵀ, the block
+    # products P_j = (xᵀ·dz)_j, dW_j = g_j P_j, and the raw gates' dg_j = ⟨W_j, P_j⟩ where open, else 0.
+    g = np.clip(raw_values, 0, 1)
+    w = layer.to_dense_weight().detach().cpu().double().numpy()
+    x_np, dy_np = rng.standard_normal((21, 96)), rng.standard_normal((21, 64))
+    z = torch.tensor(x_np @ (w * per_block(g, layer.op.layout, bs)), requires_grad=True)
+    if with_bias:
+        z_b = z + layer.bias.detach().cpu().double()
+    else:
+        z_b = z
+    act = {None: lambda t: t, "relu": torch.relu, "gelu": torch.nn.functional.gelu}[activation]
+    y_ref = act(z_b)
+    y_ref.backward(torch.tensor(dy_np))
+    dz = z.grad.numpy()
+    dx_ref = dz @ (w * per_block(g, layer.op.layout, bs)).T
+    blocks_of = lambda dense: dense.reshape(6, bs, 4, bs).transpose(0, 2, 1, 3)[grid.rows, grid.indices]
+    products, weights = blocks_of(x_np.T @ dz), blocks_of(w)
+    dw_ref = products * g[:, None, None]
+    dg_ref = np.where(raw_values > 0, (weights * products).sum(axis=(1, 2)), 0.0)
+
+    def close(got, expected, relative=tolerance):
+        expected = np.asarray(expected)
+        return np.allclose(got.detach().cpu().double().numpy(), expected, rtol=0,
+                           atol=relative * max(np.abs(expected).max(), 1e-30))
+
+    for run in (layer, torch.compile(layer, backend="aot_eager", fullgraph=True)):
+        for tensor in (layer.weight, raw):
+            tensor.grad = None
+        x = torch.tensor(x_np, device=device, dtype=dtype, requires_grad=True)
+        y = run(x)
+        y.backward(torch.tensor(dy_np, device=device, dtype=dtype))
+        assert close(y, y_ref.detach().numpy()) and close(x.grad, dx_ref) and close(layer.weight.grad, dw_ref)
+        assert close(raw.grad, dg_ref, 2e-6)  # (summed in the gates' float32)
+        assert not layer.weight.grad[raw.detach() < 0].any()  # closed blocks: no gradient
+
+
 def test_hard_concrete_gates():
     torch.manual_seed(0)
     gates = bt.BlockGates(5, density=0.6)
