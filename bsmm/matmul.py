@@ -240,7 +240,8 @@ class BlocksparseMatMul:
             Receives z = x·W + bias before the activation: what
             :func:`bsmm.epilogues.activation_grad` needs for GELU and SiLU.
         gate : (nnzb,) array of w's dtype and library, optional
-            One scale a block: y = x·(g ⊙ W) (:meth:`gated_weights`; NumPy and CuPy arrays).
+            One scale a block: y = x·(g ⊙ W) (:meth:`gated_weights`; NumPy and CuPy arrays). On CUDA
+            the kernels skip the blocks whose gate is 0 (and updat's, whose dW is then 0).
 
         _skip : (nnzb,) array, private
             Gates that ``w`` is already scaled by (:mod:`bsmm.torch`; checked by the caller): the

@@ -131,7 +131,8 @@ def blocksparse_matmul(x: torch.Tensor, w: torch.Tensor, op: BlocksparseMatMul, 
         ``F.gelu``'s default (erf), ``"gelu_tanh"`` its ``approximate="tanh"``.
     gate : (nnzb,) tensor, optional
         One scale a block: y = x·(g ⊙ W), differentiable in ``g`` too (cast to w's dtype;
-        :mod:`bsmm.torch.gates` learns such gates).
+        :mod:`bsmm.torch.gates` learns such gates). On CUDA the kernels skip the blocks whose gate is
+        0 in y and dx, and in dW where ``g`` takes no gradient.
 
     Returns
     -------
