@@ -2,14 +2,15 @@
 gated layer's training step, at the issue's layer (12288², 10 % of blocks of 32, bf16) and a decoder MLP
 projection, with a fraction of the gates closed.
 
-    python3 tools/probes/probe_gates.py [--rows 32 4096]
+    python3 tools/probes/probe_gates.py [--rows 32 4096] [--profile]
 
 Pass rows: each of fprop, bprop and updat on weights already scaled by the gates, with the gates passed
 to the kernel (``skip``: bsmm/matmul.py's private ``_skip``, the path every gated call takes) and without
 (``all``: every block multiplied, as before the kernels read gates), and the elementwise scale g ⊙ W that
 a gated call adds. Step rows: a ``BlockSparseLinear`` with gates (forward, backward; the gates clamped
 from a fixed raw tensor, whose closed gates take no gradient, as hard-concrete ones) against the same
-layer without gates. CUDA events on PyTorch's default stream, which CuPy's calls share (the legacy default stream), median of
+layer without gates (``--profile``: a host profile of 200 gated steps of the first layer at the first
+batch, half its gates closed). CUDA events on PyTorch's default stream, which CuPy's calls share (the legacy default stream), median of
 20 after a warm-up (:func:`probe_layout_change.gpu_ms`).
 """
 
@@ -89,10 +90,35 @@ def step_rows(what: str, c: int, k: int, bs: int, density: float, n: int) -> Non
     layer.gates = None
 
 
+def profile(what: str, c: int, k: int, bs: int, density: float, n: int) -> int:
+    import cProfile
+    import pstats
+
+    layer = bt.BlockSparseLinear(c, k, density=density, block_size=bs, seed=1, device="cuda", dtype=torch.bfloat16)
+    raw = torch.tensor(_gates(layer.op.blocks, 0.5, 2), device="cuda", dtype=torch.float32)
+    raw[raw == 0] = -1.0
+    layer.gates = _Clamped(raw)
+    x = torch.randn(n, c, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+    for _ in range(20):
+        layer(x).backward(dy)
+    torch.cuda.synchronize()
+    with cProfile.Profile() as profiler:
+        for _ in range(200):
+            layer(x).backward(dy)
+        torch.cuda.synchronize()
+    print(f"{what}, N {n}, half the gates closed: 200 eager steps")
+    pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, nargs="+", default=[32, 4096])
+    parser.add_argument("--profile", action="store_true", help="a host profile of gated steps")
     args = parser.parse_args(argv)
+    if args.profile:
+        return profile(*LAYERS[0], args.rows[0])
     print("Passes, ms, with the gates passed (skip) / every block multiplied (all); scale: g ⊙ W")
     print("| layer | N | closed | fprop | bprop | updat | scale |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
