@@ -406,6 +406,16 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N * 32 + 32)
     float acc[K::ACC];
 #pragma unroll
     for (int i = 0; i < K::ACC; ++i) acc[i] = 0.f;
+    // Row groups: a warpgroup whose 64 rows hold only gated-off or absent blocks (nothing copied for
+    // them) multiplies nothing and only releases the stages; its accumulators stay 0, and the store
+    // writes the closed blocks' zeros.
+    bool idle = false;
+    if constexpr (K::ROWS_T) {
+        idle = true;
+        const int first = (threadIdx.x / 128) * 64 / BS;
+        for (int j = first; j < first + 64 / BS && j < COLS; ++j) idle &= group[1 + j] < 0;
+        idle = __all_sync(0xffffffffu, idle);  // (uniform: said so to ptxas, which would serialize every wgmma: C7520)
+    }
     for (int step = 0; step < n_steps; ++step) {
         const int s = step % STAGES;
         mbarrier_wait(&full[s], (step / STAGES) & 1);
@@ -413,6 +423,10 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N * 32 + 32)
         if (threadIdx.x % 32 == 0) mbarrier_arrive(&empty[s]);
         continue;
 #endif
+        if (idle) {  // (the same in every thread of the warpgroup)
+            if (threadIdx.x % 32 == 0) mbarrier_arrive(&empty[s]);
+            continue;
+        }
         if constexpr (MATH == Math::Wgmma) {
             if constexpr (K::COLS_W)
                 wgmma_group_step<K, T, BS>(acc, sa + s * K::A_STAGE, sb + s * K::B_STAGE,

@@ -9,7 +9,7 @@ to the kernel (``skip``: bsmm/matmul.py's private ``_skip``, the path every gate
 (``all``: every block multiplied, as before the kernels read gates), and the elementwise scale g ⊙ W that
 a gated call adds. Step rows: a ``BlockSparseLinear`` with gates (forward, backward; the gates clamped
 from a fixed raw tensor, whose closed gates take no gradient, as hard-concrete ones) against the same
-layer without gates (``--profile``: a host profile of 200 gated steps of the first layer at the first
+layer without gates, eagerly and, at the smallest batch, compiled (``--profile``: a host profile of 200 gated steps of the first layer at the first
 batch, half its gates closed). CUDA events on PyTorch's default stream, which CuPy's calls share (the legacy default stream), median of
 20 after a warm-up (:func:`probe_layout_change.gpu_ms`).
 """
@@ -70,23 +70,30 @@ def pass_rows(what: str, c: int, k: int, bs: int, density: float, n: int) -> Non
         print(f"| {what} | {n} | {closed:.0%} | {cells} | {scale:.3f} |", flush=True)
 
 
-def step_rows(what: str, c: int, k: int, bs: int, density: float, n: int) -> None:
+def step_rows(what: str, c: int, k: int, bs: int, density: float, n: int, compiled: bool = False) -> None:
+    """The table's rows of one layer and batch; ``compiled``: the steps of ``torch.compile``'d layers
+    (a fresh compile for the gated layer, at 90 % closed only)."""
     torch.manual_seed(0)
     layer = bt.BlockSparseLinear(c, k, density=density, block_size=bs, seed=1, device="cuda", dtype=torch.bfloat16)
     x = torch.randn(n, c, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+    run = torch.compile(layer) if compiled else layer
 
     def step():
         layer.weight.grad = None
-        layer(x).backward(dy)
+        run(x).backward(dy)
 
     plain = gpu_ms(step)
-    for closed in CLOSED:
+    for closed in CLOSED[-1:] if compiled else CLOSED:
         raw = torch.tensor(_gates(layer.op.blocks, closed, 2), device="cuda", dtype=torch.float32)
         raw[raw == 0] = -1.0  # closed: clamped to 0
         layer.gates = _Clamped(raw)
+        if compiled:
+            torch._dynamo.reset()
+            run = torch.compile(layer)
         gated = gpu_ms(step)
-        print(f"| {what} | {n} | {closed:.0%} | {gated:.3f} | {plain:.3f} | {plain / gated:.2f}× |", flush=True)
+        how = ", compiled" if compiled else ""
+        print(f"| {what}{how} | {n} | {closed:.0%} | {gated:.3f} | {plain:.3f} | {plain / gated:.2f}× |", flush=True)
     layer.gates = None
 
 
@@ -132,6 +139,8 @@ def main(argv=None) -> int:
     for shape in LAYERS:
         for n in args.rows:
             step_rows(*shape, n)
+    for shape in LAYERS:  # (host-bound eagerly: what torch.compile makes of the gates' element-wise work)
+        step_rows(*shape, min(args.rows), compiled=True)
     return 0
 
 
