@@ -44,9 +44,48 @@ def _autocast(x: torch.Tensor, w: torch.Tensor):
     return x, w
 
 
+class _GatedWeight(torch.autograd.Function):
+    """g ⊙ W and g in W's dtype, one autograd node: ``apply(w, gate) -> (g ⊙ W, g cast)``.
+
+    The gradients are ``dW = g ⊙ dY`` and ``dg_j = Σ (dY ⊙ W)_j`` (the products in W's dtype, summed in
+    float32, float64 for float64, then cast to the gate's dtype: what PyTorch's own cast, view and multiply compute, in one
+    node instead of three: eager steps pay their autograd engine per node). The cast gate is not
+    differentiable (the kernels read it to skip closed blocks)."""
+
+    @staticmethod
+    def forward(w, gate):
+        cast = gate.to(w.dtype)
+        return w * cast.view(-1, *([1] * (w.dim() - 1))), cast
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        w, gate = inputs
+        ctx.mark_non_differentiable(output[1])
+        ctx.gate_dtype = gate.dtype
+        needs_w, needs_gate = ctx.needs_input_grad
+        ctx.save_for_backward(w if needs_gate else None, output[1] if needs_w else None)
+
+    @staticmethod
+    def backward(ctx, grad, _):
+        w, cast = ctx.saved_tensors
+        dw = dgate = None
+        if ctx.needs_input_grad[0]:
+            dw = grad * cast.view(-1, *([1] * (grad.dim() - 1)))
+        if ctx.needs_input_grad[1]:
+            dims = tuple(range(1, grad.dim()))
+            wide = torch.promote_types(w.dtype, torch.float32)  # (float64 stays float64)
+            dgate = (grad * w).sum(dims, dtype=wide).to(ctx.gate_dtype)
+        return dw, dgate
+
+
 def gated_weight(w: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     """g ⊙ W: each block of ``w`` (nnzb, ..., bs, bs) scaled by its gate (nnzb,), differentiable in both."""
-    return w * gate.to(w.dtype).view(-1, *([1] * (w.dim() - 1)))
+    return _GatedWeight.apply(w, gate)[0]
+
+
+def gated_weight_and_gate(w: torch.Tensor, gate: torch.Tensor) -> tuple:
+    """(g ⊙ W, g in W's dtype): :func:`gated_weight`, and the gates as :func:`matmul_by_key` takes them."""
+    return _GatedWeight.apply(w, gate)
 
 
 def matmul_by_key(x, w, key: str, features_in: int, features_out: int, feature_axis: int, tf32: bool,
@@ -77,7 +116,11 @@ def matmul_by_key(x, w, key: str, features_in: int, features_out: int, feature_a
     if not w.is_contiguous():
         w = w.contiguous()
     if gate is not None:  # (a hint the kernels read as w's dtype, detached: its gradient flows through w)
-        gate = gate.detach().to(w.dtype).contiguous()
+        gate = gate.detach()
+        if gate.dtype != w.dtype:  # (autocast cast w after it was gated)
+            gate = gate.to(w.dtype)
+        if not gate.is_contiguous():
+            gate = gate.contiguous()
     out_shape = None
     if x.dim() != 2:  # on a contiguous tensor these reshapes are views; y is made in its final shape
         if feature_axis == 1:
@@ -176,10 +219,11 @@ def blocksparse_matmul(x: torch.Tensor, w: torch.Tensor, op: BlocksparseMatMul, 
         if tuple(gate.shape) != (op.blocks,):
             raise ValueError(f"gate must be a tensor of shape ({op.blocks},), one value a block; got "
                              f"{tuple(gate.shape)}")
-        w = gated_weight(w, gate)
         # The gradient of w ⊙ g at a closed block is the gate's there (⟨W, xᵀ·dy⟩): kept exact where g takes one.
-        return matmul_by_key(x, w, key, features_in, features_out, feature_axis, tf32, bias, activation, gate,
-                             not (gate.requires_grad and torch.is_grad_enabled()))
+        updat_gate = not (gate.requires_grad and torch.is_grad_enabled())
+        w, cast = gated_weight_and_gate(w, gate)
+        return matmul_by_key(x, w, key, features_in, features_out, feature_axis, tf32, bias, activation, cast,
+                             updat_gate)
     return matmul_by_key(x, w, key, features_in, features_out, feature_axis, tf32, bias, activation)
 
 

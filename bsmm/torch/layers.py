@@ -20,7 +20,7 @@ from bsmm.nn.conv import BlocksparseConv
 from bsmm.torch.checks import check_dtype
 from bsmm.torch.conv_ops import conv_spec
 from bsmm.torch.conversions import weight_bsr
-from bsmm.torch.functional import conv_by_key, gated_weight, matmul_by_key
+from bsmm.torch.functional import conv_by_key, gated_weight_and_gate, matmul_by_key
 from bsmm.torch.registry import Registration, cuda_graphs_recorded, is_moving, move, register
 from bsmm.torch.registry import moving as moving_registration
 
@@ -342,10 +342,10 @@ class BlockSparseLinear(_BlockSparseLayer):
         # tensor of its own, never a view (FSDP2 warns about module outputs that are views).
         weight = self.weight
         if self.gates is not None:  # y = x·(g ⊙ W) + b, a gate a block (bsmm.torch.gates)
-            gates = self.gates()
+            weight, cast = gated_weight_and_gate(weight, self.gates())
             # The kernels skip the closed blocks; dW's pass too where the gates' derivative is 0 there.
-            return matmul_by_key(x, gated_weight(weight, gates), self._key, self.in_features, self.out_features,
-                                 self.feature_axis, self.tf32, self.bias, self.activation, gates,
+            return matmul_by_key(x, weight, self._key, self.in_features, self.out_features, self.feature_axis,
+                                 self.tf32, self.bias, self.activation, cast,
                                  getattr(self.gates, "closed_gradient_is_zero", False))
         return matmul_by_key(x, weight, self._key, self.in_features, self.out_features, self.feature_axis,
                              self.tf32, self.bias, self.activation)

@@ -133,6 +133,20 @@ def test_clamped_gates_skip_closed_blocks_with_exact_gradients(device, activatio
         assert not layer.weight.grad[raw.detach() < 0].any()  # closed blocks: no gradient
 
 
+def test_gated_weight_is_one_node_with_first_and_second_derivatives():
+    """gated_weight (one autograd node: the cast, the view and the product) against torch.autograd's checks."""
+    from bsmm.torch.functional import gated_weight, gated_weight_and_gate
+
+    generator = torch.Generator().manual_seed(0)
+    w = torch.randn(5, 3, 4, 4, dtype=torch.float64, generator=generator, requires_grad=True)
+    gate = torch.randn(5, dtype=torch.float64, generator=generator, requires_grad=True)
+    assert torch.autograd.gradcheck(gated_weight, (w, gate))
+    assert torch.autograd.gradgradcheck(gated_weight, (w, gate))
+    scaled, cast = gated_weight_and_gate(w.float(), gate)
+    assert cast.dtype == torch.float32 and not cast.requires_grad
+    assert scaled.grad_fn.name().endswith("_GatedWeightBackward")
+
+
 def test_hard_concrete_gates():
     torch.manual_seed(0)
     gates = bt.BlockGates(5, density=0.6)
