@@ -17,6 +17,8 @@
   (:func:`~bsmm.torch.dynamic.gradient_block_norms`).
 - :mod:`~bsmm.torch.gates`: :class:`BlockGates`, learnable per-block gates with an L0 (hard-concrete)
   penalty; :func:`gate_layer` gives a layer gates, :func:`prune_by_gates` keeps the blocks whose gates are open.
+- :mod:`~bsmm.torch.pruning`: :class:`GradualPruning`, magnitude pruning on a cubic schedule while a model
+  trains (pruned blocks closed by a :class:`BlockMask`, which the kernels skip), then compacted.
 - :mod:`~bsmm.torch.lstm`: :class:`BlockSparseLSTM`, one ``nn.LSTM`` layer on block-sparse (small-world) layouts.
 - :mod:`~bsmm.torch.distributed`: :class:`ShardedBlockSparseLinear`, one layer's blocks spread over a
   process group (model parallelism); data parallelism is ``DistributedDataParallel`` or ``fully_shard``.
@@ -43,9 +45,10 @@ from bsmm.torch.normalization import l2_normalize
 from bsmm.torch.sparsify import SparsifyReport, sparsify
 from bsmm.torch.dynamic import DynamicSparsity
 from bsmm.torch.gates import BlockGates, gate_layer, prune_by_gates
+from bsmm.torch.pruning import BlockMask, GradualPruning
 
 __all__ = ["BlockSparseConv1d", "BlockSparseConv2d", "BlockSparseConv3d", "BlockSparseLinear", "BlockSparseLSTM",
            "BlockSparseMLP", "ShardedBlockSparseLinear",
            "blocksparse_conv", "blocksparse_matmul", "register", "lookup",
            "from_sparse_bsr", "to_sparse_bsr", "l2_normalize", "load_layouts", "sparsify", "SparsifyReport",
-           "gated_unit", "DynamicSparsity", "BlockGates", "gate_layer", "prune_by_gates"]
+           "gated_unit", "DynamicSparsity", "BlockGates", "gate_layer", "prune_by_gates", "BlockMask", "GradualPruning"]

@@ -423,6 +423,9 @@ class DynamicSparsity:
     def __init__(self, model_or_layers, optimizer: torch.optim.Optimizer, *, criterion: str = "rigl",
                  drop_fraction: float = 0.3, every: int = 100, end: int | None = None, schedule: str = "cosine",
                  init: str = "zero", ord: str = "l2", seed: int = 0, grace: int = 0, process_group=None):
+        if criterion == "magnitude":
+            raise ValueError("criterion='magnitude' prunes without regrowing, so the number of blocks falls: use "
+                             "bsmm.torch.GradualPruning (DynamicSparsity keeps each layer's number of blocks)")
         _check_choice(criterion, CRITERIA, "criterion")
         _check_choice(schedule, SCHEDULES, "schedule")
         _check_choice(init, INITS, "init")

@@ -45,47 +45,48 @@ def _autocast(x: torch.Tensor, w: torch.Tensor):
 
 
 class _GatedWeight(torch.autograd.Function):
-    """g ⊙ W and g in W's dtype, one autograd node: ``apply(w, gate) -> (g ⊙ W, g cast)``.
+    """g ⊙ W as one autograd node: ``apply(w, gate, cast)``, ``cast`` the gates in W's dtype, detached.
 
     The gradients are ``dW = g ⊙ dY`` and ``dg_j = Σ (dY ⊙ W)_j`` (the products in W's dtype, summed in
-    float32, float64 for float64, then cast to the gate's dtype: what PyTorch's own cast, view and multiply compute, in one
-    node instead of three: eager steps pay their autograd engine per node). The cast gate is not
-    differentiable (the kernels read it to skip closed blocks)."""
+    float32, float64 for float64, then cast to the gate's dtype): what PyTorch's own cast, view and
+    multiply compute, in one node instead of three (eager steps pay their autograd engine per node)."""
 
     @staticmethod
-    def forward(w, gate):
-        cast = gate.to(w.dtype)
-        return w * cast.view(-1, *([1] * (w.dim() - 1))), cast
+    def forward(w, gate, cast):
+        return w * cast.view(-1, *([1] * (w.dim() - 1)))
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        w, gate = inputs
-        ctx.mark_non_differentiable(output[1])
+        w, gate, cast = inputs
         ctx.gate_dtype = gate.dtype
-        needs_w, needs_gate = ctx.needs_input_grad
-        ctx.save_for_backward(w if needs_gate else None, output[1] if needs_w else None)
+        needs_w, needs_gate = ctx.needs_input_grad[:2]
+        # (dW reads the gate itself, not its detached cast: a backward that builds a graph differentiates it)
+        ctx.save_for_backward(w if needs_gate else None, gate if needs_w else None)
 
     @staticmethod
-    def backward(ctx, grad, _):
-        w, cast = ctx.saved_tensors
+    def backward(ctx, grad):
+        w, gate = ctx.saved_tensors
         dw = dgate = None
         if ctx.needs_input_grad[0]:
-            dw = grad * cast.view(-1, *([1] * (grad.dim() - 1)))
+            dw = grad * (gate if gate.dtype == grad.dtype else gate.to(grad.dtype)).view(-1, *([1] * (grad.dim() - 1)))
         if ctx.needs_input_grad[1]:
-            dims = tuple(range(1, grad.dim()))
             wide = torch.promote_types(w.dtype, torch.float32)  # (float64 stays float64)
-            dgate = (grad * w).sum(dims, dtype=wide).to(ctx.gate_dtype)
-        return dw, dgate
+            dgate = (grad * w).sum(tuple(range(1, grad.dim())), dtype=wide).to(ctx.gate_dtype)
+        return dw, dgate, None
 
 
 def gated_weight(w: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     """g ⊙ W: each block of ``w`` (nnzb, ..., bs, bs) scaled by its gate (nnzb,), differentiable in both."""
-    return _GatedWeight.apply(w, gate)[0]
+    return gated_weight_and_gate(w, gate)[0]
 
 
 def gated_weight_and_gate(w: torch.Tensor, gate: torch.Tensor) -> tuple:
-    """(g ⊙ W, g in W's dtype): :func:`gated_weight`, and the gates as :func:`matmul_by_key` takes them."""
-    return _GatedWeight.apply(w, gate)
+    """(g ⊙ W, g in W's dtype and detached): :func:`gated_weight`, and the gates as :func:`matmul_by_key`
+    takes them (cast once for both)."""
+    cast = gate.detach()
+    if cast.dtype != w.dtype:
+        cast = cast.to(w.dtype)
+    return _GatedWeight.apply(w, gate, cast), cast
 
 
 def matmul_by_key(x, w, key: str, features_in: int, features_out: int, feature_axis: int, tf32: bool,

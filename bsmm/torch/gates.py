@@ -25,7 +25,7 @@ import torch
 
 from bsmm.torch.layers import BlockSparseLinear
 
-__all__ = ["BlockGates", "gate_layer", "prune_by_gates"]
+__all__ = ["BlockGates", "gate_layer", "layer_of_blocks", "prune_by_gates"]
 
 
 class BlockGates(torch.nn.Module):
@@ -177,15 +177,26 @@ def prune_by_gates(layer: BlockSparseLinear, blocks: int | None = None) -> Block
         order = np.argsort(-gates._alpha().detach().cpu().numpy(), kind="stable")
         kept = np.zeros(index.nnzb, dtype=bool)
         kept[order[:blocks]] = True
+    with torch.no_grad():
+        scale = gates._stretched(torch.sigmoid(gates._alpha()))  # the gates' values in evaluation
+    return layer_of_blocks(layer, kept, scale)
+
+
+def layer_of_blocks(layer: BlockSparseLinear, kept: np.ndarray, scale: torch.Tensor | None = None) -> BlockSparseLinear:
+    """A new layer (without gates) of the blocks of ``layer`` where ``kept`` (nnzb,) bool is set, each block's
+    weight multiplied by its ``scale`` (nnzb,) where given; the bias, activation and options as ``layer``'s."""
+    index = layer.op.index
     layout = np.zeros(index.layout.shape, dtype=np.uint8)
     layout[index.rows[kept], index.indices[kept]] = 1
     pruned = BlockSparseLinear(layer.in_features, layer.out_features, layout, layer.op.block_size,
                                bias=layer.bias is not None, feature_axis=layer.feature_axis, tf32=layer.tf32,
                                device=layer.weight.device, dtype=layer.weight.dtype, activation=layer.activation)
     with torch.no_grad():
-        scale = gates._stretched(torch.sigmoid(gates._alpha())).to(layer.weight.dtype)[
-            torch.as_tensor(kept, device=gates.log_alpha.device)]  # the gates' values in evaluation
-        pruned.weight.copy_(layer.weight[torch.as_tensor(kept, device=layer.weight.device)] * scale.view(-1, 1, 1))
+        weight = layer.weight[torch.as_tensor(kept, device=layer.weight.device)]
+        if scale is not None:
+            weight = weight * scale.to(weight.device, weight.dtype)[torch.as_tensor(kept, device=weight.device)].view(
+                -1, 1, 1)
+        pruned.weight.copy_(weight)
         if layer.bias is not None:
             pruned.bias.copy_(layer.bias)
     return pruned

@@ -145,6 +145,12 @@ def test_gated_weight_is_one_node_with_first_and_second_derivatives():
     scaled, cast = gated_weight_and_gate(w.float(), gate)
     assert cast.dtype == torch.float32 and not cast.requires_grad
     assert scaled.grad_fn.name().endswith("_GatedWeightBackward")
+    # gates of the weights' dtype that take no gradient (a fixed mask): nothing to cast
+    w32 = w.detach().float().requires_grad_(True)
+    mask = (torch.arange(5) % 2).float()
+    scaled, cast = gated_weight_and_gate(w32, mask)
+    scaled.sum().backward()
+    assert torch.equal(cast, mask) and torch.equal(w32.grad, mask.view(-1, 1, 1, 1).expand_as(w32))
 
 
 def test_hard_concrete_gates():
