@@ -307,7 +307,8 @@ def test_dynamic_sparsity_refusals():
     layer = bt.BlockSparseLinear(64, 64, density=0.5, block_size=16, seed=0)
     optimizer = torch.optim.SGD(layer.parameters(), lr=0.1)
     for kwargs, error, match in [
-        ({"criterion": "magnitude"}, ValueError, "criterion must be one of 'rigl', 'set'; got 'magnitude'"),
+        ({"criterion": "random"}, ValueError, "criterion must be one of 'rigl', 'set'; got 'random'"),
+        ({"criterion": "magnitude"}, ValueError, "criterion='magnitude' prunes without regrowing.*GradualPruning"),
         ({"drop_fraction": 1.0}, ValueError, r"drop_fraction must be a number in \(0, 1\); got 1.0"),
         ({"every": 0}, ValueError, "every must be a positive int; got 0"),
         ({"schedule": "cosine"}, ValueError, "schedule='cosine' decays to 0 at end: pass end="),
