@@ -242,7 +242,6 @@ class BlocksparseMatMul:
         gate : (nnzb,) array of w's dtype and library, optional
             One scale a block: y = x·(g ⊙ W) (:meth:`gated_weights`; NumPy and CuPy arrays). On CUDA
             the kernels skip the blocks whose gate is 0 (and updat's, whose dW is then 0).
-
         _skip : (nnzb,) array, private
             Gates that ``w`` is already scaled by (:mod:`bsmm.torch`; checked by the caller): the
             GPU kernels leave out the blocks where they are 0, with the same result.
