@@ -46,6 +46,25 @@ GRADIENT_CHUNK_BYTES = 256 * 2**20
 GRAM_BYTES = 2**30
 
 
+def layers_of(model_or_layers, optimizer: torch.optim.Optimizer, kinds: tuple, what: str) -> dict:
+    """The layers of ``kinds`` (``what`` names them) by name: a model's modules, or the given layers by
+    position (each checked); refused where there are none or ``optimizer`` does not hold a weight."""
+    if isinstance(model_or_layers, torch.nn.Module):
+        layers = {name: m for name, m in model_or_layers.named_modules() if isinstance(m, kinds)}
+    else:
+        layers = {str(i): layer for i, layer in enumerate(model_or_layers)}
+        for name, layer in layers.items():
+            if not isinstance(layer, kinds):
+                raise TypeError(f"model_or_layers[{name}] must be a {what}; got {type(layer).__name__}")
+    if not layers:
+        raise ValueError(f"model_or_layers holds no {what}")
+    held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    for name, layer in layers.items():
+        if id(_weight_of(layer)) not in held:
+            raise ValueError(f"optimizer does not hold the weight of layer {name!r}")
+    return layers
+
+
 def _check_choice(value, choices, argument: str) -> None:
     if value not in choices:
         raise ValueError(f"{argument} must be one of {', '.join(map(repr, choices))}; got {value!r}")
@@ -438,20 +457,9 @@ class DynamicSparsity:
             raise ValueError(f"end must be a positive int or None; got {end!r}")
         if schedule == "cosine" and end is None:
             raise ValueError("schedule='cosine' decays to 0 at end: pass end=, or schedule='constant'")
-        if isinstance(model_or_layers, torch.nn.Module):
-            self.layers = {name: m for name, m in model_or_layers.named_modules() if isinstance(m, DYNAMIC_LAYERS)}
-        else:
-            self.layers = {str(i): layer for i, layer in enumerate(model_or_layers)}
-            for name, layer in self.layers.items():
-                if not isinstance(layer, DYNAMIC_LAYERS):
-                    raise TypeError(f"model_or_layers[{name}] must be a bsmm.torch.BlockSparseLinear or "
-                                    f"BlockSparseLSTM; got {type(layer).__name__}")
-        if not self.layers:
-            raise ValueError("model_or_layers holds no bsmm.torch.BlockSparseLinear or BlockSparseLSTM")
-        held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        self.layers = layers_of(model_or_layers, optimizer, DYNAMIC_LAYERS,
+                                "bsmm.torch.BlockSparseLinear or BlockSparseLSTM")
         for name, layer in self.layers.items():
-            if id(_weight_of(layer)) not in held:
-                raise ValueError(f"optimizer does not hold the weight of layer {name!r}")
             if criterion == "rigl" and getattr(layer, "activation", None) is not None:
                 raise ValueError(f"criterion='rigl' needs the gradient before the activation; layer {name!r} fuses "
                                  f"activation {layer.activation!r}: use criterion='set' or an unfused activation")

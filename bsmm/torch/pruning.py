@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from bsmm.torch.dynamic import _check_choice, _slot_norms, _smallest, _whole, _write, NORMS
+from bsmm.torch.dynamic import _check_choice, _slot_norms, _smallest, _whole, _write, NORMS, layers_of
 from bsmm.torch.gates import layer_of_blocks
 from bsmm.torch.layers import BlockSparseLinear
 
@@ -99,20 +99,8 @@ class GradualPruning:
                 raise ValueError(f"{name} must be an int >= {low}; got {value!r}")
         if isinstance(end, bool) or not isinstance(end, int) or end <= start:
             raise ValueError(f"end must be an int > start ({start}); got {end!r}")
-        if isinstance(model_or_layers, torch.nn.Module):
-            self.layers = {name: m for name, m in model_or_layers.named_modules() if isinstance(m, BlockSparseLinear)}
-        else:
-            self.layers = {str(i): layer for i, layer in enumerate(model_or_layers)}
-            for name, layer in self.layers.items():
-                if not isinstance(layer, BlockSparseLinear):
-                    raise TypeError(f"model_or_layers[{name}] must be a bsmm.torch.BlockSparseLinear; got "
-                                    f"{type(layer).__name__}")
-        if not self.layers:
-            raise ValueError("model_or_layers holds no bsmm.torch.BlockSparseLinear")
-        held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        self.layers = layers_of(model_or_layers, optimizer, (BlockSparseLinear,), "bsmm.torch.BlockSparseLinear")
         for name, layer in self.layers.items():
-            if id(layer.weight) not in held:
-                raise ValueError(f"optimizer does not hold the weight of layer {name!r}")
             if getattr(layer, "gates", None) is not None and not isinstance(layer.gates, BlockMask):
                 raise ValueError(f"layer {name!r} has gates (bsmm.torch.gate_layer): prune it by them, or remove them")
         self.optimizer, self.density, self.end, self.start, self.every, self.ord = (

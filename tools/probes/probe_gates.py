@@ -126,19 +126,17 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.profile:
         return profile(*LAYERS[0], args.rows[0])
-    print("Passes, ms, with the gates passed (skip) / every block multiplied (all); scale: g ⊙ W")
-    print("| layer | N | closed | fprop | bprop | updat | scale |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
-    for shape in LAYERS:
-        for n in args.rows:
-            pass_rows(*shape, n)
-    print()
-    print("A gated layer's forward + backward, ms, against the same layer without gates")
-    print("| layer | N | closed | gated step | ungated step | ungated / gated |")
-    print("| --- | --- | --- | --- | --- | --- |")
-    for shape in LAYERS:
-        for n in args.rows:
-            step_rows(*shape, n)
+    tables = [("Passes, ms, with the gates passed (skip) / every block multiplied (all); scale: g ⊙ W",
+               ("layer", "N", "closed", "fprop", "bprop", "updat", "scale"), pass_rows),
+              ("A gated layer's forward + backward, ms, against the same layer without gates",
+               ("layer", "N", "closed", "gated step", "ungated step", "ungated / gated"), step_rows)]
+    for number, (title, columns, rows) in enumerate(tables):
+        print(("\n" if number else "") + title)
+        print("| " + " | ".join(columns) + " |")
+        print("|" + " --- |" * len(columns))
+        for shape in LAYERS:
+            for n in args.rows:
+                rows(*shape, n)
     for shape in LAYERS:  # (host-bound eagerly: what torch.compile makes of the gates' element-wise work)
         step_rows(*shape, min(args.rows), compiled=True)
     return 0
