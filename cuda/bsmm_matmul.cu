@@ -142,12 +142,12 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N * 32) bsmm_matmul(const __gri
             entries = stage_open_entries<T, 2, 0, 1, K::NT>(reinterpret_cast<int*>(part_table),
                                                             reinterpret_cast<const int*>(table + seg.y), entries,
                                                             p.gate, warp_counts);
-            ops.seg_begin = 0;
-            ops.seg_end = entries;
         } else {
             for (int i = threadIdx.x; i < entries; i += K::NT) part_table[i] = table[seg.y + i];
             __syncthreads();
         }
+        ops.seg_begin = 0;  // the loaders read part_table[0, entries)
+        ops.seg_end = entries;
         n_steps = (entries * BS + BK - 1) / BK;
     }
 
