@@ -65,6 +65,19 @@ def layers_of(model_or_layers, optimizer: torch.optim.Optimizer, kinds: tuple, w
     return layers
 
 
+def several_ranks(process_group) -> bool:
+    """Whether ranks must change alike: ``torch.distributed`` initialised, more than one rank in
+    ``process_group`` (None: the default group)."""
+    return (torch.distributed.is_available() and torch.distributed.is_initialized()
+            and torch.distributed.get_world_size(process_group) > 1)
+
+
+def broadcast_from_first(tensor: torch.Tensor, process_group) -> None:
+    """``tensor`` overwritten in place by its value on ``process_group``'s rank 0 (None: the default group)."""
+    first = torch.distributed.get_global_rank(process_group or torch.distributed.group.WORLD, 0)
+    torch.distributed.broadcast(tensor, src=first, group=process_group)
+
+
 def _check_choice(value, choices, argument: str) -> None:
     if value not in choices:
         raise ValueError(f"{argument} must be one of {', '.join(map(repr, choices))}; got {value!r}")
@@ -562,18 +575,13 @@ class DynamicSparsity:
         for layer in self.layers.values():
             layer._content_registration()
 
-    def _distributed(self) -> bool:
-        """Whether several ranks change alike (``torch.distributed`` initialised, more than one in the group)."""
-        return (torch.distributed.is_available() and torch.distributed.is_initialized()
-                and torch.distributed.get_world_size(self.process_group) > 1)
-
     def _growth_scores(self, name: str, layer: BlockSparseLinear) -> np.ndarray:
         if self.criterion == "set":
             return self.generator.random(_index_of(layer).layout.shape)
         # Forwards whose output reached no loss (dy None) and overflowed ones (a step GradScaler skipped) are left out.
         entries = [(x, dy) for x, dy in self._captured.get(name, []) if dy is not None and bool(dy.isfinite().all())]
         captured = len(entries) > 0
-        if self._distributed():  # every rank raises alike, rather than some wait in a collective
+        if several_ranks(self.process_group):  # every rank raises alike, rather than some wait in a collective
             flag = torch.tensor(int(captured), device=_weight_of(layer).device)
             torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN, group=self.process_group)
             captured = bool(flag.item())
@@ -582,7 +590,7 @@ class DynamicSparsity:
                                f"{self.steps} (on some rank); each update needs a forward and backward through every "
                                f"layer")
         # Several ranks: the norms of the whole batch's xᵀ·dy, each rank's rows summed (RigL's dense gradient).
-        group = (self.process_group or torch.distributed.group.WORLD) if self._distributed() else None
+        group = (self.process_group or torch.distributed.group.WORLD) if several_ranks(self.process_group) else None
         if isinstance(layer, BlockSparseLSTM):  # entries of (h_in, x) and dz rows: dWh (and dWx)
             return _lstm().growth_scores(entries, layer, self.ord, group)
 
@@ -638,14 +646,13 @@ class DynamicSparsity:
         """Drop and regrow every layer now (the post-step hook calls it every ``every`` steps). Every layer's
         new layout is decided before any layer changes."""
         fraction = self.fraction(self.steps)
-        if self._distributed():
+        if several_ranks(self.process_group):
             self._check_ranks_agree()
         layouts = {name: self.decide(name, layer, fraction) for name, layer in self.layers.items()}
-        if self._distributed():
-            first = torch.distributed.get_global_rank(self.process_group or torch.distributed.group.WORLD, 0)
+        if several_ranks(self.process_group):
             for name, layer in self.layers.items():
                 shared = torch.as_tensor(layouts[name], device=_weight_of(layer).device)
-                torch.distributed.broadcast(shared, src=first, group=self.process_group)
+                broadcast_from_first(shared, self.process_group)
                 layouts[name] = shared.cpu().numpy()
         changes = {}
         for number, (name, layer) in enumerate(self.layers.items()):

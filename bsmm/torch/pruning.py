@@ -14,7 +14,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from bsmm.torch.dynamic import _check_choice, _slot_norms, _smallest, _whole, _write, NORMS, layers_of
+from bsmm.torch.dynamic import (NORMS, _check_choice, _slot_norms, _smallest, _whole, _write, broadcast_from_first,
+                                layers_of, several_ranks)
 from bsmm.torch.gates import layer_of_blocks
 from bsmm.torch.layers import BlockSparseLinear
 
@@ -137,9 +138,8 @@ class GradualPruning:
                 norms = np.where(open_now, _slot_norms(layer, self.ord).cpu().numpy(), np.inf)
                 new[_smallest(norms, count)] = False
             shared = torch.as_tensor(new, dtype=torch.float32, device=mask.device)
-            if self._distributed():
-                first = torch.distributed.get_global_rank(self.process_group or torch.distributed.group.WORLD, 0)
-                torch.distributed.broadcast(shared, src=first, group=self.process_group)
+            if several_ranks(self.process_group):
+                broadcast_from_first(shared, self.process_group)
             closing = (mask > 0) & (shared == 0)
             closed[name] = int(closing.sum())
             if closed[name]:
@@ -158,10 +158,6 @@ class GradualPruning:
             for tensor in tensors:
                 whole = _whole(tensor)
                 _write(tensor, whole.masked_fill(closing.to(whole.device).view(-1, *[1] * (whole.dim() - 1)), 0))
-
-    def _distributed(self) -> bool:
-        return (torch.distributed.is_available() and torch.distributed.is_initialized()
-                and torch.distributed.get_world_size(self.process_group) > 1)
 
     def compact(self, model: torch.nn.Module | None = None) -> dict[str, BlockSparseLinear]:
         """New layers of each layer's kept blocks (no gates; the same outputs), by layer name; with ``model``
