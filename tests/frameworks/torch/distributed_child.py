@@ -13,6 +13,8 @@ CPU (float32 on GPUs), and records the largest relative error of each output and
   FSDP2 gives is recorded.
 - ``dynamic/{ddp,fsdp}/...``: DynamicSparsity (RigL) under DDP and FSDP2, each rank's batch its own: the
   layouts and weights of every rank against rank 0's, and FSDP2's against DDP's.
+- ``pruning/...``: GradualPruning with each rank's weights scaled its own way: every rank's masks (rank 0's,
+  broadcast), each rank's own choice of the smallest norms, and whether the closed blocks' weights are 0.
 - ``sharded/...``: ShardedBlockSparseLinear, every split, input and output mode, feature axis, a
   layout whose cut leaves a part without blocks, cuts of unequal widths, an empty batch, no_grad,
   double backward (a gradient penalty), bf16 autocast, and a column-split layer feeding a
@@ -200,6 +202,30 @@ def check_dynamic_sparsity(record: Recorder, world: int, device, dtype, toleranc
         record.fact("dynamic/stale-rank-refused", "no error")
     except RuntimeError as error:
         record.fact("dynamic/stale-rank-refused", "layouts of layers ['0'] differ" in str(error))
+
+
+def check_gradual_pruning(record: Recorder, device, dtype) -> None:
+    """GradualPruning once to half the blocks, each rank's weights scaled block by block from a seed of its own,
+    so each rank's smallest norms differ: what every rank closes, and what it would have closed alone."""
+    model = _model(dtype, device, seed=11)
+    layers = [m for m in model.modules() if isinstance(m, bsmm.torch.BlockSparseLinear)]
+    generator = torch.Generator().manual_seed(100 + dist.get_rank())
+    own = []
+    with torch.no_grad():
+        for layer in layers:
+            scale = torch.rand(layer.op.blocks, generator=generator, dtype=torch.float64) * 1.5 + 0.5
+            layer.weight.mul_(scale.to(device, dtype).view(-1, 1, 1))
+            norms = layer.weight.double().flatten(1).norm(dim=1).cpu()
+            kept = torch.zeros(layer.op.blocks, dtype=torch.bool)
+            kept[norms.argsort(descending=True)[:max(1, round(0.5 * layer.op.blocks))]] = True
+            own.append(kept.tolist())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)  # (no gradients: the step only runs the pruning)
+    bsmm.torch.GradualPruning(model, optimizer, density=0.5, end=1, every=1)
+    optimizer.step()
+    record.fact("pruning/masks", [layer.gates.kept().cpu().tolist() for layer in layers])
+    record.fact("pruning/own-choice", own)
+    record.fact("pruning/closed-weights-zero",
+                all(not bool(layer.weight[~layer.gates.kept()].any()) for layer in layers))
 
 
 def _full(tensor):
@@ -456,6 +482,7 @@ def _rank_main(rank: int, world: int, backend: str, checks: str, port: int, out:
         if checks in ("all", "data"):
             check_data_parallel(record, world, device, dtype, tolerance)
             check_dynamic_sparsity(record, world, device, dtype, tolerance, backend)
+            check_gradual_pruning(record, device, dtype)
         if checks in ("all", "sharded"):
             check_sharded(record, device, dtype, tolerance)
         dist.barrier()

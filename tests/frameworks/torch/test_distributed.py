@@ -125,6 +125,20 @@ def test_dynamic_sparsity_keeps_ranks_identical(measured, wrapper):
             assert results["dynamic/fsdp-layouts-as-ddp"]["value"] is True, f"rank {rank}"
 
 
+def test_gradual_pruning_closes_rank_0s_blocks_on_every_rank(measured):
+    """GradualPruning with each rank's weights scaled its own way: rank 0 closes its own smallest norms, every
+    rank closes the same blocks (rank 0's masks, broadcast; another rank alone would have closed others) and
+    zeroes their weights."""
+    _data_parallel_or_skip(measured)
+    first = measured["0"]["pruning/masks"]["value"]
+    assert first == measured["0"]["pruning/own-choice"]["value"]
+    for rank, results in measured.items():
+        assert results["pruning/masks"]["value"] == first, f"rank {rank}"
+        assert results["pruning/closed-weights-zero"]["value"] is True, f"rank {rank}"
+        if rank != "0":
+            assert results["pruning/own-choice"]["value"] != first, f"rank {rank}: the check cannot tell the ranks apart"
+
+
 def test_dynamic_sparsity_refuses_ranks_whose_layouts_differ(measured):
     """A layout changed on one rank only, then DDP: the next update raises the same error on every rank."""
     _data_parallel_or_skip(measured)
