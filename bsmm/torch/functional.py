@@ -214,7 +214,6 @@ def blocksparse_matmul(x: torch.Tensor, w: torch.Tensor, op: BlocksparseMatMul, 
     torch.Size([3, 8, 8])
     """
     key, features_in, features_out, feature_axis, tf32 = _static_arguments(op)
-    cast, updat_gate = None, False
     if gate is not None:
         if not isinstance(gate, torch.Tensor):
             raise TypeError(f"gate must be a torch.Tensor or None; got {type(gate).__name__}")
@@ -224,7 +223,9 @@ def blocksparse_matmul(x: torch.Tensor, w: torch.Tensor, op: BlocksparseMatMul, 
         # The gradient of w ⊙ g at a closed block is the gate's there (⟨W, xᵀ·dy⟩): kept exact where g takes one.
         updat_gate = not (gate.requires_grad and torch.is_grad_enabled())
         w, cast = gated_weight_and_gate(w, gate)
-    return matmul_by_key(x, w, key, features_in, features_out, feature_axis, tf32, bias, activation, cast, updat_gate)
+        return matmul_by_key(x, w, key, features_in, features_out, feature_axis, tf32, bias, activation, cast,
+                             updat_gate)
+    return matmul_by_key(x, w, key, features_in, features_out, feature_axis, tf32, bias, activation)
 
 
 def conv_by_key(x, w, key: str, base: tuple, tf32: bool) -> torch.Tensor:

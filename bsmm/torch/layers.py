@@ -340,13 +340,15 @@ class BlockSparseLinear(_BlockSparseLayer):
         """x (..., C) -> (..., K), or (C, ...) -> (K, ...) with feature_axis=0."""
         # The bias (cast to the product's dtype) and the activation are added in the kernel; y is a
         # tensor of its own, never a view (FSDP2 warns about module outputs that are views).
-        weight, gate, updat_gate = self.weight, None, False
+        weight = self.weight
         if self.gates is not None:  # y = x·(g ⊙ W) + b, a gate a block (bsmm.torch.gates)
-            weight, gate = gated_weight_and_gate(weight, self.gates())
+            weight, cast = gated_weight_and_gate(weight, self.gates())
             # The kernels skip the closed blocks; dW's pass too where the gates' derivative is 0 there.
-            updat_gate = getattr(self.gates, "closed_gradient_is_zero", False)
+            return matmul_by_key(x, weight, self._key, self.in_features, self.out_features, self.feature_axis,
+                                 self.tf32, self.bias, self.activation, cast,
+                                 getattr(self.gates, "closed_gradient_is_zero", False))
         return matmul_by_key(x, weight, self._key, self.in_features, self.out_features, self.feature_axis,
-                             self.tf32, self.bias, self.activation, gate, updat_gate)
+                             self.tf32, self.bias, self.activation)
 
     def to_dense_weight(self) -> torch.Tensor:
         """Dense ``W`` (in_features, out_features), zero where blocks are absent; differentiable.
